@@ -1,0 +1,134 @@
+"""Every GRPO option in one documented place, checked before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+SCALES = ("group", "batch", "none")
+BASELINES = ("mean", "loo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class GRPOConfig:
+    """Options of the GRPO algorithm (defaults follow TRL's `GRPOConfig` where both have the option).
+
+    Sampling:
+        num_generations: completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300,
+            sec. 4.1.2). Default 8. Must be >= 2: advantages are relative to the group.
+        max_completion_length: new tokens per completion. Default 256.
+        max_prompt_length: prompt tokens kept; longer prompts are cut from the left. None keeps all.
+            Default 512.
+        truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
+            warning) or "error". Default "left".
+        temperature / top_p / top_k: sampling; top_k 0 disables it. Defaults 1.0 / 1.0 / 0. The same
+            temperature scales the logits of the log-probs, as the sampler saw them.
+
+    Advantages:
+        scale_rewards: "group" divides the centred reward by the group's std (GRPO), "batch" by the batch's
+            (Hu et al., REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
+            Default "group".
+        baseline: "mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740). Default "mean".
+        advantage_clip: clamp advantages to [-c, c]. Default None (no clipping).
+
+    Loss:
+        loss_type: "grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token
+            mean over the batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max),
+            arXiv:2503.20783), "cispo" (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
+            Default "dapo".
+        importance_sampling_level: "token" or "sequence" (GSPO, arXiv:2507.18071). Default "token".
+        epsilon: lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347). Default 0.2.
+        epsilon_high: upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the
+            ratio, e.g. 5.0). Default None = epsilon.
+        delta: cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291). Default None.
+        beta: weight of the KL penalty to the frozen reference; 0 loads no reference at all. Default 0.0
+            (as TRL and DAPO; DeepSeekMath used 0.04).
+        kl_estimator: "k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). Default "k3".
+        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy. Default 0.0.
+        num_iterations: optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With
+            mu > 1 the sampling-time log-probs are kept as the old policy's. Default 1.
+        mask_truncated_completions: drop completions that never stopped from the loss (DAPO sec. 3.4).
+            Default False.
+
+    Optimisation:
+        learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
+        weight_decay: AdamW weight decay. Default 0.0.
+        warmup_steps: linear warm-up optimizer steps, then constant. Default 0.
+        max_grad_norm: gradient clipping by global norm; None disables. Default 1.0.
+        micro_batch_size: sequences per forward/backward; the rollout of prompts x G sequences is split
+            and the gradients accumulated, with the loss normalised over the whole rollout. Default None
+            (all at once).
+        max_bad_steps: stop after this many consecutive steps whose loss is not finite (each is skipped).
+            Default 3.
+
+    Logging:
+        log_completions_every: steps between TensorBoard text panels of sample completions; 0 disables.
+            Default 50.
+    """
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    max_prompt_length: int | None = 512
+    truncate_prompts: str = "left"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    scale_rewards: str = "group"
+    baseline: str = "mean"
+    advantage_clip: float | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int | None = None
+    max_bad_steps: int = 3
+    log_completions_every: int = 50
+
+    def __post_init__(self) -> None:
+        def bad(option: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"GRPOConfig.{option}={value!r}: {rule}")
+
+        choices = {
+            "loss_type": LOSS_TYPES,
+            "scale_rewards": SCALES,
+            "baseline": BASELINES,
+            "kl_estimator": KL_ESTIMATORS,
+            "importance_sampling_level": ("token", "sequence"),
+            "truncate_prompts": ("left", "error"),
+        }
+        for option, allowed in choices.items():
+            if getattr(self, option) not in allowed:
+                raise bad(option, getattr(self, option), f"must be one of {', '.join(allowed)}")
+        if self.num_generations < 2:
+            raise bad("num_generations", self.num_generations, "must be >= 2 (advantages compare a group)")
+        if self.max_completion_length <= 0:
+            raise bad("max_completion_length", self.max_completion_length, "must be > 0")
+        if self.max_prompt_length is not None and self.max_prompt_length <= 0:
+            raise bad("max_prompt_length", self.max_prompt_length, "must be > 0 or None")
+        if self.epsilon <= 0:
+            raise bad("epsilon", self.epsilon, "must be > 0")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise bad("epsilon_high", self.epsilon_high, "must be > 0")
+        if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
+            raise bad("delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)")
+        if self.beta < 0:
+            raise bad("beta", self.beta, "must be >= 0")
+        if self.temperature <= 0:
+            raise bad("temperature", self.temperature, "must be > 0")
+        if self.num_iterations < 1:
+            raise bad("num_iterations", self.num_iterations, "must be >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise bad("micro_batch_size", self.micro_batch_size, "must be >= 1 or None")
+        if self.max_bad_steps < 1:
+            raise bad("max_bad_steps", self.max_bad_steps, "must be >= 1")

@@ -1,0 +1,110 @@
+"""Loading the policy and its tokenizer through transformers' own `from_pretrained`.
+
+Everything a user can point at works the same way: a hub id, a local `save_pretrained` folder, or a
+GGUF file (dequantised by transformers). Nothing here knows about Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class ModelOptions:
+    """How the policy is loaded.
+
+    Args:
+        gguf_file: file name of a GGUF checkpoint inside the model folder (or hub repo); transformers
+            dequantises it to `dtype`. Default None (a normal safetensors checkpoint).
+        dtype: "float32", "bfloat16", "float16" or "auto" (the checkpoint's). Default "float32": on CPU and
+            for small models fp32 is the safe choice; use "bfloat16" with `precision: bf16-true` on GPUs.
+        attn_implementation: "eager", "sdpa", "flash_attention_2", ... Default None (transformers picks).
+        gradient_checkpointing: recompute activations in backward to save memory. Default False.
+        trust_remote_code: passed to `from_pretrained`. Default False.
+    """
+
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+def _check_exists(name_or_path: str) -> None:
+    # A hub id is "name" or "org/name"; anything else that does not exist would otherwise fail later with a
+    # confusing hub lookup error.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+
+
+def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """Load a tokenizer ready for batched generation: left padding and a pad token."""
+    _check_exists(name_or_path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding keeps every prompt's last token at the same position, which batched `generate` needs."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTrainedModel:
+    """Load a causal LM with `AutoModelForCausalLM.from_pretrained`."""
+    options = options or ModelOptions()
+    _check_exists(name_or_path)
+    kwargs: dict = {"trust_remote_code": options.trust_remote_code}
+    kwargs["dtype"] = options.dtype if options.dtype == "auto" else getattr(torch, options.dtype)
+    if options.attn_implementation:
+        kwargs["attn_implementation"] = options.attn_implementation
+    if options.gguf_file:
+        kwargs["gguf_file"] = options.gguf_file
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+@dataclass
+class LoraOptions:
+    """LoRA through PEFT (Hu et al., arXiv:2106.09685). With LoRA and `beta > 0` the reference model is the
+    same weights with the adapter disabled: no second copy of the base model in memory.
+
+    Args:
+        r: rank. Default 16.
+        alpha: scaling numerator, the update is scaled by alpha / r. Default 32.
+        dropout: dropout on the LoRA branch. Default 0.0 (sampling and scoring see the same network).
+        target_modules: module names to adapt, or "all-linear". Default "all-linear".
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+
+
+def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:
+    """Wrap `model` in a PEFT LoRA model; a target module that the model lacks raises naming it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=options.r,
+        lora_alpha=options.alpha,
+        lora_dropout=options.dropout,
+        target_modules=options.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"LoraOptions.target_modules={options.target_modules!r} does not match this model "
+            f"({type(model).__name__}); its linear layers are named {names}. ({err})"
+        ) from None

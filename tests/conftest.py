@@ -1,0 +1,22 @@
+import json
+import os
+
+import pytest
+
+from grpo_lightning.tiny import save_tiny
+
+GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
+
+
+def gsm8k_rows(split: str = "train", limit: int | None = None) -> list[dict]:
+    with open(os.path.join(GSM8K_DIR, f"{split}.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return rows[:limit]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random 2-layer Llama and a BPE tokenizer trained on GSM8K text, saved with save_pretrained."""
+    rows = gsm8k_rows("train", 2000)
+    texts = [r["question"] + "\n" + r["answer"] for r in rows]
+    return save_tiny(str(tmp_path_factory.mktemp("tiny")), texts, tokenizer_vocab=400)
