@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -67,7 +67,8 @@ def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTra
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
     if options.gguf_file:
-        kwargs["gguf_file"] = options.gguf_file
+        # Dense weights: GGUF blocks are for inference kernels, and neither train nor save_pretrained.
+        kwargs.update(gguf_file=options.gguf_file, quantization_config=GgufConfig(dequantize=True))
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 

@@ -52,15 +52,15 @@ class GRPOModule(L.LightningModule):
         tokenizer: str | PreTrainedTokenizerBase | None = None,
         reward_funcs: list[Callable] | None = None,
         reward_weights: list[float] | None = None,
-        grpo: GRPOConfig | None = None,
-        model_options: ModelOptions | None = None,
+        grpo: GRPOConfig = GRPOConfig(),
+        model_options: ModelOptions = ModelOptions(),
         lora: LoraOptions | None = None,
         num_generations_eval: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs"])
-        self.grpo = grpo or GRPOConfig()
-        self.model_options = model_options or ModelOptions()
+        self.grpo = grpo
+        self.model_options = model_options
         self.lora = lora
         self.reward_funcs = list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
         if not self.reward_funcs:
@@ -108,6 +108,7 @@ class GRPOModule(L.LightningModule):
         if self.reference is not None:
             self.reference.requires_grad_(False).eval()
         self.policy.config.use_cache = True
+        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps the modes it finds
 
     def train(self, mode: bool = True) -> GRPOModule:
         super().train(mode)

@@ -1,0 +1,271 @@
+"""GRPO advantages, KL penalties and clipped policy-gradient losses.
+
+Pure tensor maths (only ``torch``): nothing here knows about models, tokenizers or Lightning. The numbers
+match TRL 1.16's ``GRPOTrainer`` for a single process without gradient accumulation, with two additions:
+the loss denominators can be set to batch-wide totals so that micro-batches sum to the full-batch loss,
+and the log-ratios are clamped before every ``exp`` so that no ``inf`` or ``NaN`` can appear.
+
+References:
+    - GRPO: Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3.
+    - DAPO (clip-higher, token-level normalisation): Yu et al., arXiv:2503.14476.
+    - Dr. GRPO (no std scaling, constant normaliser): Liu et al., arXiv:2503.20783.
+    - GSPO (sequence-level importance ratio): Zheng et al., arXiv:2507.18071.
+    - CISPO (clipped, detached importance weights): MiniMax-M1, arXiv:2506.13585.
+    - Two-sided clipping ``delta``: INTELLECT-2, arXiv:2505.07291.
+    - KL estimators k1/k2/k3: J. Schulman, "Approximating KL divergence", 2020.
+    - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
+"""
+
+import torch
+from torch import Tensor
+
+SCALES = ("group", "batch", "none")
+BASELINES = ("mean", "loo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+STD_EPS = 1e-4  # added to the reward std before dividing, as in TRL
+MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
+
+
+def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"Invalid {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: str = "group",
+    baseline: str = "mean",
+    clip: float | None = None,
+) -> Tensor:
+    """Group-relative advantages, one per completion (DeepSeekMath arXiv:2402.03300, section 4.1.2).
+
+    Args:
+        rewards: ``[N * G]`` scalar rewards, the ``G = group_size`` completions of each prompt contiguous.
+        group_size: completions per prompt, at least 2.
+        scale: ``"group"`` divides by the group's reward std (GRPO), ``"batch"`` by the std of all rewards,
+            ``"none"`` only centres (Dr. GRPO, arXiv:2503.20783). Stds are unbiased and get ``1e-4`` added.
+        baseline: ``"mean"`` subtracts the group mean (GRPO); ``"loo"`` subtracts the mean of the other
+            ``G - 1`` rewards of the group (RLOO, arXiv:2402.14740), i.e. ``G / (G - 1) * (r_i - mean)``.
+        clip: if given, advantages are clamped to ``[-clip, clip]``.
+
+    Returns:
+        ``[N * G]`` advantages. A group whose rewards are all equal gets exactly 0.
+    """
+    _check_option("scale", scale, SCALES)
+    _check_option("baseline", baseline, BASELINES)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N * group_size], got shape {tuple(rewards.shape)}.")
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2, got {group_size}.")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards.numel()={rewards.numel()} is not divisible by group_size={group_size}.")
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"rewards contain non-finite values: {rewards.tolist()}.")
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip must be positive, got {clip}.")
+
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    grouped = rewards.view(-1, group_size)  # [N, G]
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [N, G]
+    if baseline == "loo":
+        advantages = advantages * (group_size / (group_size - 1))
+    if scale == "group":
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + STD_EPS)  # [N, G] / [N, 1]
+    elif scale == "batch":
+        advantages = advantages / (rewards.std() + STD_EPS)
+
+    # Rounding in the mean can leave tiny non-zero values in a constant group: force them to 0.
+    constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [N, 1]
+    advantages = advantages.masked_fill(constant_group, 0.0)  # [N, G]
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    return advantages.reshape(-1)  # [N * G]
+
+
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", max_log_ratio: float = 20.0
+) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+
+    Estimators from J. Schulman, "Approximating KL divergence" (2020).
+
+    With ``r = pi_ref / pi`` (``log r`` clamped to ``[-max_log_ratio, max_log_ratio]``):
+    ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - log r - 1`` (the estimator of DeepSeekMath eq. 4).
+
+    Args:
+        logprobs: ``[B, T]`` log-probabilities of the sampled tokens under the policy.
+        ref_logprobs: ``[B, T]`` log-probabilities of the same tokens under the reference model.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        max_log_ratio: bound on ``|log r|`` applied before any ``exp``.
+
+    Returns:
+        ``[B, T]`` per-token KL estimates (padding positions are not masked).
+    """
+    _check_option("estimator", estimator, KL_ESTIMATORS)
+    log_ratio = (ref_logprobs - logprobs).clamp(-max_log_ratio, max_log_ratio)  # [B, T]
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``values`` where ``mask`` is true; padding never contributes, even if it holds inf/NaN."""
+    masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return masked.sum() if dim is None else masked.sum(dim)
+
+
+def _denominator(value: float | Tensor, like: Tensor) -> Tensor:
+    """``value`` as a 0-d tensor matching ``like``, clamped to at least 1 so that empty batches give 0."""
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1.0)
+
+
+def _stat_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Detached logging mean: masked token mean of ``[B, T]``, plain mean over rows of ``[B, 1]`` (as TRL)."""
+    values = values.detach().float()
+    if values.shape[-1] == 1:
+        return values.sum() / max(values.shape[0], 1)
+    return _masked_sum(values, mask) / mask.sum().clamp(min=1)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    max_completion_length: int | None = None,
+    entropies: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    total_tokens: float | Tensor | None = None,
+    total_sequences: int | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
+
+    Per token, with importance ratio ``rho = pi / pi_old`` and advantage ``A`` (DeepSeekMath eq. 3)::
+
+        l = -min(rho * A, clamp(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
+
+    ``epsilon_high > epsilon`` is DAPO's clip-higher (arXiv:2503.14476). ``delta`` additionally caps ``rho``
+    in the unclipped branch (two-sided clipping, INTELLECT-2 arXiv:2505.07291). With
+    ``importance_sampling_level="sequence"``, ``rho`` is the exp of the sequence's mean token log-ratio
+    (GSPO, arXiv:2507.18071). ``loss_type="cispo"`` replaces the surrogate by
+    ``l = -sg(min(rho, epsilon_high)) * A * log pi`` (MiniMax-M1, arXiv:2506.13585); as in TRL,
+    ``epsilon_high`` is then the raw upper bound of the ratio (e.g. 5.0), not an offset from 1.
+
+    Aggregation over the masked tokens:
+        - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
+        - ``bnpo``, ``dapo``, ``cispo``: token sum / number of tokens.
+        - ``dr_grpo``: token sum / (number of sequences * ``max_completion_length``) (arXiv:2503.20783).
+
+    When a batch is split into micro-batches (or across devices), pass the full batch's ``total_tokens``
+    (replaces the local token count) and ``total_sequences`` (replaces the local ``B``): the micro-batch
+    losses then sum to the full-batch loss. The defaults use the local counts, as TRL.
+
+    The entropy bonus subtracts ``entropy_coef`` times the masked token mean of ``entropies`` (its token
+    count is ``total_tokens`` when given).
+
+    Args:
+        logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
+        advantages: ``[B]`` or ``[B, T]``.
+        mask: ``[B, T]``, non-zero for real completion tokens, 0 for padding (bool, int or float).
+        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
+        ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when ``beta != 0``.
+        loss_type: one of ``"grpo"``, ``"bnpo"``, ``"dapo"``, ``"dr_grpo"``, ``"cispo"``.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        epsilon: lower clipping range.
+        epsilon_high: upper clipping range, defaults to ``epsilon``.
+        delta: optional cap on the ratio in the unclipped branch (should exceed ``1 + epsilon_high``).
+        beta: KL coefficient.
+        max_completion_length: required for ``dr_grpo``.
+        entropies: ``[B, T]`` per-token entropies; required when ``entropy_coef != 0``.
+        entropy_coef: entropy bonus coefficient.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`).
+        total_tokens: global number of masked tokens (float or 0-d tensor).
+        total_sequences: global number of sequences (int or 0-d tensor).
+
+    Returns:
+        ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
+        ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and ``clip_ratio/region_mean``.
+        Stats are local masked token means (for a sequence-level ratio, clip fractions are means over
+        sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
+        ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
+    """
+    _check_option("loss_type", loss_type, LOSS_TYPES)
+    _check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    _check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
+    if entropy_coef != 0.0 and entropies is None:
+        raise ValueError(f"entropies are required when entropy_coef != 0 (entropy_coef={entropy_coef}).")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("max_completion_length is required when loss_type='dr_grpo'.")
+
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.bool()  # [B, T]
+    token_counts = mask.sum(-1).clamp(min=1).to(logprobs.dtype)  # [B]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1]
+    advantages = advantages.to(logprobs.dtype)  # [B, 1] or [B, T]
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    if importance_sampling_level == "sequence":
+        log_ratio = (_masked_sum(log_ratio, mask, dim=-1) / token_counts).unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] or [B, 1]
+
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs  # [B, T]
+        is_low_clipped = torch.zeros_like(ratio, dtype=torch.bool)
+        is_high_clipped = (ratio > epsilon_high) & (advantages > 0)
+    else:
+        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token_loss = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)  # [B, T|1]
+        is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
+        is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
+
+    per_token_kl = None
+    if ref_logprobs is not None:
+        per_token_kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # [B, T]
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl  # [B, T]
+
+    num_tokens = _denominator(mask.sum() if total_tokens is None else total_tokens, logprobs)
+    num_sequences = _denominator(logprobs.shape[0] if total_sequences is None else total_sequences, logprobs)
+    if loss_type == "grpo":
+        sequence_means = _masked_sum(per_token_loss, mask, dim=-1) / token_counts  # [B]
+        policy_loss = sequence_means.sum() / num_sequences
+    elif loss_type == "dr_grpo":
+        policy_loss = _masked_sum(per_token_loss, mask) / (num_sequences * max_completion_length)
+    else:
+        policy_loss = _masked_sum(per_token_loss, mask) / num_tokens
+
+    loss = policy_loss
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * _masked_sum(entropies, mask) / num_tokens
+
+    zero = torch.zeros((), device=logprobs.device)
+    stats = {
+        "policy_loss": policy_loss.detach(),
+        "kl": zero if per_token_kl is None else _stat_mean(per_token_kl, mask),
+        "entropy": zero if entropies is None else _stat_mean(entropies, mask),
+        "clip_ratio/low_mean": _stat_mean(is_low_clipped, mask),
+        "clip_ratio/high_mean": _stat_mean(is_high_clipped, mask),
+        "clip_ratio/region_mean": _stat_mean(is_low_clipped | is_high_clipped, mask),
+    }
+    return loss, stats
