@@ -20,3 +20,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
     rows = gsm8k_rows("train", 2000)
     texts = [r["question"] + "\n" + r["answer"] for r in rows]
     return save_tiny(str(tmp_path_factory.mktemp("tiny")), texts, tokenizer_vocab=400)
+
+
+def digit_reward(completions: list[str], **kwargs) -> list[float]:
+    """A dense reward for random-weight models (which never solve anything): the share of digit characters."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
