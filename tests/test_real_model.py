@@ -1,0 +1,54 @@
+"""One GRPO step of the real SmolLM2-135M-Instruct (from the PyPI package, no hub) on a GSM8K prompt."""
+
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.smollm2 import DEFAULT_DIR, export_smollm2
+from tests.conftest import GSM8K_DIR
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    return export_smollm2(os.path.join(ROOT, DEFAULT_DIR))
+
+
+def test_chat_template_prompt(smollm2_dir):
+    module = GRPOModule(smollm2_dir)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    ids, mask = module.encode_prompts([prompt])
+    text = module.tokenizer.decode(ids[0][mask[0].bool()])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert module.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_one_grpo_step_on_smollm2(smollm2_dir):
+    torch.manual_seed(0)
+    module = GRPOModule(
+        smollm2_dir,
+        grpo=GRPOConfig(num_generations=2, max_completion_length=16, learning_rate=1e-5, beta=0.04),
+    )
+    data = GSM8KDataModule(source=GSM8K_DIR, batch_size=1, val_size=1, train_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    before = module.policy  # loaded lazily
+    assert before is None
+    trainer.fit(module, data)
+    m = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    for key in ["train/reward", "train/kl", "train/entropy", "train/grad_norm", "train/completion_length"]:
+        assert math.isfinite(m[key]), key
+    assert 1 <= m["train/completion_length"] <= 16
+    assert m["train/kl"] == pytest.approx(0.0, abs=1e-6)  # on-policy first step: the policy is the reference
+    assert 0.5 < m["train/entropy"] < 10.0  # a trained LM: neither uniform over 49k tokens (10.8) nor collapsed
+    assert 0.0 <= m["train/rewards/accuracy_reward"] <= 1.0
