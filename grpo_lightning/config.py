@@ -18,12 +18,23 @@ class GRPOConfig:
         num_generations: completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300,
             sec. 4.1.2). Default 8. Must be >= 2: advantages are relative to the group.
         max_completion_length: new tokens per completion. Default 256.
+        min_completion_length: EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`);
+            equal to `max_completion_length` it fixes the length, as benchmarks need. Default 0.
         max_prompt_length: prompt tokens kept; longer prompts are cut from the left. None keeps all.
             Default 512.
         truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
             warning) or "error". Default "left".
         temperature / top_p / top_k: sampling; top_k 0 disables it. Defaults 1.0 / 1.0 / 0. The same
             temperature scales the logits of the log-probs, as the sampler saw them.
+        dynamic_sampling: drop the groups whose completions all got the same reward (they carry no
+            gradient) and sample the next batches' prompts until an update has one informative group per
+            prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer
+            step, so `max_steps` still counts updates. Logs `train/dynamic_sampling/frac_dropped` and
+            `train/dynamic_sampling/extra_rounds`. Judged on the reward functions' total, before any KL in
+            the reward. Default False.
+        dynamic_sampling_max_rounds: extra generation rounds an update may wait for; after them it is
+            topped up with uninformative groups (verl's DAPO recipe stops with an error after 10 rounds,
+            `max_num_gen_batches=10`). Default 9.
 
     Advantages:
         scale_rewards: "group" divides the centred reward by the group's std (GRPO), "batch" by the batch's
@@ -31,6 +42,11 @@ class GRPOConfig:
             Default "group".
         baseline: "mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740). Default "mean".
         advantage_clip: clamp advantages to [-c, c]. Default None (no clipping).
+        step_credit: token-level credit for wrong steps: each generated token that writes part of an
+            arithmetic claim that does not verify (`grpo_lightning.steps`, e.g. "3 + 4 = 8") gets this
+            much subtracted from its completion's outcome advantage, making the advantages [B, T]
+            (process supervision at the step, as Lightman et al. arXiv:2305.20050 and Math-Shepherd
+            arXiv:2312.08935 assign it, from a verifier instead of a learned reward model). Default 0.0 (off).
 
     Loss:
         loss_type: "grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token
@@ -45,6 +61,11 @@ class GRPOConfig:
         beta: weight of the KL penalty to the frozen reference; 0 loads no reference at all. Default 0.0
             (as TRL and DAPO; DeepSeekMath used 0.04).
         kl_estimator: "k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). Default "k3".
+        use_kl_in_reward: put the KL in the reward instead of the loss, as verl's
+            `algorithm.use_kl_in_reward`: reward_i -= beta * sum over the completion's tokens of the
+            `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then
+            has no KL term. Needs beta > 0. verl pairs it with k1 (`algorithm.kl_penalty: kl`): set
+            kl_estimator "k1" to match. Default False.
         entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy. Default 0.0.
         num_iterations: optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With
             mu > 1 the sampling-time log-probs are kept as the old policy's. Default 1.
@@ -65,18 +86,25 @@ class GRPOConfig:
     Logging:
         log_completions_every: steps between TensorBoard text panels of sample completions; 0 disables.
             Default 50.
+        preflight: before the first step, sample a few completions and report the effective batch, the
+            share cut off by `max_completion_length`, the reward audit and LoRA's input gradients in one
+            block (`grpo_lightning.preflight`). Default True.
     """
 
     num_generations: int = 8
     max_completion_length: int = 256
+    min_completion_length: int = 0
     max_prompt_length: int | None = 512
     truncate_prompts: str = "left"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 9
     scale_rewards: str = "group"
     baseline: str = "mean"
     advantage_clip: float | None = None
+    step_credit: float = 0.0
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     epsilon: float = 0.2
@@ -84,6 +112,7 @@ class GRPOConfig:
     delta: float | None = None
     beta: float = 0.0
     kl_estimator: str = "k3"
+    use_kl_in_reward: bool = False
     entropy_coef: float = 0.0
     num_iterations: int = 1
     mask_truncated_completions: bool = False
@@ -94,6 +123,7 @@ class GRPOConfig:
     micro_batch_size: int | None = None
     max_bad_steps: int = 3
     log_completions_every: int = 50
+    preflight: bool = True
 
     def __post_init__(self) -> None:
         def bad(option: str, value: object, rule: str) -> ValueError:
@@ -112,8 +142,12 @@ class GRPOConfig:
                 raise bad(option, getattr(self, option), f"must be one of {', '.join(allowed)}")
         if self.num_generations < 2:
             raise bad("num_generations", self.num_generations, "must be >= 2 (advantages compare a group)")
-        if self.max_completion_length <= 0:
+        if self.max_completion_length is None or self.max_completion_length <= 0:
+            # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
             raise bad("max_completion_length", self.max_completion_length, "must be > 0")
+        if not 0 <= self.min_completion_length <= self.max_completion_length:
+            rule = "must be >= 0 and <= max_completion_length"
+            raise bad("min_completion_length", self.min_completion_length, rule)
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise bad("max_prompt_length", self.max_prompt_length, "must be > 0 or None")
         if self.epsilon <= 0:
@@ -124,6 +158,12 @@ class GRPOConfig:
             raise bad("delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)")
         if self.beta < 0:
             raise bad("beta", self.beta, "must be >= 0")
+        if self.use_kl_in_reward and self.beta == 0:
+            raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise bad("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, "must be >= 0")
+        if self.step_credit < 0:
+            raise bad("step_credit", self.step_credit, "must be >= 0 (it is subtracted from the advantage)")
         if self.temperature <= 0:
             raise bad("temperature", self.temperature, "must be > 0")
         if self.num_iterations < 1:

@@ -11,13 +11,16 @@ import functools
 import json
 import os
 import random
+import warnings
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 
+from grpo_lightning.resume import ResumableSampler
+
 DEFAULT_SYSTEM_PROMPT = (
-    "Solve the math problem step by step. "
-    "On the last line, write only the final answer as '#### <number>'."
+    "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."
 )
 
 Row = dict[str, str]
@@ -57,7 +60,9 @@ def check_row(row: object, where: str, question_field: str = "question", answer_
             raise ValueError(f"{where}: field {field!r} is empty or not a string")
     answer = row[answer_field]
     if "####" not in answer or not answer.rsplit("####", 1)[1].strip():
-        raise ValueError(f"{where}: field {answer_field!r} has no final '#### <number>' line: {answer[-80:]!r}")
+        raise ValueError(
+            f"{where}: field {answer_field!r} has no final '#### <number>' line: {answer[-80:]!r}"
+        )
     out = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
     out.update(question=row[question_field], answer=answer)
     return out
@@ -90,9 +95,9 @@ def arithmetic_problems(count: int, seed: int = 0) -> list[Row]:
             steps, result = f"{a} * {b} = <<{a}*{b}={a * b}>>{a * b}", a * b
         else:
             c = rng.randint(1, min(a, b))
-            q = (f"{name} has {a} {thing}, finds {b} more, then loses {c}. "
-                 f"How many {thing} does {name} have?")
-            steps = f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n{a + b} - {c} = <<{a + b}-{c}={a + b - c}>>{a + b - c}"
+            q = f"{name} has {a} {thing}, finds {b} more, then loses {c}. How many {thing} does {name} have?"
+            s = a + b
+            steps = f"{a} + {b} = <<{a}+{b}={s}>>{s}\n{s} - {c} = <<{s}-{c}={s - c}>>{s - c}"
             result = a + b - c
         rows.append({"question": q, "answer": f"{steps}\n#### {result}"})
     return rows
@@ -149,10 +154,13 @@ class GSM8KDataModule(L.LightningDataModule):
         if val_split not in ("holdout", "test"):
             raise ValueError(f"val_split must be 'holdout' or 'test', got {val_split!r}")
         if batch_size < 1 or val_batch_size < 1:
-            raise ValueError(f"batch_size and val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
+            raise ValueError(
+                f"batch_size and val_batch_size must be >= 1, got {batch_size}, {val_batch_size}"
+            )
         self.save_hyperparameters()
         self.train_rows: list[Row] = []
         self.val_rows: list[Row] = []
+        self._resume_at: dict[str, int] | None = None  # from a checkpoint, for the next train_dataloader()
 
     def _read_split(self, split: str) -> list[Row]:
         hp = self.hparams
@@ -176,7 +184,9 @@ class GSM8KDataModule(L.LightningDataModule):
             train = arithmetic_problems(hp.arithmetic_size, seed=hp.seed)
             seen = {row["question"] for row in train}
             # Held-out problems come from another seed, minus any that the training set happens to contain.
-            self.val_rows = [r for r in arithmetic_problems(2 * hp.val_size, hp.seed + 1) if r["question"] not in seen]
+            self.val_rows = [
+                r for r in arithmetic_problems(2 * hp.val_size, hp.seed + 1) if r["question"] not in seen
+            ]
             self.val_rows = self.val_rows[: hp.val_size]
             self.train_rows = train[: hp.train_size]
             return
@@ -191,14 +201,50 @@ class GSM8KDataModule(L.LightningDataModule):
         if hp.val_split == "test":
             self.val_rows = self._read_split("test")[: hp.val_size]
 
-    def _loader(self, rows: list[Row], batch_size: int, shuffle: bool) -> DataLoader:
+    def _loader(self, rows: list[Row], batch_size: int, sampler: ResumableSampler | None) -> DataLoader:
         collate = functools.partial(collate_rows, system_prompt=self.hparams.system_prompt)
+        # Its own generator: the loader's per-pass seed never draws from the global RNG that sampling uses.
         return DataLoader(
-            rows, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, num_workers=self.hparams.num_workers
+            rows,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=self.hparams.num_workers,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_rows, self.hparams.batch_size, shuffle=True)
+        hp = self.hparams
+        sampler = ResumableSampler(len(self.train_rows), seed=hp.seed, shuffle=True)
+        if self._resume_at is not None:
+            sampler.resume(self._resume_at["epoch"], self._resume_at["batches_done"] * hp.batch_size)
+            self._resume_at = None
+        return self._loader(self.train_rows, hp.batch_size, sampler)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the training stream stands: an epoch and how many of its batches have been trained on.
+
+        Lightning stores this in every checkpoint and hands it to `load_state_dict` on resume, so that the
+        resumed run continues with the batch the interrupted one would have taken next.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        # The epoch whose batches `batch_progress` counts: the one started last (it stays counted after it
+        # ends, until the next one starts).
+        epoch = max(trainer.fit_loop.epoch_progress.current.started - 1, 0)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= trainer.num_training_batches:  # that epoch is over: the next one starts from its beginning
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches_done": done}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if not state_dict:
+            return
+        self._resume_at = dict(state_dict)
+        # Lightning warns that a mid-epoch resume repeats data unless the loader itself holds a state; here
+        # the data module holds it, and the sampler resumes where the checkpoint left off.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_rows, self.hparams.val_batch_size, shuffle=False)
+        return self._loader(self.val_rows, self.hparams.val_batch_size, sampler=None)

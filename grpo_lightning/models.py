@@ -10,7 +10,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 @dataclass
@@ -104,7 +110,9 @@ def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:
     try:
         return get_peft_model(model, config)
     except ValueError as err:
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
         raise ValueError(
             f"LoraOptions.target_modules={options.target_modules!r} does not match this model "
             f"({type(model).__name__}); its linear layers are named {names}. ({err})"

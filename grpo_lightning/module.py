@@ -14,15 +14,40 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.callbacks import CollapseMonitor, CompletionsPanel, RolloutRecord, stop_token_ids
 from grpo_lightning.config import GRPOConfig
+from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_credit_penalties
+from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.distributed import (
+    call_in_root_forward,
+    gathered_for_generation,
+    is_sharded,
+    mixed_precision_policy,
+    shard_model,
+)
 from grpo_lightning.loss import group_advantages, grpo_loss
 from grpo_lightning.metrics import GSM8KAccuracy
-from grpo_lightning.models import LoraOptions, ModelOptions, apply_lora, load_model, load_tokenizer, prepare_tokenizer
+from grpo_lightning.models import (
+    LoraOptions,
+    ModelOptions,
+    apply_lora,
+    load_model,
+    load_tokenizer,
+    prepare_tokenizer,
+)
+from grpo_lightning.preflight import Preflight
+from grpo_lightning.resume import (
+    InterruptCheckpoint,
+    capture_rng_states,
+    register_safe_globals,
+    restore_rng_states,
+)
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions
 from grpo_lightning.scoring import score_completions
 
 REFERENCE_PREFIX = "reference."
+register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
 
 class GRPOModule(L.LightningModule):
@@ -62,12 +87,16 @@ class GRPOModule(L.LightningModule):
         self.grpo = grpo
         self.model_options = model_options
         self.lora = lora
-        self.reward_funcs = list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
+        self.reward_funcs = (
+            list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
+        )
         if not self.reward_funcs:
             raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
         weights = reward_weights if reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs")
+            raise ValueError(
+                f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs"
+            )
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         if num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
@@ -86,14 +115,32 @@ class GRPOModule(L.LightningModule):
         self.val_accuracy = GSM8KAccuracy(k=num_generations_eval)
         self.automatic_optimization = False
         self._bad_steps = 0
+        self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
+        self.group_buffer = GroupBuffer(grpo.dynamic_sampling_max_rounds)  # dynamic sampling's waiting groups
+        self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
+        self._rng_outside_validation: dict | None = None
 
     # ----------------------------------------------------------------------------------------- models
+    def setup(self, stage: str) -> None:
+        # GSM8KDataModule always builds chat prompts: a tokenizer without a template fails here, after the
+        # data module checked its files but before any weights load, instead of at the first step.
+        if isinstance(self.trainer.datamodule, GSM8KDataModule):
+            self.check_chat_template()
+
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
         # load, and lets sharding strategies wrap the model; the guard makes a second call a no-op.
         if self.policy is None:
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
+        mesh = self.device_mesh  # set by ModelParallelStrategy only: FSDP2 sharding
+        if mesh is not None and not is_sharded(self.policy):
+            if mesh["tensor_parallel"].size() != 1:
+                raise ValueError("GRPOModule shards with FSDP2 only: set tensor_parallel_size=1")
+            mp_policy = mixed_precision_policy(self.trainer.precision)
+            for model in (self.policy, self.reference):  # the reference is sharded too, never gathered whole
+                if model is not None:
+                    shard_model(model, mesh["data_parallel"], mp_policy)
 
     def _prepare_models(self) -> None:
         opts = self.model_options
@@ -125,34 +172,74 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         cfg = self.grpo
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
+        # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         warmup = max(1, cfg.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return [optimizer], [scheduler]
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the
+        # same type, so one that the Trainer's config already holds is kept as configured instead.
+        # The reward audit is part of the pre-flight block (RewardAuditCallback stays for other modules).
+        defaults = [CollapseMonitor(), InterruptCheckpoint()]
+        if self.grpo.log_completions_every > 0:
+            defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
+        if self.grpo.preflight:
+            defaults.append(Preflight())
+        configured = {type(c) for c in self.trainer.callbacks}
+        return [c for c in defaults if type(c) not in configured]
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # What Lightning does not store, for an exact resume: the generators that sampling draws from, the
+        # count of consecutive non-finite steps and dynamic sampling's waiting groups (all but its option).
+        # The data position is the data module's state.
+        buffer = {k: v for k, v in vars(self.group_buffer).items() if k != "max_extra_rounds"}
+        rng = capture_rng_states()
+        checkpoint["grpo_state"] = {"rng": rng, "bad_steps": self._bad_steps, "group_buffer": buffer}
         # The reference never changes: it is rebuilt from the policy's source, not stored a second time.
+        # Sharded checkpoints keep it: the strategy loads them in place and checks every key.
+        if is_sharded(self.policy):
+            return
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(REFERENCE_PREFIX)]:
             del state[key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.reference is not None:
+        if self.reference is not None and "state_dict" in checkpoint:  # a sharded one was loaded in place
             for key, value in self.reference.state_dict().items():
                 checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)
+        if "grpo_state" in checkpoint:
+            self._bad_steps = checkpoint["grpo_state"]["bad_steps"]
+            self._rng_to_restore = checkpoint["grpo_state"]["rng"]
+            vars(self.group_buffer).update(checkpoint["grpo_state"]["group_buffer"])
+
+    def on_train_start(self) -> None:
+        # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
+        if self._rng_to_restore is not None:
+            restore_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
 
     # ----------------------------------------------------------------------------------------- rollout
-    def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
-        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
-        tok = self.tokenizer
-        conversational = isinstance(prompts[0], list)
-        if conversational and not tok.chat_template:
+    def check_chat_template(self) -> None:
+        if not self.tokenizer.chat_template:
             raise ValueError(
                 "the tokenizer has no chat template but the prompts are chat messages: set "
                 "`tokenizer.chat_template` (e.g. copy the instruct model's), or use plain-text prompts"
             )
-        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts] \
-            if conversational else list(prompts)
+
+    def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
+        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
+        tok = self.tokenizer
+        conversational = isinstance(prompts[0], list)
+        if conversational:
+            self.check_chat_template()
+        texts = (
+            [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+            if conversational
+            else list(prompts)
+        )
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not conversational)
         ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
         limit = self.grpo.max_prompt_length
@@ -160,38 +247,46 @@ class GRPOModule(L.LightningModule):
             longest = int(mask.sum(1).max())
             if self.grpo.truncate_prompts == "error":
                 raise ValueError(f"a prompt has {longest} tokens, over max_prompt_length={limit}")
-            warnings.warn(f"prompt of {longest} tokens cut from the left to max_prompt_length={limit}", stacklevel=2)
-            ids, mask = ids[:, -limit:], mask[:, -limit:]  # left padding: the last `limit` columns hold the ends
+            warnings.warn(
+                f"prompt of {longest} tokens cut from the left to max_prompt_length={limit}", stacklevel=2
+            )
+            ids, mask = (
+                ids[:, -limit:],
+                mask[:, -limit:],
+            )  # left padding: the last `limit` columns hold the ends
         return ids, mask
 
     def eos_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        config_eos = self.policy.generation_config.eos_token_id
-        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-        return sorted(i for i in ids if i is not None)
+        return stop_token_ids(self.policy, self.tokenizer)
 
-    def sample(self, prompts: list, num_generations: int, do_sample: bool = True) -> tuple[Rollout, list[str]]:
+    def sample(
+        self, prompts: list, num_generations: int, do_sample: bool = True
+    ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
         cfg = self.grpo
         ids, mask = self.encode_prompts(prompts)
-        rollout = generate_completions(
-            self.policy,
-            ids,
-            mask,
-            num_generations=num_generations,
-            max_new_tokens=cfg.max_completion_length,
-            eos_token_ids=self.eos_token_ids(),
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            do_sample=do_sample,
-        )
+        with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
+            rollout = generate_completions(
+                self.policy,
+                ids,
+                mask,
+                num_generations=num_generations,
+                max_new_tokens=cfg.max_completion_length,
+                min_new_tokens=cfg.min_completion_length,
+                eos_token_ids=self.eos_token_ids(),
+                pad_token_id=self.tokenizer.pad_token_id,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                do_sample=do_sample,
+            )
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return rollout, completions
 
     def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
-        return completion_logprobs(
+        return call_in_root_forward(  # sharded: the root's FSDP hooks gather the embeddings and LM head
+            model,
+            completion_logprobs,
             model,
             rollout.input_ids[rows],
             rollout.attention_mask[rows],
@@ -211,19 +306,31 @@ class GRPOModule(L.LightningModule):
         return torch.cat([self.logprobs(model, rollout, r)[0] for r in rows])  # [B, T]
 
     # ----------------------------------------------------------------------------------------- training
-    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         cfg, G = self.grpo, self.grpo.num_generations
         start = time.perf_counter()
         rollout, completions = self.sample(batch["prompt"], G)
         generate_seconds = time.perf_counter() - start
+        self._check_rollout(rollout, completions)
 
         columns = {key: [v for v in values for _ in range(G)] for key, values in batch.items()}
-        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        completion_ids = [
+            ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+        ]
         rewards_per_func = score_completions(
             self.reward_funcs, completions, completion_ids=completion_ids, **columns
         ).to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)  # [B]
+        prompts, extra = batch["prompt"], {}  # extra: metrics of the options below, logged with the loss's
+        if cfg.dynamic_sampling:
+            scored = ScoredGroups(prompts, rollout, completions, rewards_per_func, rewards, G)
+            filled = self._dynamic_sampling(scored)
+            if filled is None:
+                self.last_rollout = None  # no update on this batch: nothing new for the callbacks
+                return None
+            groups, extra = filled
+            prompts, rollout, completions = groups.prompts, groups.rollout, groups.completions
+            rewards_per_func, rewards = groups.rewards_per_func, groups.rewards
 
         mask = rollout.completion_mask.float()  # [B, T]
         if cfg.mask_truncated_completions:
@@ -233,7 +340,23 @@ class GRPOModule(L.LightningModule):
             with self.reference_context():
                 ref_logprobs = self._frozen_logprobs(rollout, self.reference or self.policy)  # [B, T]
         # With one pass per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
-        old_logprobs = self._frozen_logprobs(rollout, self.policy) if cfg.num_iterations > 1 else None
+        # The KL in the reward needs the sampling policy's log-probs before any update all the same.
+        sampling_logprobs_needed = cfg.num_iterations > 1 or cfg.use_kl_in_reward
+        old_logprobs = self._frozen_logprobs(rollout, self.policy) if sampling_logprobs_needed else None
+        outcome = rewards  # [B] what the reward functions gave, logged as train/reward
+        if cfg.use_kl_in_reward:
+            outcome = kl_in_reward(
+                rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.beta, cfg.kl_estimator
+            )  # [B]
+            extra["kl_reward_penalty"] = (rewards - outcome).mean()
+        advantages = group_advantages(outcome, G, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)  # [B]
+        token_advantages = advantages  # [B], or [B, T] with step credit
+        if cfg.step_credit > 0:
+            penalties = step_credit_penalties(
+                self.tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.step_credit
+            )  # [B, T]
+            token_advantages = advantages[:, None] + penalties  # [B, T]
+            extra["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
 
         # Normalise over the whole rollout on every rank, not per micro-batch; DDP then averages gradients
         # over ranks, hence the division by the world size.
@@ -245,16 +368,65 @@ class GRPOModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         for _ in range(cfg.num_iterations):
             stats, grad_norm = self._optimizer_step(
-                optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, total_tokens, total_sequences
+                optimizer,
+                rollout,
+                token_advantages,
+                mask,
+                old_logprobs,
+                ref_logprobs,
+                total_tokens,
+                total_sequences,
             )
             if grad_norm is not None:
                 scheduler.step()
         step_seconds = time.perf_counter() - start
-        self._log_step(rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds)
+        stats = {**stats, **extra}
+        self._log_step(
+            rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds
+        )
+        self.last_rollout = RolloutRecord(
+            prompts=prompts,
+            completions=completions,
+            reward_names=[reward_name(fn) for fn in self.reward_funcs],
+            rewards_per_func=rewards_per_func.cpu(),
+            rewards=rewards.cpu(),
+            advantages=advantages.cpu(),
+            completion_lengths=rollout.completion_mask.sum(dim=1).cpu(),
+            truncated=rollout.truncated.cpu(),
+            num_generations=G,
+            entropy=float(stats["entropy"]),
+        )
         return stats["loss"]
 
-    def _optimizer_step(self, optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, total_tokens,
-                        total_sequences) -> tuple[dict[str, Tensor], Tensor | None]:
+    def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
+        """Buffer this round's informative groups; the update's groups once there are enough, else None."""
+        self.group_buffer.add(groups)
+        # Every rank must update together (DDP and FSDP synchronise inside the update): wait while any waits.
+        waiting = torch.tensor(float(not self.group_buffer.ready()), device=self.device)
+        if self.trainer.strategy.reduce(waiting, reduce_op="sum") > 0:
+            return None
+        groups, stats = self.group_buffer.pop(self.tokenizer.pad_token_id)
+        return groups, {f"dynamic_sampling/{key}": torch.tensor(value) for key, value in stats.items()}
+
+    def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
+        """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
+        if not any(text.strip() for text in completions):
+            warnings.warn(
+                f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
+                f"the chat template and the end-of-sequence ids {self.eos_token_ids()}",
+                stacklevel=2,
+            )
+        elif bool(rollout.truncated.all()):
+            warnings.warn(
+                f"all {len(completions)} completions of this step reached max_completion_length="
+                f"{self.grpo.max_completion_length} without an end-of-sequence token: answers are cut off "
+                "before their final line; raise grpo.max_completion_length",
+                stacklevel=2,
+            )
+
+    def _optimizer_step(
+        self, optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, total_tokens, total_sequences
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
         cfg = self.grpo
         optimizer.zero_grad()
         sums: dict[str, Tensor] = {}
@@ -271,7 +443,7 @@ class GRPOModule(L.LightningModule):
                 epsilon=cfg.epsilon,
                 epsilon_high=cfg.epsilon_high,
                 delta=cfg.delta,
-                beta=cfg.beta,
+                beta=0.0 if cfg.use_kl_in_reward else cfg.beta,  # else the KL is in the rewards already
                 kl_estimator=cfg.kl_estimator,
                 max_completion_length=cfg.max_completion_length,
                 entropies=entropies,
@@ -290,18 +462,23 @@ class GRPOModule(L.LightningModule):
         if not (torch.isfinite(sums["loss"]) and torch.isfinite(grad_norm)):
             optimizer.zero_grad()
             self._bad_steps += 1
-            warnings.warn(f"step {self.global_step}: loss or gradient not finite, update skipped", stacklevel=2)
+            warnings.warn(
+                f"step {self.global_step}: loss or gradient not finite, update skipped", stacklevel=2
+            )
             if self._bad_steps >= cfg.max_bad_steps:
                 raise FloatingPointError(
                     f"{self._bad_steps} consecutive steps with a non-finite loss or gradient (max_bad_steps="
-                    f"{cfg.max_bad_steps}): lower the learning rate, or check the rewards and the model's dtype"
+                    f"{cfg.max_bad_steps}): lower the learning rate, or check the rewards and the model's "
+                    "dtype"
                 )
             return sums, None
         self._bad_steps = 0
         optimizer.step()
         return sums, grad_norm
 
-    def _log_step(self, rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds):
+    def _log_step(
+        self, rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds
+    ):
         G = self.grpo.num_generations
         lengths = rollout.completion_mask.sum(dim=1).float()  # [B]
         grouped = rewards.view(-1, G)  # [N, G]
@@ -330,15 +507,26 @@ class GRPOModule(L.LightningModule):
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rewards.numel())
 
     # ----------------------------------------------------------------------------------------- validation
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+    def on_validation_epoch_start(self) -> None:
+        # Validation sampling must not move the training stream: how often it runs (or whether a resumed
+        # run repeats it) then never changes which completions training samples.
+        self._rng_outside_validation = capture_rng_states()
+
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, list[str]]:
         k = self.num_generations_eval
         rollout, completions = self.sample(batch["prompt"], k, do_sample=k > 1)
         self.val_accuracy.update(completions, batch["answer"])
-        self.log("val/completion_length", rollout.completion_mask.sum(1).float().mean(),
-                 batch_size=len(completions), sync_dist=True)
+        self.log(
+            "val/completion_length",
+            rollout.completion_mask.sum(1).float().mean(),
+            batch_size=len(completions),
+            sync_dist=True,
+        )
+        return {"completions": completions}  # for callbacks such as ValidationResultsWriter
 
     def on_validation_epoch_end(self) -> None:
         results = self.val_accuracy.compute()
         self.val_accuracy.reset()
         for key, value in results.items():
             self.log(f"val/{key}", value, prog_bar=key == "accuracy")
+        restore_rng_states(self._rng_outside_validation)

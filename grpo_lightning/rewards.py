@@ -318,13 +318,24 @@ def audit_rewards(
     """
     if len(questions) != len(answers):
         raise ValueError(f"got {len(questions)} questions but {len(answers)} answers")
+    if not answers:
+        raise ValueError("the reward audit needs at least one row")
     cases = [_corruptions(a) for a in answers]
     result: dict[str, dict[str, float]] = {}
     for fn in reward_funcs:
         means = {}
         for case in ("reference", "wrong_number", "two_answers", "no_answer"):
             completions = [c[case] for c in cases]
-            rewards = fn(completions, prompts=list(questions), question=list(questions), answer=list(answers))
+            try:
+                rewards = fn(
+                    completions, prompts=list(questions), question=list(questions), answer=list(answers)
+                )
+            except Exception as err:
+                raise RuntimeError(
+                    f"reward function {reward_name(fn)!r} raised {type(err).__name__}: {err} "
+                    "in the reward audit "
+                    f"({case} case), on: {completions[0][:200]!r}"
+                ) from err
             scored = [r for r in rewards if r is not None]
             means[case] = sum(scored) / len(scored) if scored else float("nan")
         result[reward_name(fn)] = means

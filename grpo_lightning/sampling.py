@@ -5,12 +5,21 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass
@@ -42,6 +51,37 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -
     return mask, ~has_eos
 
 
+class InverseCDFSampler(LogitsProcessor):
+    """Draws the next token from softmax(scores) by inverse-CDF sampling and returns scores that are 0 at the
+    draw and -inf elsewhere, so that `generate`'s greedy argmax emits exactly that draw.
+
+    The same distribution as `torch.multinomial`, but one uniform number per row and a cumulative sum: on CPU
+    `multinomial` over a 150k vocabulary costs several times the LM head of a small model at every step.
+    Put it last, after the temperature / top-k / top-p warpers, which it then samples through.
+    """
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
+        cdf = probs.double().cumsum(dim=-1)  # [B, V] float64: tokens of probability ~1e-8 keep their share
+        u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [B, 1], [0, total)
+        # right=True returns the first index whose cdf exceeds u, never a zero-probability token.
+        tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.size(-1) - 1)  # [B, 1]
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+
+
+def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsProcessorList:
+    """Temperature, top-k and top-p warpers (those that change anything) followed by `InverseCDFSampler`."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    processors.append(InverseCDFSampler())
+    return processors
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -58,25 +98,35 @@ def generate_completions(
     min_new_tokens: int = 0,
     do_sample: bool = True,
 ) -> Rollout:
-    """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache."""
+    """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
+
+    Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
+    `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw.
+    """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     # A fresh config so that a checkpoint's own sampling defaults (e.g. top_k=20) never leak in.
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature if do_sample else None,
-        top_p=top_p if do_sample else None,
-        top_k=top_k if do_sample else None,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
         eos_token_id=eos_token_ids,
         pad_token_id=pad_token_id,
         use_cache=True,
     )
+    processors = sampling_processors(temperature, top_p, top_k) if do_sample else None
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:
-        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+        output = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            logits_processor=processors,
+        )
     finally:
         model.train(was_training)
     completion_ids = output[:, prompt_ids.size(1) :]  # [N*G, T]
@@ -85,17 +135,53 @@ def generate_completions(
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated)
 
 
+def _entropy(logits: Tensor, log_z: Tensor) -> Tensor:
+    probs = torch.exp(logits - log_z[:, None])  # [C, V]
+    return log_z - (probs * logits).sum(dim=-1)  # [C]
+
+
 def _token_logprobs_and_entropy(
     head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     logits = head(hidden).float() / temperature  # [C, V] float32, only C rows of the vocabulary at once
     log_z = logits.logsumexp(dim=-1)  # [C]
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    probs = torch.softmax(logits, dim=-1)  # [C, V]
-    entropy = log_z - (probs * logits).sum(dim=-1)  # [C]
+    entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)
     return logprobs, entropy
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """`log_softmax(hidden @ weight.T / temperature)[target]` of a chunk of rows, with a written-out backward.
+
+    The backward only needs the softmax, d logprob / d logits = onehot(target) - p: the chunk's logits are
+    kept when `keep_logits` (the caller's only chunk, so at most `max_logits_elements`) and recomputed from
+    `hidden` otherwise. Autograd through the same ops would keep (or, checkpointed, recompute) every
+    intermediate of the log-softmax and the entropy. Entropies come out of the forward, without gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, keep_logits: bool,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        logits = (hidden @ weight.T).float() / temperature  # [C, V]
+        log_z = logits.logsumexp(dim=-1)  # [C]
+        logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
+        entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)  # [C]
+        ctx.temperature = temperature
+        ctx.save_for_backward(hidden, weight, targets, log_z, logits if keep_logits else None)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, log_z, logits = ctx.saved_tensors
+        if logits is None:
+            logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
+        grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
+        grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
+        grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)  # d logits / d (hidden @ weight.T)
+        grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
+        grad_weight = (grad_logits.T @ hidden).to(weight.dtype) if ctx.needs_input_grad[1] else None  # [V, H]
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def completion_logprobs(
@@ -113,13 +199,15 @@ def completion_logprobs(
 
     The decoder runs once over the whole sequence, but the LM head only over the completion positions,
     and in chunks of at most `max_logits_elements` logits (2**26 floats = 256 MiB): a 150k vocabulary
-    never materialises `[B, T, V]` in float32. With gradients on, each chunk is checkpointed so that its
-    logits are recomputed in backward instead of being kept alive.
+    never materialises `[B, T, V]` in float32. A plain bias-free `nn.Linear` head (nearly every causal LM)
+    goes through `_HeadLogProbs`, whose backward keeps a single chunk's logits and recomputes several
+    chunks'; any other head, or a gradient through the entropy, is checkpointed chunk by chunk instead.
 
     Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
     """
     T = num_completion_tokens
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
     targets = input_ids[:, -T:]  # [B, T]
     head = model.get_output_embeddings()
@@ -127,10 +215,14 @@ def completion_logprobs(
     flat_targets = targets.reshape(-1)  # [B*T]
     chunk = max(1, max_logits_elements // head.weight.size(0))
     use_checkpoint = torch.is_grad_enabled() and rows.requires_grad
+    written_backward = type(head) is torch.nn.Linear and head.bias is None and not entropy_grad
+    keep_logits = rows.size(0) <= chunk
     logprobs, entropies = [], []
     for start in range(0, rows.size(0), chunk):
         h, y = rows[start : start + chunk], flat_targets[start : start + chunk]
-        if use_checkpoint:
+        if written_backward:
+            lp, ent = _HeadLogProbs.apply(h, head.weight, y, temperature, keep_logits, with_entropy)
+        elif use_checkpoint:
             lp, ent = checkpoint(
                 _token_logprobs_and_entropy, head, h, y, temperature, with_entropy, use_reentrant=False
             )

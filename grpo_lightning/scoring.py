@@ -12,9 +12,7 @@ from torch import Tensor
 from grpo_lightning.rewards import reward_name
 
 
-def score_completions(
-    reward_funcs: Sequence[Callable], completions: list[str], **columns: list
-) -> Tensor:
+def score_completions(reward_funcs: Sequence[Callable], completions: list[str], **columns: list) -> Tensor:
     """Call each reward function TRL-style, `fn(completions=..., **columns)`, and stack the results.
 
     Returns `[B, F]` float32 with NaN where a function answered `None` (not applicable). Raises
@@ -39,14 +37,20 @@ def score_completions(
             )
         for i, v in enumerate(values):
             if v is not None and not math.isfinite(v):
-                raise RuntimeError(f"reward function {name!r} returned {v} for completion {i}: {completions[i][:200]!r}")
+                raise RuntimeError(
+                    f"reward function {name!r} returned {v} for completion {i}: {completions[i][:200]!r}"
+                )
         if all(v is None for v in values):
-            warnings.warn(f"reward function {name!r} returned None for every completion of this batch", stacklevel=2)
+            warnings.warn(
+                f"reward function {name!r} returned None for every completion of this batch", stacklevel=2
+            )
         columns_out.append([math.nan if v is None else float(v) for v in values])
     rewards = torch.tensor(columns_out, dtype=torch.float32).T  # [B, F]
     unscored = rewards.isnan().all(dim=1)  # [B]
     if unscored.any():
         i = int(unscored.nonzero()[0])
         names = [reward_name(fn) for fn in reward_funcs]
-        raise RuntimeError(f"no reward function {names} scored completion {i} (all returned None): {completions[i][:200]!r}")
+        raise RuntimeError(
+            f"no reward function {names} scored completion {i} (all returned None): {completions[i][:200]!r}"
+        )
     return rewards

@@ -26,7 +26,9 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
@@ -55,8 +57,13 @@ def build_model(
     return LlamaForCausalLM(cfg)
 
 
-def save_tiny(path: str, texts: Iterable[str], tokenizer_vocab: int = 512, model_vocab: int | None = None,
-              **model_kwargs) -> str:
+def save_tiny(
+    path: str,
+    texts: Iterable[str],
+    tokenizer_vocab: int = 512,
+    model_vocab: int | None = None,
+    **model_kwargs,
+) -> str:
     """Build a tokenizer and a random model and `save_pretrained` both into `path`; returns `path`.
 
     `model_vocab` larger than the tokenizer's vocabulary gives a realistic LM-head size (e.g. 151936, as

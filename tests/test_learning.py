@@ -26,7 +26,9 @@ def warm_start(model, tokenizer, rows, steps: int = 120, hash_share: float = 0.3
         texts = []
         for row in batch:
             prompt = tokenizer.apply_chat_template(
-                chat_prompt(row["question"], DEFAULT_SYSTEM_PROMPT), tokenize=False, add_generation_prompt=True
+                chat_prompt(row["question"], DEFAULT_SYSTEM_PROMPT),
+                tokenize=False,
+                add_generation_prompt=True,
             )
             n = reference_answer(row["answer"])
             answer = f"#### {n}" if rng.random() < hash_share else f"The answer is {n}."
@@ -68,8 +70,13 @@ def test_grpo_raises_heldout_reward():
     before = heldout_format_rate(module, heldout)
     data = GSM8KDataModule(source="arithmetic", batch_size=4, val_size=4, arithmetic_size=400)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=25, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        max_steps=25,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, data)
     after = heldout_format_rate(module, heldout)

@@ -14,11 +14,27 @@ from grpo_lightning.module import GRPOModule
 from tests.conftest import GSM8K_DIR
 
 EXPECTED_SCALARS = [
-    "train/reward", "train/reward_std", "train/frac_reward_zero_std", "train/rewards/accuracy_reward",
-    "train/rewards/format_reward", "train/rewards/digit_reward", "train/kl", "train/entropy", "train/clip_ratio/low_mean",
-    "train/clip_ratio/high_mean", "train/clip_ratio/region_mean", "train/completion_length",
-    "train/completion_length_min", "train/completion_length_max", "train/frac_truncated", "train/grad_norm",
-    "train/learning_rate", "train/tokens_per_second", "val/accuracy", "val/accuracy_strict", "val/pass@k",
+    "train/reward",
+    "train/reward_std",
+    "train/frac_reward_zero_std",
+    "train/rewards/accuracy_reward",
+    "train/rewards/format_reward",
+    "train/rewards/digit_reward",
+    "train/kl",
+    "train/entropy",
+    "train/clip_ratio/low_mean",
+    "train/clip_ratio/high_mean",
+    "train/clip_ratio/region_mean",
+    "train/completion_length",
+    "train/completion_length_min",
+    "train/completion_length_max",
+    "train/frac_truncated",
+    "train/grad_norm",
+    "train/learning_rate",
+    "train/tokens_per_second",
+    "val/accuracy",
+    "val/accuracy_strict",
+    "val/pass@k",
     "val/maj@k",
 ]
 
@@ -82,7 +98,9 @@ def test_cli_fit_logs_metrics_and_updates_only_the_policy(tiny_model_dir, tmp_pa
 
 
 def test_checkpoint_does_not_store_the_reference(tiny_model_dir, tmp_path):
-    cli = build_cli(fit_args(tiny_model_dir, str(tmp_path), "--trainer.max_steps=1", "--trainer.limit_val_batches=0"))
+    cli = build_cli(
+        fit_args(tiny_model_dir, str(tmp_path), "--trainer.max_steps=1", "--trainer.limit_val_batches=0")
+    )
     path = os.path.join(tmp_path, "model.ckpt")
     cli.trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)["state_dict"]
@@ -110,7 +128,7 @@ def test_sample_groups_and_masks(tiny_model_dir):
     assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2])
     assert not torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3])
     eos = module.tokenizer.eos_token_id
-    for ids, mask, truncated in zip(rollout.completion_ids, rollout.completion_mask, rollout.truncated):
+    for ids, mask, truncated in zip(rollout.completion_ids, rollout.completion_mask, rollout.truncated, strict=True):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any()  # mask is a prefix
         assert truncated == (eos not in ids[:n].tolist())

@@ -39,8 +39,13 @@ def test_one_grpo_step_on_smollm2(smollm2_dir):
     )
     data = GSM8KDataModule(source=GSM8K_DIR, batch_size=1, val_size=1, train_size=1)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     before = module.policy  # loaded lazily
     assert before is None
@@ -50,5 +55,7 @@ def test_one_grpo_step_on_smollm2(smollm2_dir):
         assert math.isfinite(m[key]), key
     assert 1 <= m["train/completion_length"] <= 16
     assert m["train/kl"] == pytest.approx(0.0, abs=1e-6)  # on-policy first step: the policy is the reference
-    assert 0.5 < m["train/entropy"] < 10.0  # a trained LM: neither uniform over 49k tokens (10.8) nor collapsed
+    assert (
+        0.5 < m["train/entropy"] < 10.0
+    )  # a trained LM: neither uniform over 49k tokens (10.8) nor collapsed
     assert 0.0 <= m["train/rewards/accuracy_reward"] <= 1.0

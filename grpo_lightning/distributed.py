@@ -1,0 +1,142 @@
+"""Sharding a Hugging Face causal LM with FSDP2, generating under sharding, and exporting what it trained.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps every parameter as a DTensor shard and all-gathers one
+unit (a decoder layer, or the root: embeddings, final norm, LM head) around that unit's `forward`. Two
+things in GRPO do not fit that pattern, and this file handles both:
+
+- `generate` runs the model once per new token, and ranks stop at different lengths. Gathering layer by
+  layer would be one all-gather per layer per token, and collectives that the other rank never joins.
+  `gathered_for_generation` all-gathers every unit once, keeps them gathered through `generate` (which
+  then needs no collective at all), and reshards afterwards.
+- `completion_logprobs` calls the decoder and the LM head directly, so that the head only runs over the
+  completion positions; the root's own forward, where FSDP2 gathers the embeddings and the head, never
+  runs. `call_in_root_forward` runs the function as the root's forward, inside its FSDP hooks.
+
+Nothing here imports Lightning: the module passes in the device mesh and the trainer's precision.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils._pytree import tree_map_only
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True once `shard_model` has been applied to `model` (FSDP2 changes its class)."""
+    return isinstance(model, FSDPModule)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed precision for a Lightning precision flag.
+
+    "bf16-mixed" keeps float32 master weights, gradients and optimizer states in the shards, all-gathers
+    the weights in bfloat16 for compute and reduces gradients in float32. Every other flag keeps the
+    weights' own dtype ("bf16-true": load the model with `ModelOptions(dtype="bfloat16")`).
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a (PEFT-wrapped) HF causal LM, `model.model.layers` in Llama or Qwen."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(decoder).__name__} has no `layers` ModuleList: cannot pick FSDP units")
+    return list(layers)
+
+
+def shard_model(model: nn.Module, mesh: Any, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """`fully_shard` each decoder layer, then the whole model (whose own unit keeps embeddings, final norm
+    and LM head, so that tied embeddings stay one parameter). Returns `model`, sharded in place.
+
+    Applying it twice is an error in FSDP2; callers check `is_sharded` first.
+    """
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """All-gather the full weights once, keep them through `generate`, reshard on exit.
+
+    Inside, every forward finds its unit already gathered and no unit reshards after its forward, so
+    `generate` issues no collective: each rank may stop after a different number of tokens. It costs the
+    full model in the all-gather dtype on every rank for as long as the rollout runs. A model that is not
+    sharded passes through untouched.
+    """
+    if not is_sharded(model):
+        yield
+        return
+    units = _fsdp_modules(model)
+    model.set_reshard_after_forward(False)  # recurses into every unit
+    for unit in units:  # the same order on every rank, so the all-gathers pair up
+        unit.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        # FSDP2's own default for the root: its weights are needed again at once by the next forward.
+        model.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.reshard()
+
+
+def call_in_root_forward(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `fn(*args, **kwargs)` as `model`'s forward, so that FSDP2's root hooks run around it.
+
+    The root's pre-forward all-gathers its own weights (embeddings, final norm, LM head) and its
+    post-forward hooks the outputs so that the gradients of those weights are reduce-scattered in
+    backward; calling submodules directly would skip both. Without gradients nothing comes back through
+    the root, so its weights are freed right away (this is how the frozen reference stays sharded).
+    """
+    if not is_sharded(model):
+        return fn(*args, **kwargs)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # Clones: FSDP2 hooks the outputs for backward, and a view's hook is lost if edited in place later.
+        return tree_map_only(Tensor, torch.clone, fn(*args, **kwargs))
+
+    model.forward = forward  # an instance attribute shadows the class's forward
+    try:
+        # The arguments go through the module call: torch 2.11's root pre-forward fails on an empty call.
+        output = model(*args, **kwargs)
+    finally:
+        del model.forward
+    if not torch.is_grad_enabled():
+        model.reshard()
+    return output
+
+
+# ----------------------------------------------------------------------------------------- export
+def consolidate_checkpoint(path: str, out_file: str | None = None) -> str:
+    """A sharded (distributed) Lightning checkpoint folder as one `torch.save` file; returns its path.
+
+    Every rank's shards are assembled into full tensors in this one process, on CPU, with no process
+    group: the result has the `state_dict` (and optimizer states) that `export.export_policy` reads.
+    Default `out_file`: `<path>.consolidated`, next to the folder.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a sharded checkpoint folder")
+    out_file = out_file or path.rstrip("/") + ".consolidated"
+    dcp_to_torch_save(path, out_file)
+    return out_file

@@ -1,0 +1,74 @@
+"""Exporting a trained policy as a plain Hugging Face folder: `save_pretrained` model plus tokenizer.
+
+The folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. A LoRA policy
+is either merged into its base weights (a plain model) or saved as the adapter alone, which transformers
+loads on top of the base model named in `adapter_config.json`. No Lightning import: a module is only an
+object holding the model and the tokenizer as attributes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["export_policy", "load_policy_weights"]
+
+
+def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
+    """Copy the weights under `prefix` in a Lightning checkpoint's `state_dict` into `model`, in place.
+
+    Strict: the checkpoint must hold every weight of `model` and nothing else under `prefix`.
+    """
+    # weights_only=False: a Lightning checkpoint also pickles the hyper-parameters (option dataclasses).
+    # Only load checkpoints you trust.
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    state = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    if not state:
+        raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")
+    model.load_state_dict(state, strict=True)
+
+
+def export_policy(
+    source: object,
+    out_dir: str,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    ckpt_path: str | None = None,
+    merge_lora: bool = True,
+    model_attr: str = "policy",
+    tokenizer_attr: str = "tokenizer",
+) -> str:
+    """Write the policy and its tokenizer to `out_dir` with `save_pretrained`; returns `out_dir`.
+
+    Args:
+        source: a `PreTrainedModel` / `PeftModel` (then pass `tokenizer`), or a module holding them at
+            `model_attr` and `tokenizer_attr` (a `GRPOModule` whose policy has not loaded yet is loaded
+            through its `configure_model`).
+        out_dir: the folder to write; created if missing.
+        tokenizer: the tokenizer to save; default the module's.
+        ckpt_path: a Lightning checkpoint whose `<model_attr>.*` weights are loaded into the policy first
+            (in place: the module then holds the checkpoint's weights).
+        merge_lora: for a LoRA policy, save the merged weights (True) or only the adapter (False).
+    """
+    if isinstance(source, PreTrainedModel | PeftModel):
+        model = source
+    else:
+        if getattr(source, model_attr, None) is None and hasattr(source, "configure_model"):
+            source.configure_model()
+        model = getattr(source, model_attr)
+        tokenizer = tokenizer or getattr(source, tokenizer_attr)
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer along with a bare model: the export must be loadable on its own")
+    if ckpt_path is not None:
+        load_policy_weights(model, ckpt_path, prefix=model_attr + ".")
+    if isinstance(model, PeftModel) and merge_lora:
+        # merge_and_unload rewrites the modules in place: merge a copy, so the live policy keeps its adapter.
+        model = copy.deepcopy(model).merge_and_unload()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

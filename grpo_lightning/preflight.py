@@ -1,0 +1,153 @@
+"""Pre-flight: before the first step, what the run is about to do and what looks wrong, in one block.
+
+On the first training batch (before its step) `Preflight` reports:
+
+- the effective batch: prompts x completions per prompt x devices x accumulation;
+- how many of a few completions sampled at the training settings reach `max_completion_length` without
+  an EOS (most of them means most answers would be cut off before their `#### N` line);
+- the reward audit (`grpo_lightning.callbacks.audit_module_rewards`) on the first 200 training rows' reference
+  solutions (the batch's when the data module has no `train_rows`);
+- with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on.
+
+Problems are also raised as warnings. Sampling runs under `preserved_rng`, so a run with the pre-flight
+draws exactly the completions a run without it would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from grpo_lightning.callbacks import audit_module_rewards
+from grpo_lightning.resume import preserved_rng
+
+TRUNCATION_WARN_SHARE = 0.5  # above this share of truncated samples, "most answers" are cut off
+
+
+@dataclass
+class PreflightReport:
+    """One line per check, and the problems found (each a complete sentence with the fix)."""
+
+    lines: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        width = max(len(name) for name in self.lines)
+        body = [f"  {name:<{width}}  {finding}" for name, finding in self.lines.items()]
+        verdict = f"{len(self.problems)} problem(s): see the warnings" if self.problems else "all clear"
+        return "\n".join(["GRPO pre-flight:", *body, f"  {'verdict':<{width}}  {verdict}"])
+
+
+def effective_batch(prompts: int, num_generations: int, devices: int = 1, accumulation: int = 1) -> int:
+    """Completions behind one optimizer step."""
+    return prompts * num_generations * devices * accumulation
+
+
+def input_gradients_enabled(model: nn.Module) -> bool | None:
+    """Whether the input embeddings' output requires grad; None where that does not matter (no gradient
+    checkpointing, or every parameter trains, so the embeddings themselves require grad)."""
+    # As transformers' own `is_activation_checkpointing` (named `is_gradient_checkpointing` before v5).
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if not checkpointing or all(p.requires_grad for p in model.parameters()):
+        return None
+    embeddings = model.get_input_embeddings()
+    token = torch.zeros(1, 1, dtype=torch.long, device=embeddings.weight.device)  # [1, 1]
+    with torch.enable_grad():
+        return bool(embeddings(token).requires_grad)  # enable_input_require_grads() hooks this output
+
+
+def run_preflight(
+    module: L.LightningModule,
+    batch: dict[str, list],
+    devices: int = 1,
+    accumulation: int = 1,
+    samples: int = 4,
+    audit_rows: Sequence[dict[str, str]] | None = None,
+) -> PreflightReport:
+    """Check a `GRPOModule` against its first batch; samples `samples` prompts x `num_generations`.
+
+    The reward audit runs on `audit_rows` (e.g. the first 200 training rows) when given, else on the batch.
+    """
+    cfg, G = module.grpo, module.grpo.num_generations
+    report = PreflightReport()
+    prompts = len(batch["prompt"])
+    total = effective_batch(prompts, G, devices, accumulation)
+    micro = f"micro-batches of {cfg.micro_batch_size}" if cfg.micro_batch_size else "one micro-batch"
+    report.lines["effective batch"] = (
+        f"{prompts} prompts x {G} completions x {devices} device(s) x {accumulation} accumulation = {total} "
+        f"completions per step ({micro}, {cfg.num_iterations} optimizer step(s) each)"
+    )
+
+    rollout, _ = module.sample(batch["prompt"][:samples], G)
+    cut, sampled = int(rollout.truncated.sum()), rollout.truncated.numel()
+    report.lines["completion length"] = (
+        f"{cut} of {sampled} sampled completions reached max_completion_length={cfg.max_completion_length}"
+    )
+    if cut > TRUNCATION_WARN_SHARE * sampled:
+        report.problems.append(
+            f"{cut} of {sampled} completions sampled before training reached max_completion_length="
+            f"{cfg.max_completion_length} without an end-of-sequence token: most answers would be cut off "
+            "before their final line and score nothing; raise grpo.max_completion_length"
+        )
+
+    if audit_rows is None and "question" in batch and "answer" in batch:
+        audit_rows = [
+            {"question": q, "answer": a} for q, a in zip(batch["question"], batch["answer"], strict=True)
+        ]
+    if audit_rows:
+        audit = audit_module_rewards(module, audit_rows)
+        verdict = "passes" if audit.perfect else "FAILS"
+        report.lines["reward audit"] = f"{verdict} on {audit.num_rows} reference solutions"
+        if not audit.perfect:
+            report.problems.append(
+                "the reward audit fails: a policy can earn reward without the right answer\n" + audit.table()
+            )
+    else:
+        report.lines["reward audit"] = "skipped: the batch has no `question` and `answer` columns"
+
+    enabled = input_gradients_enabled(module.policy)
+    if enabled is None:
+        report.lines["LoRA input grads"] = "not needed (no gradient checkpointing, or every weight trains)"
+    else:
+        report.lines["LoRA input grads"] = "enabled" if enabled else "DISABLED"
+        if not enabled:
+            report.problems.append(
+                "gradient checkpointing with frozen input embeddings (LoRA), but their output requires no "
+                "grad: with reentrant checkpointing the adapters then get no gradient; call "
+                "policy.enable_input_require_grads()"
+            )
+    return report
+
+
+class Preflight(L.Callback):
+    """Runs `run_preflight` on the first batch of each `fit`, before its step; keeps it in `report`."""
+
+    def __init__(self, samples: int = 4, audit_rows: int = 200) -> None:
+        self.samples = samples
+        self.audit_rows = audit_rows
+        self.report: PreflightReport | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.report is not None:
+            return
+        with preserved_rng(), torch.no_grad():
+            rows = getattr(trainer.datamodule, "train_rows", None)
+            self.report = run_preflight(
+                pl_module,
+                batch,
+                trainer.world_size,
+                trainer.accumulate_grad_batches,
+                self.samples,
+                rows[: self.audit_rows] if rows else None,
+            )
+        rank_zero_info(self.report.text())
+        for problem in self.report.problems:
+            rank_zero_warn(problem)

@@ -1,0 +1,201 @@
+"""Exact resume and graceful interruption.
+
+Lightning's checkpoint already holds the weights, the optimizer, the scheduler and the loops' counters.
+What it lacks for an exact continuation, and what this file adds:
+
+- the random number generators that sampling draws from (`capture_rng_states` / `restore_rng_states`),
+  stored as tensors and plain Python values so that `torch.load(weights_only=True)` reads them;
+- the position in the shuffled training data (`ResumableSampler`: a seeded order per epoch that can
+  start part-way through);
+- `torch.load(weights_only=True)`, the default since PyTorch 2.6, refusing the option dataclasses that
+  `save_hyperparameters` pickles (`register_safe_globals`);
+- a checkpoint of the last completed step when the run gets SIGTERM or Ctrl-C, or stops on an error
+  (`InterruptCheckpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import Sampler
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.credit import ScoredGroups
+from grpo_lightning.models import LoraOptions, ModelOptions
+from grpo_lightning.sampling import Rollout
+
+INTERRUPT_FILENAME = "interrupted.ckpt"
+
+
+# ------------------------------------------------------------------------------------------ RNG states
+def capture_rng_states() -> dict:
+    """Torch (CPU and each CUDA device), Python and NumPy generator states, in weights_only-loadable types."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),  # (version, tuple of ints, None | float)
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    """Put back what `capture_rng_states` returned."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))  # a checkpoint may hand the tuple back as a list
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run a block without moving any generator: what it draws is invisible to the training stream."""
+    states = capture_rng_states()
+    try:
+        yield
+    finally:
+        restore_rng_states(states)
+
+
+# ------------------------------------------------------------------------------------------ data order
+class ResumableSampler(Sampler[int]):
+    """Row indices in a fixed order per epoch (a permutation seeded by `seed + epoch`, or 0..n-1), able to
+    start the next pass `start` rows into it.
+
+    The order depends only on the seed and the epoch, never on the global RNG, so a resumed run sees the
+    rows the uninterrupted one would have. Lightning calls `set_epoch` before each epoch.
+    """
+
+    def __init__(self, num_rows: int, seed: int = 0, shuffle: bool = True) -> None:
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, start: int) -> None:
+        """Make the next pass the one of `epoch`, beginning `start` rows in; later passes start at 0."""
+        if not 0 <= start <= self.num_rows:
+            raise ValueError(f"resume position {start} outside the {self.num_rows} training rows")
+        self.epoch, self.start = epoch, start
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return iter(self.order(self.epoch)[start:])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def register_safe_globals() -> None:
+    """Allow `torch.load(weights_only=True)` to rebuild the dataclasses that our checkpoints hold: the
+    options in `hyper_parameters`, and dynamic sampling's buffered groups.
+
+    `Trainer.fit(ckpt_path=...)` leaves `weights_only` to `torch.load`, whose default became True in
+    PyTorch 2.6: without this, our own checkpoints would not load for resuming.
+    """
+    torch.serialization.add_safe_globals([GRPOConfig, ModelOptions, LoraOptions, ScoredGroups, Rollout])
+
+
+class InterruptCheckpoint(L.Callback):
+    """On SIGTERM or Ctrl-C, finish the current step, write a checkpoint of it and stop; on an error during
+    training, write a checkpoint of the last completed step before the error propagates.
+
+    SIGTERM is what schedulers send before killing a job; Lightning turns it into `trainer.received_sigterm`
+    and a `SIGTERMException` after the step. A first Ctrl-C is turned into the same graceful stop (a
+    second one interrupts at once, without a checkpoint). An error (a reward function that raises, too
+    many non-finite steps) stops a step before its update, so the weights are those of the last completed
+    step; this is done on a single device only, where no other rank can be left waiting in the save.
+
+    The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else
+    `<default_root_dir>/checkpoints`) as `interrupted.ckpt`; resume with `--ckpt_path <that path>`.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.saved_path: str | None = None
+        self._ctrl_c = False
+        self._previous_sigint = None
+
+    def path(self, trainer: L.Trainer) -> str:
+        dirpath = self.dirpath or getattr(trainer.checkpoint_callback, "dirpath", None)
+        dirpath = dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
+        return os.path.join(dirpath, INTERRUPT_FILENAME)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.saved_path, self._ctrl_c = None, False
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # only outside another handler
+            try:
+                self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            except ValueError:  # not the main thread: leave Ctrl-C alone
+                self._previous_sigint = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._ctrl_c:
+            raise KeyboardInterrupt
+        self._ctrl_c = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (press again to abort now)", flush=True)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def _save(self, trainer: L.Trainer, reason: str) -> None:
+        if self.saved_path is not None:
+            return
+        self.saved_path = self.path(trainer)
+        trainer.save_checkpoint(self.saved_path)
+        rank_zero_info(
+            f"{reason}: wrote the checkpoint of step {trainer.global_step} to {self.saved_path}; "
+            f"resume with --ckpt_path {self.saved_path}"
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._ctrl_c:
+            self._save(trainer, "Ctrl-C")
+            trainer.should_stop = True
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if isinstance(exception, SIGTERMException):
+            # Lightning raises it once the step in progress (and any validation after it) is over.
+            self._save(trainer, "SIGTERM")
+        elif (
+            isinstance(exception, Exception)
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.global_step > 0
+            and trainer.world_size == 1
+        ):
+            try:
+                self._save(trainer, f"stopped by {type(exception).__name__}")
+            except Exception as err:  # never hide the error that stopped the run behind this one
+                rank_zero_warn(f"could not write a checkpoint after the error: {err}")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_sigint()

@@ -1,0 +1,279 @@
+"""Bad input ends in one clear message naming the option, file, row or function, before weights load where
+it can, and `cli.py` prints it without a traceback (exit status 2)."""
+
+import json
+import math
+import os
+import shutil
+
+import lightning as L
+import pytest
+import torch
+
+from grpo_lightning.callbacks import RewardAuditCallback
+from grpo_lightning.cli import main
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.module import GRPOModule
+from tests.test_interrupt import fit_args
+
+ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """The errors under test must come before the policy's weights load: loading them fails the test."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the policy's weights loaded before the error")
+
+    monkeypatch.setattr("grpo_lightning.module.load_model", load_model)
+
+
+def cli_error(args: list[str], capsys) -> str:
+    """Run `cli.py` in-process; it must exit with status 2 and one message, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------------------------------------ options
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--model.grpo.num_generations=1", "GRPOConfig.num_generations=1: must be >= 2"),
+        ("--model.grpo.epsilon=0", "GRPOConfig.epsilon=0.0: must be > 0"),
+        ("--model.grpo.beta=-0.1", "GRPOConfig.beta=-0.1: must be >= 0"),
+        ("--model.grpo.loss_type=ppo", "GRPOConfig.loss_type='ppo': must be one of grpo, bnpo, dapo"),
+        ("--model.grpo.max_completion_length=0", "GRPOConfig.max_completion_length=0: must be > 0"),
+        ("--model.policy=/no/such/model", "model path '/no/such/model' does not exist"),
+    ],
+)
+def test_bad_option_is_one_line_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, option, message
+):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
+    assert f"error: {message}" in err
+
+
+def test_dr_grpo_without_a_length(tiny_model_dir, tmp_path, capsys, no_weights):
+    with pytest.raises(ValueError, match="GRPOConfig.max_completion_length=None: must be > 0"):
+        GRPOConfig(loss_type="dr_grpo", max_completion_length=None)
+    err = cli_error(
+        fit_args(
+            tiny_model_dir,
+            str(tmp_path),
+            1,
+            "--model.grpo.loss_type=dr_grpo",
+            "--model.grpo.max_completion_length=null",
+        ),
+        capsys,
+    )
+    assert "max_completion_length" in err
+
+
+def test_lora_targets_the_model_lacks_are_named_with_the_real_ones(tiny_model_dir, tmp_path, capsys):
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--model.lora.target_modules=[attn_q]")
+    err = cli_error(args, capsys)
+    assert "error: LoraOptions.target_modules=['attn_q'] does not match this model (LlamaForCausalLM)" in err
+    assert "'q_proj'" in err  # the names it could have used
+
+
+def test_missing_chat_template_fails_before_weights_load_with_the_fix(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    model_dir = tmp_path / "no_template"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    for name in os.listdir(model_dir):  # newer transformers keep the template in its own file
+        if name.startswith("chat_template"):
+            os.remove(model_dir / name)
+    err = cli_error(fit_args(str(model_dir), str(tmp_path), 1), capsys)
+    assert "error: the tokenizer has no chat template but the prompts are chat messages: set " in err
+    assert "`tokenizer.chat_template`" in err
+
+
+# ------------------------------------------------------------------------------------------ data
+def write_rows(path, rows: list) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([ROW, {"question": "q?"}], "rows.jsonl:2: missing field 'answer' (has ['question'])"),
+        ([{"answer": "#### 1"}], "rows.jsonl:1: missing field 'question' (has ['answer'])"),
+        ([ROW, ROW, {"question": "q?", "answer": "5"}], "rows.jsonl:3: field 'answer' has no final '#### "),
+        ([{"question": "  ", "answer": "#### 1"}], "rows.jsonl:1: field 'question' is empty or not a string"),
+    ],
+)
+def test_bad_row_names_file_line_and_field(tiny_model_dir, tmp_path, capsys, no_weights, rows, message):
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={source}"), capsys)
+    assert f"error: {tmp_path}/{message}" in err
+
+
+def test_missing_and_non_utf8_data_files(tiny_model_dir, tmp_path, capsys, no_weights):
+    missing = tmp_path / "absent.jsonl"
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={missing}"), capsys)
+    assert f"error: data file '{missing}' does not exist" in err
+
+    latin1 = tmp_path / "latin1.jsonl"
+    row = json.dumps({"question": "caf\u00e9?", "answer": "#### 1"}, ensure_ascii=False)
+    latin1.write_bytes(row.encode("latin-1"))
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={latin1}"), capsys)
+    assert f"error: {latin1}: not valid UTF-8 (invalid continuation byte at byte " in err
+
+
+# ------------------------------------------------------------------------------------------ rewards
+def wrong_count_reward(completions, **kwargs) -> list[float]:
+    return [0.0] * (len(completions) - 1)
+
+
+def nan_reward(completions, **kwargs) -> list[float]:
+    return [math.nan] + [0.0] * (len(completions) - 1)
+
+
+def inf_reward(completions, **kwargs) -> list[float]:
+    return [0.0] * (len(completions) - 1) + [math.inf]
+
+
+def none_reward(completions, **kwargs) -> list[None]:
+    return [None] * len(completions)
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+class FailsAtStep:
+    """A reward function with a bug that shows on the `step`-th batch it scores."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def __call__(self, completions, **kwargs) -> list[float]:
+        self.calls += 1
+        if self.calls == self.step:
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+
+
+@pytest.fixture
+def no_audit(monkeypatch):
+    """No reward audit before training: these tests are about the training step scoring completions."""
+    monkeypatch.setattr(RewardAuditCallback, "on_fit_start", lambda self, trainer, pl_module: None)
+
+
+def train(model_dir: str, root, reward_funcs: list, steps: int = 1, **grpo) -> L.Trainer:
+    grpo = {"num_generations": 2, "max_completion_length": 4, "preflight": False} | grpo
+    module = GRPOModule(model_dir, reward_funcs=reward_funcs, grpo=GRPOConfig(**grpo))
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (wrong_count_reward, "reward function 'wrong_count_reward' returned 3 values for 4 completions"),
+        (nan_reward, "reward function 'nan_reward' returned nan for completion 0: '"),
+        (inf_reward, "reward function 'inf_reward' returned inf for completion 3: '"),
+        (none_reward, r"no reward function ['none_reward'] scored completion 0 (all returned None): '"),
+    ],
+    ids=["wrong-count", "nan", "inf", "all-none"],
+)
+def test_bad_reward_values_name_the_function(tiny_model_dir, tmp_path, no_audit, reward, message):
+    with pytest.raises(RuntimeError) as error:
+        train(tiny_model_dir, tmp_path, [reward])
+    assert str(error.value).startswith(message)
+
+
+def test_a_reward_that_is_none_everywhere_beside_a_working_one_only_warns(tiny_model_dir, tmp_path, no_audit):
+    with pytest.warns(UserWarning, match="reward function 'none_reward' returned None for every completion"):
+        trainer = train(tiny_model_dir, tmp_path, [digit_reward, none_reward])
+    assert trainer.global_step == 1
+
+
+def test_a_reward_that_raises_is_named_and_the_completed_steps_are_kept(
+    tiny_model_dir, tmp_path, capsys, no_audit
+):
+    err = cli_error(
+        fit_args(
+            tiny_model_dir,
+            str(tmp_path),
+            5,
+            "--model.reward_funcs=[{class_path: tests.test_bad_input.FailsAtStep, init_args: {step: 3}}]",
+        ),
+        capsys,
+    )
+    assert "error: reward function 'fails_at_step' raised ZeroDivisionError: division by zero; first " in err
+    # The two steps before the error are not lost: a checkpoint of step 2 to resume from once it is fixed.
+    saved = torch.load(
+        tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt", weights_only=True
+    )
+    assert saved["global_step"] == 2
+    assert saved["GSM8KDataModule"] == {"epoch": 0, "batches_done": 2}
+
+
+# ------------------------------------------------------------------------------------------ generation
+def end_early(module: GRPOModule, eos_logit: float) -> None:
+    """Give the policy an LM head whose logits are 0 for every token but EOS, which gets `eos_logit`."""
+    head = torch.nn.Linear(module.policy.config.hidden_size, module.policy.config.vocab_size)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    head.bias.data[module.tokenizer.eos_token_id] = eos_logit
+    module.policy.set_output_embeddings(head)
+
+
+def test_every_completion_empty_warns(tiny_model_dir, tmp_path):
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=4))
+    module.configure_model()
+    end_early(module, eos_logit=100.0)  # the policy ends every completion at once
+    rollout, completions = module.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
+    assert completions == ["", ""]
+    with pytest.warns(UserWarning, match="all 2 completions of this step are empty: the policy ends at once"):
+        module._check_rollout(rollout, completions)
+
+
+def test_every_completion_truncated_warns(tiny_model_dir, tmp_path, no_audit):
+    # EOS suppressed for all 4 tokens: every completion runs into the limit.
+    with pytest.warns(UserWarning, match="all 4 completions of this step reached max_completion_length=4 "):
+        train(tiny_model_dir, tmp_path, [digit_reward], min_completion_length=4)
+
+
+@pytest.mark.parametrize("mode", ["left", "error"])
+def test_prompt_over_the_limit_is_cut_from_the_left_or_refused(tiny_model_dir, mode):
+    grpo = GRPOConfig(num_generations=2, max_prompt_length=6, truncate_prompts=mode)
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    prompts = [[{"role": "user", "content": "What is 12 + 30 + 7?"}], [{"role": "user", "content": "1?"}]]
+    full = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_prompt_length=None))
+    full_ids, full_mask = full.encode_prompts(prompts)  # [2, P]
+    longest = int(full_mask.sum(1).max())
+    if mode == "error":
+        with pytest.raises(ValueError, match=f"a prompt has {longest} tokens, over max_prompt_length=6"):
+            module.encode_prompts(prompts)
+        return
+    with pytest.warns(UserWarning, match=f"prompt of {longest} tokens cut from the left to max_prompt_len"):
+        ids, mask = module.encode_prompts(prompts)
+    assert ids.shape == (2, 6)
+    torch.testing.assert_close(ids, full_ids[:, -6:])  # the ends, where the generation prompt is, survive

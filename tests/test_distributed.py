@@ -1,0 +1,382 @@
+"""DDP and FSDP2 on CPU with 2 processes (gloo): no hang, global loss normalisation, sharded checkpoints.
+
+Each run is this file executed as a script (`python tests/test_distributed.py '<json>'`), which Lightning
+re-launches once per rank. The test starts it in its own process group and kills the whole group on a
+timeout, so that a hung rank-1 child never outlives the test.
+
+The first training step of every run uses fixed rollouts (completions and rewards a function of the
+prompt only), so a 1-process run over 4 prompts and a 2-process run over 2 + 2 prompts see the same global
+batch and must make the same update. Later steps sample for real, with a different completion length on
+each rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.data import collate_rows
+from grpo_lightning.distributed import (
+    call_in_root_forward,
+    consolidate_checkpoint,
+    gathered_for_generation,
+    is_sharded,
+    shard_model,
+)
+from grpo_lightning.export import export_policy
+from grpo_lightning.models import LoraOptions, apply_lora
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.sampling import Rollout, completion_logprobs
+
+NUM_ROWS = 8
+NUM_GENERATIONS = 3
+PROMPT_TOKENS = 6
+
+
+# ----------------------------------------------------------------------------------------- worker
+def fixed_reward(completions: list[str], **kwargs) -> list[float]:
+    """A deterministic reward of the text alone, varied enough that groups have non-zero advantages."""
+    return [float(len(c) % 5) for c in completions]
+
+
+def _seed_of(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+def worker(cfg: dict) -> None:
+    out = cfg["out"]
+
+    def full_weights(module: GRPOModule) -> dict[str, torch.Tensor]:
+        # full_tensor() is a collective: every rank calls it, in the same order.
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in module.policy.named_parameters()
+        }
+
+    class FixedFirstStep(GRPOModule):
+        """Step 0: completions fixed by the prompt. Later steps: real sampling, length set by the rank."""
+
+        def configure_optimizers(self):
+            # Plain SGD: the update is -lr * gradient, so comparing updates compares gradients.
+            sgd = torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=cfg["lr"])
+            return [sgd], [torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0)]
+
+        def sample(self, prompts, num_generations, do_sample=True):
+            if self.global_step > 0 or cfg.get("resume"):
+                self.grpo.max_completion_length = 3 + 5 * self.global_rank
+                rollout, completions = super().sample(prompts, num_generations, do_sample)
+            else:
+                vocab = len(self.tokenizer) - 3  # random ordinary tokens (ids 0-2 are the special ones)
+                rows = []
+                for prompt in prompts:
+                    g = torch.Generator().manual_seed(_seed_of(prompt[-1]["content"]))
+                    prompt_ids = torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g)
+                    for _ in range(num_generations):
+                        length = int(torch.randint(2, 12, (1,), generator=g))
+                        rows.append((prompt_ids, torch.randint(3, vocab, (length,), generator=g)))
+                T = max(len(c) for _, c in rows)
+                completion_ids = torch.full((len(rows), T), self.tokenizer.pad_token_id)
+                completion_mask = torch.zeros(len(rows), T, dtype=torch.long)
+                for i, (_, c) in enumerate(rows):
+                    completion_ids[i, : len(c)], completion_mask[i, : len(c)] = c, 1
+                prompt_ids = torch.stack([p for p, _ in rows])
+                rollout = Rollout(
+                    prompt_ids,
+                    torch.ones_like(prompt_ids),
+                    completion_ids,
+                    completion_mask,
+                    torch.zeros(len(rows), dtype=torch.bool),
+                )
+                completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            self.record.setdefault("prompts", []).append([p[-1]["content"] for p in prompts])
+            self.record.setdefault("tokens", []).append(int(rollout.completion_mask.sum()))
+            self.record.setdefault("lengths", []).append(rollout.completion_ids.size(1))
+            return rollout, completions
+
+        def train_dataloader(self):
+            # Rank r takes rows r, r + world, ...: 2 ranks x 2 prompts hold the 4 prompts of 1 rank x 4.
+            rows = [
+                {"question": f"What is {i} plus {i + 1}?", "answer": f"#### {2 * i + 1}"}
+                for i in range(NUM_ROWS)
+            ]
+            return DataLoader(
+                rows[self.global_rank :: self.trainer.world_size],
+                batch_size=cfg["batch_size"],
+                collate_fn=functools.partial(collate_rows, system_prompt=None),
+            )
+
+        def on_train_start(self):
+            super().on_train_start()
+            self.record["start_step"] = self.global_step
+            if cfg.get("resume"):
+                weights = full_weights(self)
+                if self.global_rank == 0:
+                    torch.save(weights, os.path.join(out, "resumed.pt"))
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.global_step == 0 and not cfg.get("resume"):
+                self.initial = full_weights(self)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.record.setdefault("losses", []).append(float(outputs["loss"]))
+            if self.global_step == 1 and not cfg.get("resume"):
+                weights = full_weights(self)
+                if self.global_rank == 0:
+                    update = {k: weights[k] - self.initial[k] for k in weights}
+                    torch.save(update, os.path.join(out, "update.pt"))
+
+    module = FixedFirstStep(
+        cfg["model"],
+        reward_funcs=[fixed_reward],
+        grpo=GRPOConfig(
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=8,
+            beta=0.04,
+            loss_type="dapo",
+            max_grad_norm=None,
+            preflight=False,
+        ),
+    )
+    module.record = {}
+    devices = cfg["devices"]
+    strategy = {
+        "single": "auto",
+        "ddp": "ddp",
+        "fsdp": ModelParallelStrategy(
+            data_parallel_size=devices, tensor_parallel_size=1, process_group_backend="gloo"
+        ),
+    }[cfg["strategy"]]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=cfg.get("precision", "32-true"),
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, ckpt_path=cfg.get("resume"))
+    if cfg.get("checkpoint"):
+        trainer.save_checkpoint(cfg["checkpoint"])
+    weights = full_weights(module)
+    if trainer.global_rank == 0:
+        torch.save(weights, os.path.join(out, "final.pt"))
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(module.record, f)
+
+
+# ----------------------------------------------------------------------------------------- tests
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of world size 1 in this process: enough for fully_shard's code paths."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sharded_logprobs_and_generation_match_the_plain_model(one_process_group, tiny_model_dir, lora):
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sharded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    if lora:
+        plain, sharded = apply_lora(plain, LoraOptions(r=4)), apply_lora(sharded, LoraOptions(r=4))
+        sharded.load_state_dict(plain.state_dict())
+    shard_model(sharded, one_process_group)
+    assert is_sharded(sharded) and not is_sharded(plain)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))  # [B, L]
+    mask = torch.ones_like(ids)
+
+    # Calling the decoder directly skips the root's all-gather: its embedding weight is still a shard.
+    with pytest.raises(RuntimeError, match="DTensor"):
+        sharded.get_decoder()(input_ids=ids, attention_mask=mask)
+    expected, _ = completion_logprobs(plain, ids, mask, 5)
+    got, _ = call_in_root_forward(sharded, completion_logprobs, sharded, ids, mask, 5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    # Gradients reach the trainable weights through the root's hooks, as in the plain model.
+    call_in_root_forward(sharded, completion_logprobs, sharded, ids, mask, 5)[0].sum().backward()
+    completion_logprobs(plain, ids, mask, 5)[0].sum().backward()
+    grads = {n: p.grad for n, p in sharded.named_parameters() if p.requires_grad}
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name].full_tensor(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    with torch.no_grad(), gathered_for_generation(sharded):
+        assert not any(isinstance(p, DTensor) for p in sharded.parameters()), "inside: full weights"
+        out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert all(isinstance(p, DTensor) for p in sharded.parameters()), "after: resharded"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            out, plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        )
+
+
+def launch(cfg: dict, timeout: float = 120) -> list[dict]:
+    """Run the worker in its own process group; kill the group (every rank) if it does not finish."""
+    os.makedirs(cfg["out"], exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, json.dumps(cfg)],
+        start_new_session=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{cfg['strategy']} run hung for {timeout} s (process group killed):\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-5000:]
+    return [json.load(open(os.path.join(cfg["out"], f"rank{r}.json"))) for r in range(cfg["devices"])]
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_model_dir, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("single"))
+    worker(
+        {
+            "strategy": "single",
+            "devices": 1,
+            "batch_size": 4,
+            "steps": 1,
+            "lr": 0.05,
+            "model": tiny_model_dir,
+            "out": out,
+        }
+    )  # one process: no launch needed
+    return out
+
+
+def assert_same_update(single: str, distributed: str) -> None:
+    expected = torch.load(os.path.join(single, "update.pt"))
+    got = torch.load(os.path.join(distributed, "update.pt"))
+    assert got.keys() == expected.keys()
+    total = sum(float(u.abs().sum()) for u in expected.values())
+    assert total > 1e-3, "the fixed rollout made no update: the comparison would be empty"
+    for name, update in expected.items():
+        torch.testing.assert_close(got[name], update, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def assert_ranks_differ(records: list[dict]) -> None:
+    # Step 0: fixed rollouts with a different number of tokens per rank (a mean of per-rank means would
+    # weight them differently from the global token mean). Later steps: different generated lengths.
+    assert records[0]["tokens"][0] != records[1]["tokens"][0]
+    assert records[0]["lengths"][1:] == [3] * (len(records[0]["lengths"]) - 1)
+    assert records[1]["lengths"][1:] == [8] * (len(records[1]["lengths"]) - 1)
+    for record in records:
+        assert all(torch.isfinite(torch.tensor(record["losses"])))
+
+
+def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tiny_model_dir, tmp_path):
+    out = str(tmp_path)
+    records = launch(
+        {
+            "strategy": "ddp",
+            "devices": 2,
+            "batch_size": 2,
+            "steps": 2,
+            "lr": 0.05,
+            "model": tiny_model_dir,
+            "out": out,
+        }
+    )
+    assert len(records[0]["losses"]) == len(records[1]["losses"]) == 2
+    assert_ranks_differ(records)
+    assert_same_update(single_run, out)
+
+
+def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_dir, tmp_path):
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt")
+    records = launch(
+        {
+            "strategy": "fsdp",
+            "devices": 2,
+            "batch_size": 2,
+            "steps": 2,
+            "lr": 0.05,
+            "model": tiny_model_dir,
+            "out": out,
+            "checkpoint": ckpt,
+        }
+    )
+    assert len(records[0]["losses"]) == 2
+    assert_ranks_differ(records)
+    assert_same_update(single_run, out)
+    assert os.path.isdir(ckpt), "ModelParallelStrategy writes a sharded (distributed) checkpoint folder"
+
+    # Resume: the sharded checkpoint loads into freshly sharded models, weights and step included.
+    resumed_out = str(tmp_path / "resumed")
+    records = launch(
+        {
+            "strategy": "fsdp",
+            "devices": 2,
+            "batch_size": 2,
+            "steps": 3,
+            "lr": 0.05,
+            "model": tiny_model_dir,
+            "out": resumed_out,
+            "resume": ckpt,
+        }
+    )
+    assert [r["start_step"] for r in records] == [2, 2]
+    assert len(records[0]["losses"]) == 1
+    saved = torch.load(os.path.join(out, "final.pt"))
+    resumed = torch.load(os.path.join(resumed_out, "resumed.pt"))
+    for name in saved:
+        torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
+
+    # Export: one process assembles the shards, and the policy goes out as a plain save_pretrained folder.
+    consolidated = consolidate_checkpoint(ckpt)
+    hf_dir = export_policy(GRPOModule(tiny_model_dir), str(tmp_path / "hf"), ckpt_path=consolidated)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    exported = dict(model.named_parameters())
+    assert exported.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
+    untouched = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(untouched.lm_head.weight, model.lm_head.weight), "export wrote the untrained model"
+
+
+def test_gpu_check_script_runs_on_cpu():
+    """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
+    done = subprocess.run(["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["run", "params_M"])
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[header + 1 : header + 3]}
+    assert set(rows) == {"fsdp2-bf16", "lora-bf16"}
+    for values in rows.values():
+        params, generate, reference, rest, step, *_ = values
+        assert params > 0 and generate > 0 and reference > 0 and rest > 0
+        assert abs(generate + reference + rest - step) < 0.02 + 1e-3 * step
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[1]))

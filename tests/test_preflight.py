@@ -1,0 +1,115 @@
+"""Pre-flight: the block reported before the first step, each check's finding, and no effect on training."""
+
+import lightning as L
+import pytest
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.data import GSM8KDataModule, arithmetic_problems, collate_rows
+from grpo_lightning.models import LoraOptions, ModelOptions
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.preflight import Preflight, effective_batch, input_gradients_enabled, run_preflight
+from grpo_lightning.rewards import accuracy_reward
+from tests.test_bad_input import end_early
+
+BATCH = collate_rows(arithmetic_problems(2, seed=3), system_prompt=None)
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    return [len(c) / 100 for c in completions]
+
+
+def module_for(model_dir: str, grpo: dict | None = None, reward_funcs=(accuracy_reward,), **kwargs):
+    grpo = GRPOConfig(**({"num_generations": 4, "max_completion_length": 3} | (grpo or {})))
+    module = GRPOModule(model_dir, reward_funcs=list(reward_funcs), grpo=grpo, **kwargs)
+    module.configure_model()
+    return module
+
+
+def test_effective_batch_counts_completions_per_update():
+    assert effective_batch(prompts=2, num_generations=4) == 8
+    assert effective_batch(prompts=2, num_generations=4, devices=8, accumulation=2) == 128
+
+
+def test_report_of_a_sound_setup(tiny_model_dir):
+    module = module_for(tiny_model_dir, grpo={"max_completion_length": 20})
+    end_early(module, eos_logit=6.0)  # EOS as likely as the 399 other tokens together: 20 tokens hold one
+    report = run_preflight(module, BATCH, devices=1, accumulation=1, samples=2)
+    assert report.lines["effective batch"].startswith(
+        "2 prompts x 4 completions x 1 device(s) x 1 accumulation = 8 completions per step (one micro-batch"
+    )
+    assert report.lines["completion length"] == "0 of 8 sampled completions reached max_completion_length=20"
+    assert report.lines["reward audit"] == "passes on 2 reference solutions"
+    assert report.lines["LoRA input grads"].startswith("not needed")
+    assert report.problems == []
+    assert report.text().splitlines()[0] == "GRPO pre-flight:" and report.text().endswith("all clear")
+
+
+def test_most_completions_cut_off_is_a_problem(tiny_model_dir):
+    module = module_for(tiny_model_dir, grpo={"max_completion_length": 3, "min_completion_length": 3})
+    report = run_preflight(module, BATCH, samples=2)
+    assert report.lines["completion length"] == "8 of 8 sampled completions reached max_completion_length=3"
+    assert len(report.problems) == 1
+    assert report.problems[0].startswith("8 of 8 completions sampled before training reached max_completion")
+    assert "raise grpo.max_completion_length" in report.problems[0]
+
+
+def test_a_reward_that_ignores_the_answer_fails_the_audit(tiny_model_dir):
+    module = module_for(tiny_model_dir, reward_funcs=[length_reward])
+    report = run_preflight(module, BATCH, samples=1)
+    assert report.lines["reward audit"] == "FAILS on 2 reference solutions"
+    audit_problems = [p for p in report.problems if p.startswith("the reward audit fails")]
+    assert len(audit_problems) == 1 and "length_reward" in audit_problems[0]  # with the table
+
+
+def test_lora_with_gradient_checkpointing_needs_input_gradients(tiny_model_dir):
+    module = module_for(
+        tiny_model_dir,
+        lora=LoraOptions(r=2, target_modules=["q_proj"]),
+        model_options=ModelOptions(gradient_checkpointing=True),
+    )
+    assert input_gradients_enabled(module.policy) is True  # the module enables them
+    report = run_preflight(module, BATCH, samples=1)
+    assert report.lines["LoRA input grads"] == "enabled"
+
+    # A policy prepared elsewhere, whose input embeddings nobody hooked (transformers, PEFT and the module
+    # each register one hook: remove them all).
+    module.policy.get_input_embeddings()._forward_hooks.clear()
+    assert input_gradients_enabled(module.policy) is False
+    report = run_preflight(module, BATCH, samples=1)
+    assert report.lines["LoRA input grads"] == "DISABLED"
+    assert any("policy.enable_input_require_grads()" in p for p in report.problems)
+
+
+def first_step_completions(model_dir: str, preflight: Preflight | None) -> tuple[list[str], int]:
+    L.seed_everything(0)
+    grpo = GRPOConfig(num_generations=2, max_completion_length=4, preflight=preflight is not None)
+    module = GRPOModule(model_dir, reward_funcs=[length_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=10, batch_size=2, val_size=2
+    )
+    calls = []
+    sample = module.sample
+    module.sample = lambda *args, **kwargs: calls.append(1) or sample(*args, **kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[preflight] if preflight else [],
+    )
+    trainer.fit(module, data)
+    return module.last_rollout.completions, len(calls)
+
+
+def test_preflight_runs_once_before_the_first_step_and_leaves_sampling_alone(tiny_model_dir, caplog):
+    preflight = Preflight(samples=1)
+    with pytest.warns(UserWarning, match="completions sampled before training reached max_completion_length"):
+        with_it, calls = first_step_completions(tiny_model_dir, preflight)
+    assert calls == 2  # the pre-flight's sample, then the step's
+    assert preflight.report is not None and "GRPO pre-flight:" in caplog.text
+    without_it, calls = first_step_completions(tiny_model_dir, None)
+    assert calls == 1
+    assert with_it == without_it  # it drew from its own copy of the RNG states

@@ -1,0 +1,174 @@
+"""Exact resume: N steps, a checkpoint, M more steps from it == N + M steps straight through."""
+
+import random
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.credit import ScoredGroups
+from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.models import LoraOptions
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.resume import ResumableSampler, capture_rng_states, restore_rng_states
+
+M = 2  # steps after the resume
+BATCHES_PER_EPOCH = 3  # train_size=6, batch_size=2: the resumed steps reach into the next epoch
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """A reward that varies within every group, so that each step really changes the weights."""
+    return [len(c) / 10 for c in completions]
+
+
+class Recorder(L.Callback):
+    """What each training step saw and produced."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = pl_module.last_rollout
+        self.steps.append(
+            {
+                "questions": batch["question"],
+                "completions": record.completions,
+                "rewards": record.rewards.tolist(),
+                "loss": float(outputs["loss"]),
+            }
+        )
+
+
+def fit(
+    model_dir: str,
+    max_steps: int,
+    lora: LoraOptions | None,
+    seed: int,
+    ckpt_path: str | None = None,
+    save_dir: str | None = None,
+) -> tuple[GRPOModule, Recorder]:
+    L.seed_everything(seed)
+    module = GRPOModule(
+        model_dir,
+        reward_funcs=[length_reward],
+        grpo=GRPOConfig(
+            num_generations=4,
+            max_completion_length=6,
+            beta=0.04,
+            learning_rate=1e-2,
+            warmup_steps=3,
+            preflight=False,
+            log_completions_every=0,
+        ),
+        lora=lora,
+        num_generations_eval=2,  # validation samples too: it must not move the training RNG
+    )
+    data = GSM8KDataModule(
+        source="arithmetic",
+        system_prompt=None,
+        arithmetic_size=20,
+        batch_size=2,
+        train_size=6,
+        val_size=2,
+        val_batch_size=2,
+    )
+    recorder = Recorder()
+    callbacks = [recorder]
+    if save_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=max_steps, save_top_k=-1))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=save_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)  # weights_only left to torch.load: True since PyTorch 2.6
+    assert trainer.global_step == max_steps
+    return module, recorder
+
+
+@pytest.mark.parametrize(
+    ("n", "lora"),
+    [
+        (2, None),  # mid-epoch, before a validation that samples
+        # At an epoch's end, with LoRA.
+        (BATCHES_PER_EPOCH, LoraOptions(r=4, alpha=8, target_modules=["q_proj", "v_proj"])),
+    ],
+    ids=["mid-epoch", "lora-epoch-end"],
+)
+def test_resume_continues_exactly(tiny_model_dir, tmp_path, n, lora):
+    straight, straight_steps = fit(tiny_model_dir, n + M, lora, seed=0)
+    fit(tiny_model_dir, n, lora, seed=0, save_dir=str(tmp_path))
+    ckpt = str(tmp_path / f"epoch={(n - 1) // BATCHES_PER_EPOCH}-step={n}.ckpt")
+
+    saved = torch.load(ckpt, weights_only=True)  # what we write loads without trusting pickles
+    assert saved["grpo_state"]["bad_steps"] == 0
+    epoch, done = divmod(n, BATCHES_PER_EPOCH)
+    assert saved["GSM8KDataModule"] == {"epoch": epoch, "batches_done": done}
+
+    # Another seed: only the checkpoint's RNG states can make the resumed run sample the same completions.
+    resumed, resumed_steps = fit(tiny_model_dir, n + M, lora, seed=1234, ckpt_path=ckpt)
+    assert len(resumed_steps.steps) == M
+    for expected, got in zip(straight_steps.steps[n:], resumed_steps.steps, strict=True):
+        assert got["questions"] == expected["questions"]
+        assert got["completions"] == expected["completions"]
+        assert got["rewards"] == expected["rewards"]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-9)
+    assert any(step["loss"] != 0 for step in straight_steps.steps[n:])  # the steps compared did train
+    trained = {k: v for k, v in straight.policy.state_dict().items()}
+    for key, value in resumed.policy.state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_adaptive_state_round_trips_through_a_weights_only_checkpoint(tiny_model_dir, tmp_path):
+    """The count of consecutive non-finite steps, and dynamic sampling's groups waiting for an update."""
+    grpo = GRPOConfig(num_generations=2, max_completion_length=4, dynamic_sampling=True, preflight=False)
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    module.configure_model()
+    prompts = [[{"role": "user", "content": "1 + 1?"}], [{"role": "user", "content": "2 + 2?"}]]
+    rollout, completions = module.sample(prompts, 2)
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])  # the first group informative, the second not
+    module.group_buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
+    module._bad_steps = 2
+    checkpoint = {"state_dict": {}}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "state.ckpt")
+
+    fresh = GRPOModule(tiny_model_dir, grpo=grpo)
+    fresh.on_load_checkpoint(torch.load(tmp_path / "state.ckpt", weights_only=True))
+    assert fresh._bad_steps == 2
+    buffer = fresh.group_buffer
+    assert (buffer.rounds, buffer.target, buffer.num_kept) == (1, 2, 1)
+    assert buffer.kept[0].completions == completions[:2] and buffer.kept[0].prompts == prompts[:1]
+    torch.testing.assert_close(buffer.kept[0].rollout.completion_ids, rollout.completion_ids[:2])
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    torch.save(capture_rng_states(), tmp_path / "rng.pt")
+    first = (torch.rand(3).tolist(), random.random(), np.random.rand())
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    restore_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == first
+
+
+def test_resumable_sampler_starts_part_way_then_from_the_top():
+    sampler = ResumableSampler(10, seed=5)
+    epoch0, epoch1 = sampler.order(0), sampler.order(1)
+    assert sorted(epoch0) == list(range(10)) and epoch0 != epoch1  # a permutation, a new one each epoch
+    assert list(sampler) == epoch0
+    sampler.resume(epoch=1, start=4)
+    assert list(sampler) == epoch1[4:]
+    assert list(sampler) == epoch1  # only the first pass after a resume is cut
+    assert ResumableSampler(10, seed=5).order(1) == epoch1  # the seed and the epoch alone fix the order
+    with pytest.raises(ValueError, match="outside the 10 training rows"):
+        sampler.resume(epoch=0, start=11)
