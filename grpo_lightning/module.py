@@ -315,7 +315,8 @@ class GRPOModule(L.LightningModule):
 
         columns = {key: [v for v in values for _ in range(G)] for key, values in batch.items()}
         completion_ids = [
-            ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+            ids[m.bool()].tolist()
+            for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
         rewards_per_func = score_completions(
             self.reward_funcs, completions, completion_ids=completion_ids, **columns

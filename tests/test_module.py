@@ -128,7 +128,9 @@ def test_sample_groups_and_masks(tiny_model_dir):
     assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2])
     assert not torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[3])
     eos = module.tokenizer.eos_token_id
-    for ids, mask, truncated in zip(rollout.completion_ids, rollout.completion_mask, rollout.truncated, strict=True):
+    for ids, mask, truncated in zip(
+        rollout.completion_ids, rollout.completion_mask, rollout.truncated, strict=True
+    ):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any()  # mask is a prefix
         assert truncated == (eos not in ids[:n].tolist())
