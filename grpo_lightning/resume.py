@@ -149,9 +149,14 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self._ctrl_c = None, False
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # only outside another handler
+        current = signal.getsignal(signal.SIGINT)
+        # Only outside another program's handler; one left behind by an earlier fit that never reached its
+        # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
+        stale = isinstance(getattr(current, "__self__", None), InterruptCheckpoint)
+        if current is signal.default_int_handler or stale:
             try:
-                self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self._previous_sigint = signal.default_int_handler
             except ValueError:  # not the main thread: leave Ctrl-C alone
                 self._previous_sigint = None
 

@@ -160,8 +160,15 @@ class _HeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, keep_logits: bool,
-                with_entropy: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        temperature: float,
+        keep_logits: bool,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
         logits = (hidden @ weight.T).float() / temperature  # [C, V]
         log_z = logits.logsumexp(dim=-1)  # [C]
         logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
@@ -206,8 +213,14 @@ def completion_logprobs(
     Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
     """
     T = num_completion_tokens
+    # Positions count real tokens only, as `generate` numbers them. With left padding, arange positions would
+    # shift a shorter prompt's tokens: rotary models do not mind, models with absolute position embeddings
+    # (GPT-2, OPT) would score completions they never sampled.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # [B, L]
     decoder = model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).last_hidden_state  # [B, L, H]
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
     targets = input_ids[:, -T:]  # [B, T]
     head = model.get_output_embeddings()

@@ -1,0 +1,383 @@
+"""One GRPO optimizer step on CPU: TRL's `GRPOTrainer` vs our `GRPOModule` vs the floor, side by side.
+
+All three run the same model (fp32), the same chat prompts, G completions per prompt of exactly L tokens
+(`min_new_tokens = max_new_tokens`), the same loss type and beta, the same reward function and the same
+number of torch threads. Each framework runs in its own subprocess, so that its peak RSS is its own; the
+order cycles TRL, ours, floor, TRL, ours, floor, ... and the figures are medians over every timed step.
+
+The floor is the least work a step can do: one plain `model.generate` for the same shapes, one no-grad
+reference forward (when beta > 0) and one policy forward + backward over the same sequences. Each
+forward is timed both as a plain HF forward with `logits_to_keep` and as our `completion_logprobs`, and
+the floor takes the cheaper of the two.
+
+    python benchmarks/vs_trl.py --model tiny                              # random 150k-vocab Llama
+    python benchmarks/vs_trl.py --model models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TRAIN = os.path.join(REPO, "..", "shared", "data", "gsm8k", "train.jsonl")
+FRAMEWORKS = ("trl", "ours", "floor")
+REFERENCES = ("trl", "floor")  # what our step time is compared with
+RESULT_PREFIX = "RESULT "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default="tiny", help="'tiny' (built into --tiny-dir) or a model folder")
+    parser.add_argument("--tiny-dir", default=os.path.join(tempfile.gettempdir(), "grpo_bench_tiny_150k"))
+    parser.add_argument("--num-generations", type=int, default=4, help="group size G")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
+    parser.add_argument("--length", type=int, default=32, help="completion tokens (min_new_tokens too)")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--repeats", type=int, default=2, help="processes per framework, in alternation")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, the same for all")
+    parser.add_argument("--only", choices=FRAMEWORKS, help="run one framework in this process (internal)")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------- shared inputs
+def load_prompts(count: int) -> list[list[dict[str, str]]]:
+    """The first `count` GSM8K training questions as chat messages, with our default system prompt."""
+    from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT
+
+    system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
+    return [[system, {"role": "user", "content": row["question"]}] for row in gsm8k_rows(count)]
+
+
+_reward_rng = random.Random(0)
+
+
+def gsm8k_rows(count: int) -> list[dict]:
+    with open(GSM8K_TRAIN, encoding="utf-8") as f:
+        return [json.loads(line) for line in itertools.islice(f, count)]
+
+
+def random_reward(completions: list, **kwargs) -> list[float]:
+    """Random rewards, so that every group has non-zero advantages and the whole loss path runs."""
+    return [_reward_rng.random() for _ in completions]
+
+
+def build_tiny(path: str) -> str:
+    """A random 4-layer Llama (hidden 128, ~0.8M non-embedding weights) with Qwen2.5's 151936-token vocab."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from grpo_lightning.tiny import save_tiny
+
+    texts = [row["question"] + "\n" + row["answer"] for row in gsm8k_rows(2000)]
+    return save_tiny(path, texts, tokenizer_vocab=400, model_vocab=151936, hidden_size=128, num_layers=4)
+
+
+class Clock:
+    """Wall and CPU seconds since `start()`. CPU time counts every thread of this process: it is the work
+    done, whatever share of the cores the other processes on a shared machine take meanwhile."""
+
+    def start(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------- one framework
+def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+            self.clock = Clock()
+
+        def on_step_begin(self, *unused, **kwargs) -> None:
+            self.clock.start()
+
+        def on_step_end(self, *unused, **kwargs) -> None:
+            wall, cpu = self.clock.read()
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu})
+
+    G, L = args.num_generations, args.length
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_bench_"),
+        per_device_train_batch_size=G * args.prompts,
+        num_generations=G,
+        max_completion_length=L,
+        generation_kwargs={"min_new_tokens": L},
+        temperature=1.0,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        learning_rate=args.lr,
+        max_steps=args.warmup + args.steps,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"},
+        shuffle_dataset=False,
+        report_to="none",
+        logging_steps=args.warmup + args.steps,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=args.model_path,
+        reward_funcs=random_reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        callbacks=[timer],
+    )
+    assert not trainer.model.is_gradient_checkpointing
+    trainer.train()
+    return timer.steps
+
+
+def run_ours(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from grpo_lightning.config import GRPOConfig
+    from grpo_lightning.module import GRPOModule
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+            self.clock = Clock()
+
+        def on_train_batch_start(self, *unused) -> None:
+            self.clock.start()
+
+        def on_train_batch_end(self, trainer, *unused) -> None:
+            wall, cpu = self.clock.read()
+            generate = float(trainer.callback_metrics["train/generate_seconds"])
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, "generate": generate})
+
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(
+        args.model_path,
+        reward_funcs=[random_reward],
+        grpo=GRPOConfig(
+            num_generations=args.num_generations,
+            max_completion_length=args.length,
+            min_completion_length=args.length,
+            max_prompt_length=None,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            learning_rate=args.lr,
+            log_completions_every=0,
+        ),
+    )
+    loader = DataLoader(
+        [{"prompt": p} for p in prompts],
+        batch_size=args.prompts,
+        collate_fn=lambda rows: {"prompt": [r["prompt"] for r in rows]},
+    )
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return timer.steps
+
+
+def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lightning.models import load_tokenizer
+    from grpo_lightning.sampling import completion_logprobs
+
+    torch.manual_seed(0)
+    G, T = args.num_generations, args.length
+    tokenizer = load_tokenizer(args.model_path)
+    policy = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    reference = (
+        AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
+        if args.beta > 0
+        else None
+    )
+
+    def hf_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=T + 1).logits[:, :-1]  # [B, T, V]
+        return logits.log_softmax(-1).gather(-1, ids[:, -T:, None]).squeeze(-1)  # [B, T]
+
+    def our_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return completion_logprobs(model, ids, mask, T)[0]  # [B, T]
+
+    scorers = {"hf": hf_logprobs, "ours": our_logprobs}
+    steps = []
+    for step in range(args.warmup + args.steps):
+        batch = prompts[step * args.prompts : (step + 1) * args.prompts]
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids = enc["input_ids"].repeat_interleave(G, 0)  # [B, P]
+        mask = enc["attention_mask"].repeat_interleave(G, 0)  # [B, P]
+        clock = Clock()
+        clock.start()
+        policy.eval()
+        with torch.no_grad():
+            sequences = policy.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=T,
+                min_new_tokens=T,
+                pad_token_id=tokenizer.pad_token_id,
+            )  # [B, P+T]
+        timings = dict(zip(("generate", "generate_cpu"), clock.read(), strict=True))
+        policy.train()
+        full_mask = torch.cat([mask, torch.ones_like(sequences[:, -T:])], dim=1)  # [B, P+T]
+        advantages = torch.randn(sequences.size(0), 1)  # [B, 1]
+        for name, scorer in scorers.items():
+            if reference is not None:
+                clock.start()
+                with torch.no_grad():
+                    scorer(reference, sequences, full_mask)
+                timings[f"reference_{name}"], timings[f"reference_{name}_cpu"] = clock.read()
+            clock.start()
+            loss = -(scorer(policy, sequences, full_mask) * advantages).mean()
+            loss.backward()
+            timings[f"policy_{name}"], timings[f"policy_{name}_cpu"] = clock.read()
+            policy.zero_grad(set_to_none=True)
+        # The floor is generate plus the cheaper scorer of each forward.
+        kinds = ("reference", "policy") if reference is not None else ("policy",)
+        for total, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
+            cheapest = sum(min(timings[f"{k}_{n}{suffix}"] for n in scorers) for k in kinds)
+            timings[total] = timings[f"generate{suffix}"] + cheapest
+        steps.append(timings)
+    return steps
+
+
+def child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts * (args.warmup + args.steps))
+    runner = {"trl": run_trl, "ours": run_ours, "floor": run_floor}[args.only]
+    result = {
+        "steps": runner(args, prompts)[args.warmup :],
+        "peak_rss_mib": peak_rss_mib(),
+        "threads": torch.get_num_threads(),
+    }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------------------- the driver
+def run_child(framework: str, args: argparse.Namespace, model_path: str) -> dict:
+    options = (
+        "num_generations",
+        "prompts",
+        "length",
+        "beta",
+        "loss_type",
+        "lr",
+        "warmup",
+        "steps",
+        "threads",
+    )
+    argv = [item for key in options for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only", framework, "--model", model_path]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise RuntimeError(f"{framework} run failed with exit code {proc.returncode}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
+    """A markdown table of medians over every timed step (and peak RSS over processes), then the parts."""
+
+    def median(fw: str, key: str = "seconds", runs: list[dict] | None = None) -> float:
+        return statistics.median(step[key] for run in runs or results[fw] for step in run["steps"])
+
+    tokens = args.num_generations * args.prompts * args.length
+    names = {
+        "trl": f"TRL {_version('trl')} GRPOTrainer",
+        "ours": "grpo-lightning GRPOModule",
+        "floor": "floor",
+    }
+    lines = [
+        "| | wall s / step | per-process wall medians | CPU s / step | completion tok/s (wall) "
+        "| peak RSS MiB | vs TRL wall / CPU | vs floor wall / CPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for fw, runs in results.items():
+        wall, cpu = median(fw), median(fw, "cpu_seconds")
+        per_process = ", ".join(f"{median(fw, runs=[run]):.2f}" for run in runs)
+        rss = statistics.median(run["peak_rss_mib"] for run in runs)
+        ratios = [f"{wall / median(ref):.2f} / {cpu / median(ref, 'cpu_seconds'):.2f}" for ref in REFERENCES]
+        cells = [names[fw], f"{wall:.2f}", per_process, f"{cpu:.2f}", f"{tokens / wall:.0f}", f"{rss:.0f}"]
+        cells += ratios
+        lines.append("| " + " | ".join(cells) + " |")
+    for fw in ("ours", "floor"):
+        parts = [key for key in results[fw][0]["steps"][0] if key not in ("seconds", "cpu_seconds")]
+        lines.append(f"\n{fw} parts, median s: " + ", ".join(f"{key} {median(fw, key):.3f}" for key in parts))
+    threads = {fw: sorted({run["threads"] for run in runs}) for fw, runs in results.items()}
+    lines.append(f"\ntorch threads seen: {threads}")
+    return "\n".join(lines)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.only:
+        args.model_path = args.model
+        child(args)
+        return
+    model_path = build_tiny(args.tiny_dir) if args.model == "tiny" else os.path.abspath(args.model)
+    results: dict[str, list[dict]] = {fw: [] for fw in FRAMEWORKS}
+    start = time.perf_counter()
+    for repeat in range(args.repeats):
+        for fw in FRAMEWORKS:
+            results[fw].append(run_child(fw, args, model_path))
+            seconds = [round(step["seconds"], 2) for step in results[fw][-1]["steps"]]
+            print(f"repeat {repeat} {fw}: {seconds} s", file=sys.stderr, flush=True)
+    print(
+        f"model {model_path}, G={args.num_generations}, prompts/step={args.prompts}, L={args.length}, "
+        f"beta={args.beta}, loss={args.loss_type}, threads={args.threads}, "
+        f"{args.repeats}x{args.steps} timed steps after {args.warmup} warm-up; "
+        f"total {time.perf_counter() - start:.0f} s"
+    )
+    print(report(args, results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Sampling and scoring agree: the loss sees the log-probs of the distribution the sampler drew from."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from grpo_lightning.sampling import (
+    InverseCDFSampler,
+    _token_logprobs_and_entropy,
+    completion_logprobs,
+    generate_completions,
+)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_logprobs_match_generate_scores_with_left_padding(tiny_model_dir, architecture):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    if architecture == "llama":  # rotary positions: indifferent to the padding's shift
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    else:  # absolute position embeddings: wrong positions would change every log-prob of a padded row
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=256)
+        model = GPT2LMHeadModel(config).eval()
+    enc = tok(["Natalia sold 48 clips in April and", "Weng"], return_tensors="pt", padding=True)
+    assert (enc["attention_mask"] == 0).any()
+    out = model.generate(
+        **enc,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    completion = out.sequences[:, enc["input_ids"].size(1) :]  # [B, T]
+    expected = torch.stack(
+        [
+            torch.log_softmax(s.float(), -1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
+            for t, s in enumerate(out.logits)
+        ],
+        dim=1,
+    )  # [B, T]
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], dim=1)
+    with torch.no_grad():
+        logprobs, _ = completion_logprobs(model, out.sequences, mask, completion.size(1))
+    torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_inverse_cdf_sampler_draws_the_softmax_distribution():
+    torch.manual_seed(0)
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, -math.inf]]).repeat(20000, 1)  # [N, V]
+    draws = InverseCDFSampler()(None, scores).argmax(dim=-1)  # the one 0 among -inf
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    probs = torch.softmax(scores[0], -1)
+    # 4 standard deviations of a binomial frequency.
+    tolerance = 4 * torch.sqrt(probs * (1 - probs) / draws.numel()) + 1e-9
+    assert (freq - probs).abs().le(tolerance).all(), (freq, probs)
+    assert freq[4] == 0  # a token of probability 0 is never drawn
+
+
+def test_written_head_backward_matches_autograd():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).double()
+    hidden = torch.randn(2, 7, 8, dtype=torch.float64)
+    targets = torch.randint(0, 50, (2, 4))
+
+    class Tiny(torch.nn.Module):  # decoder = identity on precomputed hidden states
+        def get_decoder(self):
+            return lambda input_ids, attention_mask, position_ids: type("O", (), {"last_hidden_state": h})()
+
+        def get_output_embeddings(self):
+            return head
+
+    for chunk_elements in (10_000, 60):  # one chunk (logits kept) and several (recomputed)
+        h = hidden.clone().requires_grad_()
+        ids = torch.cat([torch.zeros(2, 3, dtype=torch.long), targets], 1)
+        lp, _ = completion_logprobs(
+            Tiny(), ids, torch.ones_like(ids), 4, temperature=0.7, max_logits_elements=chunk_elements
+        )
+        (lp * torch.arange(8.0, dtype=torch.float64).view(2, 4)).sum().backward()
+        h_ref = hidden.clone().requires_grad_()
+        ref, _ = _token_logprobs_and_entropy(
+            head, h_ref[:, 2:6].reshape(-1, 8), targets.reshape(-1), 0.7, False
+        )
+        (ref.view(2, 4) * torch.arange(8.0, dtype=torch.float64).view(2, 4)).sum().backward()
+        torch.testing.assert_close(lp, ref.view(2, 4).float())
+        torch.testing.assert_close(h.grad, h_ref.grad)
+        head.weight.grad = None
+
+
+def test_completion_mask_stops_after_first_eos(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    enc = tok(["a b c"], return_tensors="pt")
+    torch.manual_seed(0)
+    rollout = generate_completions(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        num_generations=4,
+        max_new_tokens=5,
+        eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
+    assert rollout.completion_ids.shape[0] == 4
+    n = rollout.completion_mask.sum(1)
+    assert ((n == 5) | ~rollout.truncated).all()
