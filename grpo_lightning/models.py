@@ -13,10 +13,14 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+try:  # transformers >= 5.2x keeps GGUF weights in GGUF blocks unless asked to dequantise them
+    from transformers import GgufConfig
+except ImportError:  # older releases always dequantise
+    GgufConfig = None
 
 
 @dataclass
@@ -74,7 +78,9 @@ def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTra
         kwargs["attn_implementation"] = options.attn_implementation
     if options.gguf_file:
         # Dense weights: GGUF blocks are for inference kernels, and neither train nor save_pretrained.
-        kwargs.update(gguf_file=options.gguf_file, quantization_config=GgufConfig(dequantize=True))
+        kwargs["gguf_file"] = options.gguf_file
+        if GgufConfig is not None:
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 

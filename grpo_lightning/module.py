@@ -527,7 +527,10 @@ class GRPOModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         results = self.val_accuracy.compute()
-        self.val_accuracy.reset()
+        # Outside inference mode: states reset inside `trainer.validate` would become inference tensors,
+        # which a later validation within `fit` (no_grad only) could not update in place.
+        with torch.inference_mode(False):
+            self.val_accuracy.reset()
         for key, value in results.items():
             self.log(f"val/{key}", value, prog_bar=key == "accuracy")
         restore_rng_states(self._rng_outside_validation)

@@ -143,3 +143,31 @@ def test_prompt_without_chat_template_is_a_clear_error(tiny_model_dir):
     module.tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         module.encode_prompts([[{"role": "user", "content": "hi"}]])
+
+
+def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
+    """`trainer.validate` (inference mode) before a `fit` that validates (no_grad): the demo's sequence."""
+    import lightning as L
+
+    from grpo_lightning.data import GSM8KDataModule
+
+    module = GRPOModule(
+        tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=4, preflight=False)
+    )
+    data = GSM8KDataModule(
+        source="arithmetic", batch_size=2, val_size=4, val_batch_size=4, arithmetic_size=20
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        val_check_interval=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    before = trainer.validate(module, data)[0]
+    trainer.fit(module, data)
+    assert 0.0 <= before["val/accuracy"] <= 1.0
+    assert "val/accuracy" in trainer.logged_metrics
