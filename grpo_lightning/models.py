@@ -6,6 +6,7 @@ GGUF file (dequantised by transformers). Nothing here knows about Lightning.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class ModelOptions:
         attn_implementation: "eager", "sdpa", "flash_attention_2", ... Default None (transformers picks).
         gradient_checkpointing: recompute activations in backward to save memory. Default False.
         trust_remote_code: passed to `from_pretrained`. Default False.
+        load_in_4bit: QLoRA (Dettmers et al., arXiv:2305.14314): the frozen base in 4-bit NF4 with double
+            quantisation and bf16 compute, through bitsandbytes; needs a CUDA GPU and `lora`. Default False.
     """
 
     gguf_file: str | None = None
@@ -42,6 +45,7 @@ class ModelOptions:
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    load_in_4bit: bool = False
 
 
 def _check_exists(name_or_path: str) -> None:
@@ -81,7 +85,36 @@ def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTra
         kwargs["gguf_file"] = options.gguf_file
         if GgufConfig is not None:
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if options.load_in_4bit:
+        kwargs["quantization_config"] = _four_bit_config()
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if options.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # Norms in float32 and input gradients on, so that the LoRA adapters above the 4-bit base train.
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=options.gradient_checkpointing
+        )
+    return model
+
+
+def _four_bit_config():
+    """bitsandbytes NF4 with double quantisation and bf16 compute, or a clear error where it cannot run."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "ModelOptions.load_in_4bit needs a CUDA GPU (bitsandbytes 4-bit kernels); on this machine train "
+            "with load_in_4bit: false (LoRA over a float32 or bfloat16 base)"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError("ModelOptions.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
 
 
 @dataclass

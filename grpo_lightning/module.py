@@ -102,6 +102,10 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
 
+        if model_options.load_in_4bit and lora is None:
+            raise ValueError(
+                "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
+            )
         self.policy_source = policy if isinstance(policy, str) else None
         self.policy: PreTrainedModel | None = None if isinstance(policy, str) else policy
         if tokenizer is None and self.policy_source is None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.models import LoraOptions, ModelOptions
+from grpo_lightning.models import LoraOptions, ModelOptions, load_model
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import Rollout, completion_logprobs
 
@@ -97,3 +98,11 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tiny_model_dir):
     for name, p in policy.named_parameters():
         if "lora_A" in name:  # the first LoRA factor: its gradient needs B != 0 and the input gradient path
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_four_bit_base_needs_lora_and_a_gpu(tiny_model_dir):
+    with pytest.raises(ValueError, match="load_in_4bit trains LoRA adapters"):
+        GRPOModule(tiny_model_dir, model_options=ModelOptions(load_in_4bit=True))
+    if not torch.cuda.is_available():  # the CPU path: one clear message, nothing loaded
+        with pytest.raises(RuntimeError, match="load_in_4bit needs a CUDA GPU"):
+            load_model(tiny_model_dir, ModelOptions(load_in_4bit=True))
