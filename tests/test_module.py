@@ -171,3 +171,45 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
     trainer.fit(module, data)
     assert 0.0 <= before["val/accuracy"] <= 1.0
     assert "val/accuracy" in trainer.logged_metrics
+
+
+def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, tmp_path, monkeypatch):
+    """mu = 2: one rollout, two optimizer steps, the second against the sampling policy's log-probs."""
+    import lightning as L
+
+    import grpo_lightning.module as module_file
+    from grpo_lightning.data import GSM8KDataModule
+
+    seen_old = []
+    real_loss = module_file.grpo_loss
+
+    def spy(logprobs, *args, old_logprobs=None, **kwargs):
+        seen_old.append((old_logprobs.clone(), logprobs.detach().clone()))
+        return real_loss(logprobs, *args, old_logprobs=old_logprobs, **kwargs)
+
+    monkeypatch.setattr(module_file, "grpo_loss", spy)
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=6, num_iterations=2, learning_rate=1e-2, preflight=False
+    )
+
+    def alternating_reward(completions, **kwargs):  # each group of 2 gets 0 and 1: the advantages are never 0
+        return [float(i % 2) for i in range(len(completions))]
+
+    module = GRPOModule(tiny_model_dir, reward_funcs=[alternating_reward], grpo=grpo)
+    data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=2, arithmetic_size=20)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, data)
+    assert trainer.global_step == 2 and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 1
+    (old_1, new_1), (old_2, new_2) = seen_old
+    torch.testing.assert_close(old_1, old_2)  # both passes compare with the same sampling-time log-probs
+    torch.testing.assert_close(new_1, old_1, atol=1e-5, rtol=0)  # first pass: policy = sampling policy
+    assert (new_2 - old_2).abs().max() > 1e-4  # second pass: the policy moved after the first update
