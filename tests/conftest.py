@@ -1,6 +1,7 @@
 import json
 import os
 
+import lightning as L
 import pytest
 
 from grpo_lightning.tiny import save_tiny
@@ -25,3 +26,15 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def digit_reward(completions: list[str], **kwargs) -> list[float]:
     """A dense reward for random-weight models (which never solve anything): the share of digit characters."""
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer that logs, checkpoints and prints nothing unless the test asks for it."""
+    quiet = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**quiet, **kwargs})

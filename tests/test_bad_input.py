@@ -15,6 +15,7 @@ from grpo_lightning.cli import main
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
+from tests.conftest import quiet_trainer
 from tests.test_interrupt import fit_args
 
 ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
@@ -178,16 +179,7 @@ def train(model_dir: str, root, reward_funcs: list, steps: int = 1, **grpo) -> L
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-    )
+    trainer = quiet_trainer(max_steps=steps, limit_val_batches=0, default_root_dir=str(root))
     trainer.fit(module, data)
     return trainer
 

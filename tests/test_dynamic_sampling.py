@@ -15,6 +15,7 @@ from grpo_lightning.data import collate_rows
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import Rollout, completion_logprobs
 from grpo_lightning.tiny import build_model
+from tests.conftest import quiet_trainer
 
 G = 4
 
@@ -85,15 +86,7 @@ def fit_on_rows(module: GRPOModule, data: list[dict], max_steps: int, batch_size
     torch.manual_seed(0)
     loader = DataLoader(data, batch_size=batch_size, collate_fn=lambda batch: collate_rows(batch, None))
     recorder = Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-    )
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=[recorder])
     trainer.fit(module, train_dataloaders=loader)
     assert trainer.global_step == max_steps
     return recorder

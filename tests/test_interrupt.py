@@ -14,6 +14,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.resume import ResumableSampler
+from tests.conftest import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,16 +128,8 @@ def test_ctrl_c_finishes_the_step_and_checkpoints_it(tiny_model_dir, tmp_path):
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=50,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[PressCtrlC(at=3)],
+    trainer = quiet_trainer(
+        max_steps=50, limit_val_batches=0, default_root_dir=str(tmp_path), callbacks=[PressCtrlC(at=3)]
     )
     trainer.fit(module, data)  # returns: the first Ctrl-C is a graceful stop, not a KeyboardInterrupt
 

@@ -6,7 +6,6 @@ share on held-out problems by a clear margin.
 
 import random
 
-import lightning as L
 import torch
 
 from grpo_lightning.config import GRPOConfig
@@ -14,6 +13,7 @@ from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmet
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import format_reward, reference_answer
 from grpo_lightning.tiny import build_model, build_tokenizer
+from tests.conftest import quiet_trainer
 
 
 def warm_start(model, tokenizer, rows, steps: int = 120, hash_share: float = 0.3) -> None:
@@ -69,15 +69,7 @@ def test_grpo_raises_heldout_reward():
     heldout = arithmetic_problems(24, seed=99)
     before = heldout_format_rate(module, heldout)
     data = GSM8KDataModule(source="arithmetic", batch_size=4, val_size=4, arithmetic_size=400)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=25,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=25, limit_val_batches=0)
     trainer.fit(module, data)
     after = heldout_format_rate(module, heldout)
     print(f"held-out format reward: before {before:.3f}, after {after:.3f}")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.module import GRPOModule
-from tests.conftest import GSM8K_DIR
+from tests.conftest import GSM8K_DIR, quiet_trainer
 
 EXPECTED_SCALARS = [
     "train/reward",
@@ -147,7 +147,6 @@ def test_prompt_without_chat_template_is_a_clear_error(tiny_model_dir):
 
 def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
     """`trainer.validate` (inference mode) before a `fit` that validates (no_grad): the demo's sequence."""
-    import lightning as L
 
     from grpo_lightning.data import GSM8KDataModule
 
@@ -157,16 +156,7 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
     data = GSM8KDataModule(
         source="arithmetic", batch_size=2, val_size=4, val_batch_size=4, arithmetic_size=20
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        val_check_interval=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = quiet_trainer(max_steps=2, val_check_interval=1, default_root_dir=str(tmp_path))
     before = trainer.validate(module, data)[0]
     trainer.fit(module, data)
     assert 0.0 <= before["val/accuracy"] <= 1.0
@@ -175,7 +165,6 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
 
 def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, tmp_path, monkeypatch):
     """mu = 2: one rollout, two optimizer steps, the second against the sampling policy's log-probs."""
-    import lightning as L
 
     import grpo_lightning.module as module_file
     from grpo_lightning.data import GSM8KDataModule
@@ -197,16 +186,7 @@ def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, t
 
     module = GRPOModule(tiny_model_dir, reward_funcs=[alternating_reward], grpo=grpo)
     data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=2, arithmetic_size=20)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path))
     trainer.fit(module, data)
     assert trainer.global_step == 2 and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 1
     (old_1, new_1), (old_2, new_2) = seen_old

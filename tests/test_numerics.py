@@ -13,6 +13,7 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.loss import grpo_loss
 from grpo_lightning.models import ModelOptions
 from grpo_lightning.module import GRPOModule
+from tests.conftest import quiet_trainer
 
 
 def length_reward(completions, **kwargs) -> list[float]:
@@ -65,16 +66,8 @@ def setup_run(model_dir: str, root, poisoned: set[int], max_steps: int, **grpo):
         source="arithmetic", system_prompt=None, arithmetic_size=30, batch_size=2, val_size=2
     )
     snapshots = Snapshots()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[snapshots],
-        default_root_dir=str(root),
+    trainer = quiet_trainer(
+        max_steps=max_steps, limit_val_batches=0, callbacks=[snapshots], default_root_dir=str(root)
     )
     return module, data, trainer, snapshots
 

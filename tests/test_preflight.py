@@ -9,6 +9,7 @@ from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.preflight import Preflight, effective_batch, input_gradients_enabled, run_preflight
 from grpo_lightning.rewards import accuracy_reward
+from tests.conftest import quiet_trainer
 from tests.test_bad_input import end_early
 
 BATCH = collate_rows(arithmetic_problems(2, seed=3), system_prompt=None)
@@ -90,16 +91,7 @@ def first_step_completions(model_dir: str, preflight: Preflight | None) -> tuple
     calls = []
     sample = module.sample
     module.sample = lambda *args, **kwargs: calls.append(1) or sample(*args, **kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[preflight] if preflight else [],
-    )
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[preflight] if preflight else [])
     trainer.fit(module, data)
     return module.last_rollout.completions, len(calls)
 

@@ -3,7 +3,6 @@
 import math
 import os
 
-import lightning as L
 import pytest
 import torch
 
@@ -11,7 +10,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.smollm2 import DEFAULT_DIR, export_smollm2
-from tests.conftest import GSM8K_DIR
+from tests.conftest import GSM8K_DIR, quiet_trainer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -38,15 +37,7 @@ def test_one_grpo_step_on_smollm2(smollm2_dir):
         grpo=GRPOConfig(num_generations=2, max_completion_length=16, learning_rate=1e-5, beta=0.04),
     )
     data = GSM8KDataModule(source=GSM8K_DIR, batch_size=1, val_size=1, train_size=1)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     before = module.policy  # loaded lazily
     assert before is None
     trainer.fit(module, data)
