@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from grpo_lightning.callbacks import AuditReport, ValidationResultsWriter, audit_module_rewards
 from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.distributed import close_process_group
 from grpo_lightning.export import export_policy
 from grpo_lightning.module import GRPOModule
 
@@ -97,6 +98,7 @@ INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError)
 def main(args: list[str] | None = None) -> None:
     try:
         build_cli(args)
+        close_process_group()
     except INPUT_ERRORS as err:
         if os.environ.get("GRPO_DEBUG") == "1":
             raise

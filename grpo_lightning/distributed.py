@@ -125,6 +125,18 @@ def call_in_root_forward(model: nn.Module, fn: Callable[..., Any], *args: Any, *
     return output
 
 
+def close_process_group() -> None:
+    """Wait for every rank, then free the default process group, if there is one.
+
+    Lightning leaves the group alive after `fit`. A process that exits with it alive can abort in its C++
+    destructors ("terminate called without an active exception", exit status -6) while a gloo or NCCL
+    thread is still running, after the run itself succeeded.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------- export
 def consolidate_checkpoint(path: str, out_file: str | None = None) -> str:
     """A sharded (distributed) Lightning checkpoint folder as one `torch.save` file; returns its path.

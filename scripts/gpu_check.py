@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule, arithmetic_problems
+from grpo_lightning.distributed import close_process_group
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.tiny import build_model, build_tokenizer
@@ -133,8 +134,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     n = len(measured)
     mean = {key: sum(getattr(t, key) for t in measured) / n for key in ("generate", "reference", "step")}
     tokens = sum(t.tokens for t in measured) / n
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # the next run starts its own (or none)
+    close_process_group()  # the next run starts its own (or none)
     return {
         "run": name,
         "params_M": params / 1e6,

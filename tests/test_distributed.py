@@ -34,6 +34,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import collate_rows
 from grpo_lightning.distributed import (
     call_in_root_forward,
+    close_process_group,
     consolidate_checkpoint,
     gathered_for_generation,
     is_sharded,
@@ -184,6 +185,7 @@ def worker(cfg: dict) -> None:
         torch.save(weights, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(module.record, f)
+    close_process_group()
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -194,7 +196,15 @@ def one_process_group(tmp_path):
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
-        dist.destroy_process_group()
+        close_process_group()
+
+
+def test_close_process_group_frees_the_group_once(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    close_process_group()
+    assert not dist.is_initialized()
+    close_process_group()  # no group: nothing to do, no error
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("lora", [False, True])
