@@ -49,6 +49,13 @@ from grpo_lightning.module import GRPOModule  # noqa: E402
 
 STEP_REWARD = "grpo_lightning.steps.step_reward"
 VARIANTS = ("baseline", "dynamic_sampling", "step_credit")
+UPDATE_KEYS = (  # logged as train/<key>
+    "reward",
+    "rewards/accuracy_reward",
+    "rewards/format_reward",
+    "rewards/step_reward",
+    "completion_length",
+)
 TRAINER_LEFT_OUT = ("logger", "callbacks", "max_time", "enable_checkpointing", "default_root_dir")
 
 
@@ -148,11 +155,12 @@ def heldout_accuracy(module: GRPOModule, data: GSM8KDataModule) -> dict[str, flo
 
 class Progress(L.Callback):
     """Generation rounds, training seconds without the evaluations, the share of groups without signal,
-    and the held-out accuracy every `eval_every` optimizer steps."""
+    the held-out accuracy every `eval_every` optimizer steps, and the rewards and length each update saw."""
 
     def __init__(self, data: GSM8KDataModule, eval_every: int) -> None:
         self.data, self.eval_every = data, eval_every
         self.rounds, self.curve, self.no_signal = 0, [], []  # no_signal: (share, rounds) per update
+        self.updates: list[dict] = []
         self.eval_seconds = 0.0
         self.start: float | None = None
 
@@ -168,6 +176,9 @@ class Progress(L.Callback):
         if module.last_rollout is None:  # dynamic sampling is still collecting groups
             return
         metrics = trainer.callback_metrics
+        # What each update trained on (under dynamic sampling: the informative groups only).
+        trained = {k: round(float(metrics[f"train/{k}"]), 4) for k in UPDATE_KEYS if f"train/{k}" in metrics}
+        self.updates.append({"step": trainer.global_step, **trained})
         if "train/dynamic_sampling/frac_dropped" in metrics:
             rounds = 1 + float(metrics["train/dynamic_sampling/extra_rounds"])
             self.no_signal.append((float(metrics["train/dynamic_sampling/frac_dropped"]), rounds))
@@ -213,6 +224,7 @@ def run_variant(variant: str, config: dict, args: argparse.Namespace, before: di
         "train_seconds": round(progress.train_seconds, 1),
         "frac_no_signal": sum(s * w for s, w in zip(shares, weights, strict=True)) / sum(weights),
         "curve": progress.curve,
+        "updates": progress.updates,
     }
 
 

@@ -29,8 +29,10 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
+from grpo_lightning.distributed import is_sharded
 from grpo_lightning.export import export_policy
 from grpo_lightning.metrics import GSM8KAccuracy
+from grpo_lightning.resume import preserved_rng
 from grpo_lightning.rewards import audit_rewards, extract_answer, reference_answer
 from grpo_lightning.sampling import generate_completions
 
@@ -204,7 +206,10 @@ class GSM8KAccuracyCallback(L.Callback):
         step = logging_step(trainer)
         if (step + 1) % self.every_n_steps:
             return
-        results = self.evaluate(pl_module, trainer.global_rank, trainer.world_size)
+        # Sampled evaluations must not move the training stream: with or without this callback (or in a run
+        # resumed from a checkpoint), training then draws the same completions.
+        with preserved_rng():
+            results = self.evaluate(pl_module, trainer.global_rank, trainer.world_size)
         metrics = {f"{self.prefix}{key}": value for key, value in results.items()}
         # Straight to the loggers: `self.log` from a batch hook only reaches them on `log_every_n_steps`.
         for logger in trainer.loggers:
@@ -533,7 +538,8 @@ class ExportBestCallback(L.Callback):
 
     The best checkpoint is the `best_model_path` of the first `ModelCheckpoint` that monitors a metric (a
     run may also keep the latest weights with an unmonitored one); without one, or when no validation ran,
-    the final weights are exported, with a warning.
+    the final weights are exported, with a warning. A sharded (FSDP) policy is not exported here: the
+    warning gives the `grpo-lightning export` command that reads the checkpoint folder in one process.
 
     Args:
         out_dir: where to write. Default `<trainer.log_dir or default_root_dir>/export`.
@@ -563,6 +569,14 @@ class ExportBestCallback(L.Callback):
                 "exporting the final weights"
             )
         out_dir = self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
+        if is_sharded(_resolve(pl_module, self.model_attr)):
+            # Each rank holds a shard: the export reads the checkpoint folder in one process instead.
+            rank_zero_warn(
+                "ExportBestCallback: the policy is sharded (FSDP), so nothing was exported; export in one "
+                f"process: grpo-lightning export --config <this run's config> --ckpt_path "
+                f"{best or '<a checkpoint>'} --out {out_dir}"
+            )
+            return
         if trainer.is_global_zero:
             export_policy(
                 pl_module,

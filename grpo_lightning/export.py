@@ -21,15 +21,38 @@ __all__ = ["export_policy", "load_policy_weights"]
 def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
     """Copy the weights under `prefix` in a Lightning checkpoint's `state_dict` into `model`, in place.
 
+    `ckpt_path` is a checkpoint file, or the folder that a sharded strategy (FSDP2 through
+    `ModelParallelStrategy`) writes: from a folder only the policy's tensors are read, in this one process,
+    with no process group (no consolidated copy of the whole checkpoint, optimizer states included).
     Strict: the checkpoint must hold every weight of `model` and nothing else under `prefix`.
     """
-    # weights_only=False: a Lightning checkpoint also pickles the hyper-parameters (option dataclasses).
-    # Only load checkpoints you trust.
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    state = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    if os.path.isdir(ckpt_path):
+        state = _sharded_checkpoint_weights(ckpt_path, prefix)
+    else:
+        # weights_only=False: a Lightning checkpoint also pickles the hyper-parameters (option dataclasses).
+        # Only load checkpoints you trust.
+        full = torch.load(ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
+        state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")
     model.load_state_dict(state, strict=True)
+
+
+def _sharded_checkpoint_weights(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The full tensors under `state_dict.<prefix>` of a distributed (DCP) checkpoint folder, on CPU."""
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+
+    reader = FileSystemReader(path)
+    # DCP flattens the nested checkpoint dict: a weight is stored as "state_dict.policy.model.norm.weight".
+    stored = reader.read_metadata().state_dict_metadata
+    flat_prefix = "state_dict." + prefix
+    weights = {
+        key.removeprefix(flat_prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(flat_prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    load({"state_dict": {prefix + k: v for k, v in weights.items()}}, storage_reader=reader, no_dist=True)
+    return weights
 
 
 def export_policy(

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 import lightning as L
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.distributed import consolidate_checkpoint
 from grpo_lightning.export import export_policy
 from grpo_lightning.module import GRPOModule
 
@@ -122,8 +121,7 @@ def export_trained(trainer: L.Trainer, module: GRPOModule, out_dir: str) -> None
             model_options=module.model_options,
             lora=module.lora,
         )
-        ckpt_file = consolidate_checkpoint(ckpt) if os.path.isdir(ckpt) else ckpt
-        export_policy(fresh, out_dir, ckpt_path=ckpt_file)
+        export_policy(fresh, out_dir, ckpt_path=ckpt)  # reads a sharded folder's policy tensors directly
     trainer.strategy.barrier()
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from conftest import GSM8K_DIR, gsm8k_rows
+from conftest import GSM8K_DIR, gsm8k_rows, quiet_trainer
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -103,6 +103,28 @@ def test_fit_logs_validation_metrics_panel_and_monitor(tiny_model_dir: str, tmp_
         assert cells[-2] == f"{float(record.advantages[row]):+.3f}"
         assert cells[-3] == f"{float(record.rewards[row]):.3f}"
         assert cells[-1].startswith(str(int(record.completion_lengths[row])))
+
+
+def test_sampled_evaluations_leave_training_draws_alone(tiny_model_dir: str, tmp_path) -> None:
+    def train(callbacks: list) -> tuple[list[str], dict[str, torch.Tensor]]:
+        L.seed_everything(0)
+        module = tiny_module(tiny_model_dir, learning_rate=1e-2)
+        quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=callbacks).fit(module, tiny_data())
+        return module.last_rollout.completions, {k: v.clone() for k, v in module.policy.state_dict().items()}
+
+    plain_completions, plain_weights = train([])
+    sampled = GSM8KAccuracyCallback(
+        source=GSM8K_DIR,
+        split="holdout",
+        num_problems=4,
+        every_n_steps=1,
+        num_generations=4,
+        max_new_tokens=8,
+    )
+    completions, weights = train([sampled])
+    assert completions == plain_completions  # step 2 sampled the same completions after the evaluation
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=name)
 
 
 class ScriptedLM(torch.nn.Module):

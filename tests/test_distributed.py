@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -30,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
+from grpo_lightning.callbacks import ExportBestCallback
+from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import collate_rows
 from grpo_lightning.distributed import (
@@ -244,6 +247,18 @@ def test_sharded_logprobs_and_generation_match_the_plain_model(one_process_group
         )
 
 
+def test_export_best_names_the_command_for_a_sharded_policy(one_process_group, tiny_model_dir, tmp_path):
+    module = GRPOModule(tiny_model_dir)
+    module.configure_model()
+    shard_model(module.policy, one_process_group)
+    trainer = SimpleNamespace(
+        checkpoint_callbacks=[], log_dir=None, default_root_dir=str(tmp_path), is_global_zero=True
+    )
+    with pytest.warns(UserWarning, match=r"sharded .* grpo-lightning export --config .* --out .*export"):
+        ExportBestCallback().on_fit_end(trainer, module)
+    assert not os.path.exists(tmp_path / "export"), "no half-written export of one shard"
+
+
 def launch(cfg: dict, timeout: float = 120) -> list[dict]:
     """Run the worker in its own process group; kill the group (every rank) if it does not finish."""
     os.makedirs(cfg["out"], exist_ok=True)
@@ -361,14 +376,18 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_
     for name in saved:
         torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
 
-    # Export: one process assembles the shards, and the policy goes out as a plain save_pretrained folder.
+    # Export in one process, no process group: straight from the folder (only the policy's tensors are read,
+    # through the CLI as a user would), or from the whole checkpoint consolidated into one file.
+    from_folder = str(tmp_path / "hf_folder")
+    build_cli(["export", "--model.policy", tiny_model_dir, "--ckpt_path", ckpt, "--out", from_folder])
     consolidated = consolidate_checkpoint(ckpt)
-    hf_dir = export_policy(GRPOModule(tiny_model_dir), str(tmp_path / "hf"), ckpt_path=consolidated)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    exported = dict(model.named_parameters())
-    assert exported.keys() == saved.keys()
-    for name, value in saved.items():
-        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
+    from_file = export_policy(GRPOModule(tiny_model_dir), str(tmp_path / "hf_file"), ckpt_path=consolidated)
+    for hf_dir in (from_folder, from_file):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir)
+        exported = dict(model.named_parameters())
+        assert exported.keys() == saved.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
     untouched = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.equal(untouched.lm_head.weight, model.lm_head.weight), "export wrote the untrained model"
 
