@@ -1,10 +1,12 @@
 """Dynamic sampling and token-level step credit, measured on the learning demo against the plain run.
 
-Three runs of one config, each from the same seed and the same initial weights:
+Runs of one config, each from the same seed and the same initial weights:
 
 - `baseline`: the config as it is (outcome rewards only);
-- `dynamic_sampling`: plus `grpo.dynamic_sampling` (DAPO: groups with equal rewards are dropped and more
-  prompts sampled until the update is full);
+- `dynamic_sampling`: plus `grpo.dynamic_sampling` (DAPO: groups whose completions are all right or all
+  wrong are dropped and more prompts sampled until the update is full);
+- `dynamic_sampling_total`: the same, but judging groups on the total reward (accuracy + format) instead of
+  the accuracy alone (`grpo.dynamic_sampling_metric: null`);
 - `step_credit`: plus the `step_reward` function and `grpo.step_credit` (the tokens of wrong arithmetic
   steps get a negative advantage).
 
@@ -48,7 +50,7 @@ from grpo_lightning.models import LoraOptions, ModelOptions  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
 
 STEP_REWARD = "grpo_lightning.steps.step_reward"
-VARIANTS = ("baseline", "dynamic_sampling", "step_credit")
+VARIANTS = ("baseline", "dynamic_sampling", "dynamic_sampling_total", "step_credit")
 UPDATE_KEYS = (  # logged as train/<key>
     "reward",
     "rewards/accuracy_reward",
@@ -98,6 +100,8 @@ def load_config(path: str, overrides: list[str]) -> dict:
 def variant_overrides(variant: str, config: dict, step_credit: float) -> list[str]:
     if variant == "dynamic_sampling":
         return ["model.grpo.dynamic_sampling=true"]
+    if variant == "dynamic_sampling_total":
+        return ["model.grpo.dynamic_sampling=true", "model.grpo.dynamic_sampling_metric=null"]
     if variant == "step_credit":
         funcs = [f for f in config["model"].get("reward_funcs", []) if f != STEP_REWARD] + [STEP_REWARD]
         return [f"model.reward_funcs=[{', '.join(funcs)}]", f"model.grpo.step_credit={step_credit}"]

@@ -30,8 +30,14 @@ class GRPOConfig:
             gradient) and sample the next batches' prompts until an update has one informative group per
             prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer
             step, so `max_steps` still counts updates. Logs `train/dynamic_sampling/frac_dropped` and
-            `train/dynamic_sampling/extra_rounds`. Judged on the reward functions' total, before any KL in
-            the reward. Default False.
+            `train/dynamic_sampling/extra_rounds`. Default False.
+        dynamic_sampling_metric: the reward function (by name, as logged under `train/rewards/<name>`)
+            whose values decide whether a group carries signal, as the DAPO paper filters on accuracy
+            (verl: `algorithm.filter_groups.metric=acc`); None filters on the weighted total of the reward
+            functions, before any KL in the reward. With a shaped total such as accuracy + format, an
+            all-wrong group that differs only in format passes a total-reward filter, and updates made
+            of such groups can teach the format while accuracy falls (BENCHMARKS.md measured it).
+            Default "accuracy_reward".
         dynamic_sampling_max_rounds: extra generation rounds an update may wait for; after them it is
             topped up with uninformative groups (verl's DAPO recipe stops with an error after 10 rounds,
             `max_num_gen_batches=10`). Default 9.
@@ -101,6 +107,7 @@ class GRPOConfig:
     top_k: int = 0
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 9
+    dynamic_sampling_metric: str | None = "accuracy_reward"
     scale_rewards: str = "group"
     baseline: str = "mean"
     advantage_clip: float | None = None

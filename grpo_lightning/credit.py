@@ -116,10 +116,16 @@ class GroupBuffer:
 
     At the cap, instead of stopping as verl does, the update is topped up with the latest round's
     uninformative groups (zero advantage): it then has the usual size, and every rank the same size.
+
+    `metric` is the column of `rewards_per_func` that decides which groups are informative (DAPO: the
+    accuracy); None uses the weighted total `rewards`.
     """
 
-    def __init__(self, max_extra_rounds: int) -> None:
+    OPTIONS = ("max_extra_rounds", "metric")  # set by the config: not part of a checkpoint's state
+
+    def __init__(self, max_extra_rounds: int, metric: int | None = None) -> None:
         self.max_extra_rounds = max_extra_rounds
+        self.metric = metric
         self._reset()
 
     def _reset(self) -> None:
@@ -136,7 +142,8 @@ class GroupBuffer:
         return sum(len(groups) for groups in self.kept)
 
     def add(self, groups: ScoredGroups) -> None:
-        informative = informative_groups(groups.rewards, groups.num_generations)  # [N]
+        metric = groups.rewards if self.metric is None else groups.rewards_per_func[:, self.metric]  # [N*G]
+        informative = informative_groups(metric.nan_to_num(0.0), groups.num_generations)  # [N]
         if self.rounds == 0:
             self.target = len(groups)
         self.rounds += 1

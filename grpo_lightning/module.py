@@ -120,9 +120,23 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self._bad_steps = 0
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        self.group_buffer = GroupBuffer(grpo.dynamic_sampling_max_rounds)  # dynamic sampling's waiting groups
+        self.group_buffer = GroupBuffer(  # dynamic sampling's waiting groups
+            grpo.dynamic_sampling_max_rounds, self._dynamic_sampling_metric_column()
+        )
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
+
+    def _dynamic_sampling_metric_column(self) -> int | None:
+        metric = self.grpo.dynamic_sampling_metric
+        if not self.grpo.dynamic_sampling or metric is None:
+            return None
+        names = [reward_name(fn) for fn in self.reward_funcs]
+        if metric not in names:
+            raise ValueError(
+                f"GRPOConfig.dynamic_sampling_metric={metric!r} is not one of the reward functions {names}: "
+                "name the one that says whether a completion is right, or null for their weighted total"
+            )
+        return names.index(metric)
 
     # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
@@ -199,7 +213,7 @@ class GRPOModule(L.LightningModule):
         # What Lightning does not store, for an exact resume: the generators that sampling draws from, the
         # count of consecutive non-finite steps and dynamic sampling's waiting groups (all but its option).
         # The data position is the data module's state.
-        buffer = {k: v for k, v in vars(self.group_buffer).items() if k != "max_extra_rounds"}
+        buffer = {k: v for k, v in vars(self.group_buffer).items() if k not in GroupBuffer.OPTIONS}
         rng = capture_rng_states()
         checkpoint["grpo_state"] = {"rng": rng, "bad_steps": self._bad_steps, "group_buffer": buffer}
         # The reference never changes: it is rebuilt from the policy's source, not stored a second time.

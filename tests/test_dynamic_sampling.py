@@ -160,6 +160,27 @@ def test_buffer_at_the_cap_tops_up_with_the_latest_uninformative_groups():
     assert stats == {"frac_dropped": 3 / 4, "extra_rounds": 1.0}
 
 
+def test_buffer_judges_groups_on_the_named_reward_not_a_shaped_total():
+    """An all-wrong group whose format rewards differ has an unequal total but no accuracy signal (DAPO
+    filters on accuracy); a group with one right answer has it."""
+    phantom = fake_groups([SIGNAL], prompt_width=3, completion_width=4, tag=1)  # total varies...
+    phantom.rewards_per_func = torch.stack([torch.zeros(G), phantom.rewards], dim=1)  # ...accuracy is flat
+    right = fake_groups([SIGNAL], prompt_width=3, completion_width=4, tag=2)
+    right.rewards_per_func = torch.stack([right.rewards, torch.ones(G)], dim=1)  # [G, (accuracy, format)]
+    on_accuracy, on_total = GroupBuffer(max_extra_rounds=5, metric=0), GroupBuffer(max_extra_rounds=5)
+    for buffer in (on_accuracy, on_total):
+        buffer.add(ScoredGroups.cat([phantom, right], pad_token_id=0))
+    assert [g.prompts for g in on_accuracy.kept] == [["p2.0"]]
+    assert [g.prompts for g in on_total.kept] == [["p1.0", "p2.0"]]
+
+
+def test_dynamic_sampling_metric_must_name_a_reward_function(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"dynamic_sampling_metric='accuracy_reward' .*\['split_reward'\]"):
+        tiny_module(tiny_model_dir, dynamic_sampling=True)  # the default metric, absent from split_reward
+    tiny_module(tiny_model_dir, dynamic_sampling=True, dynamic_sampling_metric=None)  # the total: always
+    tiny_module(tiny_model_dir)  # without dynamic sampling the option is not read
+
+
 def test_padding_groups_to_a_common_width_keeps_every_logprob():
     """Rows of two rounds with different prompt and completion widths score the same once stacked."""
     model = build_model(400).eval()
@@ -193,7 +214,7 @@ def test_padding_groups_to_a_common_width_keeps_every_logprob():
 
 # ------------------------------------------------------------------------------------------ in training
 def test_dynamic_sampling_trains_only_on_informative_groups(tiny_model_dir):
-    module = tiny_module(tiny_model_dir, dynamic_sampling=True)
+    module = tiny_module(tiny_model_dir, dynamic_sampling=True, dynamic_sampling_metric="split_reward")
     spy = StepSpy(module)
     data = rows("flat 0", "flat 1", "flat 2", "signal 3", "signal 4", "signal 5")
     recorder = fit_on_rows(module, data, max_steps=1)
@@ -210,7 +231,9 @@ def test_dynamic_sampling_trains_only_on_informative_groups(tiny_model_dir):
 
 
 def test_dynamic_sampling_rounds_are_capped(tiny_model_dir):
-    module = tiny_module(tiny_model_dir, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
+    module = tiny_module(
+        tiny_model_dir, dynamic_sampling=True, dynamic_sampling_max_rounds=1, dynamic_sampling_metric=None
+    )
     spy = StepSpy(module)
     data = rows(*(f"flat {i}" for i in range(8)))
     with warnings.catch_warnings():
