@@ -18,6 +18,7 @@ including how many optimizer steps and seconds each run needed to reach the base
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --device cuda
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --max_steps 10 \\
         --set data.val_size=32 --variants baseline dynamic_sampling
+    python benchmarks/compare_options.py --report runs/compare_options/seed*.json  # seeds in one table
 
 The objects are built straight from the YAML (no LightningCLI, so no jsonargparse needed), and the repo
 root goes on `sys.path`: the script runs from a plain checkout where the package is not installed. Run it
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step_credit", type=float, default=0.5, help="grpo.step_credit of that run")
     parser.add_argument("--eval_every", type=int, default=10, help="optimizer steps between evaluations")
     parser.add_argument("--out", default=os.path.join("runs", "compare_options", "results.json"))
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="run nothing: one table of the runs in these --out files (several seeds), with means",
+    )
     return parser.parse_args(argv)
 
 
@@ -258,8 +265,50 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seeds_report(paths: list[str]) -> str:
+    """The runs of several `--out` files, one row per variant and seed, then each variant's mean."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        seed = load_config(saved["config"], saved["overrides"]).get("seed_everything", 0)
+        runs += [(r["variant"], seed, r) for r in saved["results"]]
+    steps = sorted({p["step"] for _, _, r in runs for p in r["curve"]})
+    lines = [
+        f"| run | seed | strict acc. at step {' / '.join(map(str, steps))} | lenient after "
+        "| generation rounds | groups w/o signal | train s | s / step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def row(name: str, seed: str, curve: dict, lenient: float, rounds: float, no_signal: float, secs: float):
+        strict = " / ".join(f"{curve[s]:.3f}" if s in curve else "-" for s in steps)
+        return (
+            f"| {name} | {seed} | {strict} | {lenient:.3f} | {rounds:.0f} | {no_signal:.0%} | {secs:.0f} "
+            f"| {secs / steps[-1]:.1f} |"
+        )
+
+    for variant in dict.fromkeys(v for v, _, _ in runs):  # in the order first seen
+        mine = sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0])
+        figures = []
+        for seed, r in mine:
+            curve = {p["step"]: p["strict"] for p in r["curve"]}
+            fig = (curve, r["after"]["lenient"], r["rounds"], r["frac_no_signal"], r["train_seconds"])
+            figures.append(fig)
+            lines.append(row(variant, str(seed), *fig))
+        if len(figures) > 1:
+            n = len(figures)
+            shared = [s for s in steps if all(s in f[0] for f in figures)]
+            mean_curve = {s: sum(f[0][s] for f in figures) / n for s in shared}
+            means = [sum(f[i] for f in figures) / n for i in range(1, 5)]
+            lines.append(row(f"**{variant}**", "mean", mean_curve, *means))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report:
+        print(seeds_report(args.report))
+        return
     config = load_config(args.config, args.set)
     # One untimed step first, or the first run alone would pay the process's one-time costs (kernels,
     # allocator, autograd threads): on CPU they came to several times a tiny model's step.
