@@ -280,27 +280,28 @@ def seeds_report(paths: list[str]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
 
-    def row(name: str, seed: str, curve: dict, lenient: float, rounds: float, no_signal: float, secs: float):
+    def row(name: str, seed: str, curve: dict, figures: list[float]) -> str:
         strict = " / ".join(f"{curve[s]:.3f}" if s in curve else "-" for s in steps)
+        lenient, rounds, no_signal, seconds, per_step = figures
         return (
-            f"| {name} | {seed} | {strict} | {lenient:.3f} | {rounds:.0f} | {no_signal:.0%} | {secs:.0f} "
-            f"| {secs / steps[-1]:.1f} |"
+            f"| {name} | {seed} | {strict} | {lenient:.3f} | {rounds:.0f} | {no_signal:.0%} | {seconds:.0f} "
+            f"| {per_step:.1f} |"
         )
 
     for variant in dict.fromkeys(v for v, _, _ in runs):  # in the order first seen
-        mine = sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0])
-        figures = []
-        for seed, r in mine:
-            curve = {p["step"]: p["strict"] for p in r["curve"]}
-            fig = (curve, r["after"]["lenient"], r["rounds"], r["frac_no_signal"], r["train_seconds"])
-            figures.append(fig)
-            lines.append(row(variant, str(seed), *fig))
+        curves, figures = [], []
+        for seed, r in sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0]):
+            curves.append({p["step"]: p["strict"] for p in r["curve"]})
+            figures.append(
+                [r["after"]["lenient"], r["rounds"], r["frac_no_signal"], r["train_seconds"]]
+                + [r["train_seconds"] / r["steps"]]
+            )
+            lines.append(row(variant, str(seed), curves[-1], figures[-1]))
         if len(figures) > 1:
-            n = len(figures)
-            shared = [s for s in steps if all(s in f[0] for f in figures)]
-            mean_curve = {s: sum(f[0][s] for f in figures) / n for s in shared}
-            means = [sum(f[i] for f in figures) / n for i in range(1, 5)]
-            lines.append(row(f"**{variant}**", "mean", mean_curve, *means))
+            shared = [s for s in steps if all(s in curve for curve in curves)]
+            mean_curve = {s: sum(curve[s] for curve in curves) / len(curves) for s in shared}
+            means = [sum(column) / len(figures) for column in zip(*figures, strict=True)]
+            lines.append(row(f"**{variant}**", "mean", mean_curve, means))
     return "\n".join(lines)
 
 

@@ -211,7 +211,7 @@ class GRPOModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What Lightning does not store, for an exact resume: the generators that sampling draws from, the
-        # count of consecutive non-finite steps and dynamic sampling's waiting groups (all but its option).
+        # count of consecutive non-finite steps and dynamic sampling's waiting groups (not its options).
         # The data position is the data module's state.
         buffer = {k: v for k, v in vars(self.group_buffer).items() if k not in GroupBuffer.OPTIONS}
         rng = capture_rng_states()

@@ -250,7 +250,9 @@ def test_every_completion_empty_warns(tiny_model_dir, tmp_path):
 def test_every_completion_truncated_warns(tiny_model_dir, tmp_path, no_audit):
     # EOS suppressed for all 4 tokens: every completion runs into the limit.
     with pytest.warns(UserWarning, match="all 4 completions of this step reached max_completion_length=4 "):
-        train(tiny_model_dir, tmp_path, [digit_reward], min_completion_length=4)
+        trainer = train(tiny_model_dir, tmp_path, [digit_reward], min_completion_length=4)
+    assert trainer.global_step == 1  # a warning, not a stop
+    assert float(trainer.callback_metrics["train/frac_truncated"]) == 1.0
 
 
 @pytest.mark.parametrize("mode", ["left", "error"])

@@ -105,7 +105,7 @@ def test_fit_logs_validation_metrics_panel_and_monitor(tiny_model_dir: str, tmp_
         assert cells[-1].startswith(str(int(record.completion_lengths[row])))
 
 
-def test_sampled_evaluations_leave_training_draws_alone(tiny_model_dir: str, tmp_path) -> None:
+def test_sampled_evaluations_leave_training_draws_alone(tiny_model_dir: str) -> None:
     def train(callbacks: list) -> tuple[list[str], dict[str, torch.Tensor]]:
         L.seed_everything(0)
         module = tiny_module(tiny_model_dir, learning_rate=1e-2)

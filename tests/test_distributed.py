@@ -318,19 +318,15 @@ def assert_ranks_differ(records: list[dict]) -> None:
         assert all(torch.isfinite(torch.tensor(record["losses"])))
 
 
+def two_ranks(strategy: str, model: str, out: str, **extra) -> dict:
+    """The worker's config for 2 ranks of 2 prompts each, 2 steps: the single run's 4 prompts, split."""
+    base = {"strategy": strategy, "devices": 2, "batch_size": 2, "steps": 2, "lr": 0.05}
+    return {**base, "model": model, "out": out, **extra}
+
+
 def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tiny_model_dir, tmp_path):
     out = str(tmp_path)
-    records = launch(
-        {
-            "strategy": "ddp",
-            "devices": 2,
-            "batch_size": 2,
-            "steps": 2,
-            "lr": 0.05,
-            "model": tiny_model_dir,
-            "out": out,
-        }
-    )
+    records = launch(two_ranks("ddp", tiny_model_dir, out))
     assert len(records[0]["losses"]) == len(records[1]["losses"]) == 2
     assert_ranks_differ(records)
     assert_same_update(single_run, out)
@@ -338,18 +334,7 @@ def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tin
 
 def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_dir, tmp_path):
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt")
-    records = launch(
-        {
-            "strategy": "fsdp",
-            "devices": 2,
-            "batch_size": 2,
-            "steps": 2,
-            "lr": 0.05,
-            "model": tiny_model_dir,
-            "out": out,
-            "checkpoint": ckpt,
-        }
-    )
+    records = launch(two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt))
     assert len(records[0]["losses"]) == 2
     assert_ranks_differ(records)
     assert_same_update(single_run, out)
@@ -357,18 +342,7 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_
 
     # Resume: the sharded checkpoint loads into freshly sharded models, weights and step included.
     resumed_out = str(tmp_path / "resumed")
-    records = launch(
-        {
-            "strategy": "fsdp",
-            "devices": 2,
-            "batch_size": 2,
-            "steps": 3,
-            "lr": 0.05,
-            "model": tiny_model_dir,
-            "out": resumed_out,
-            "resume": ckpt,
-        }
-    )
+    records = launch(two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt))
     assert [r["start_step"] for r in records] == [2, 2]
     assert len(records[0]["losses"]) == 1
     saved = torch.load(os.path.join(out, "final.pt"))
