@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning as L
 import torch
@@ -48,6 +48,7 @@ __all__ = [
     "ValidationResultsWriter",
     "audit_module_rewards",
     "audit_reward_funcs",
+    "auditable",
     "completions_table",
     "generate_answers",
     "logging_step",
@@ -284,6 +285,7 @@ class RolloutRecord:
     truncated: Tensor  # [N*G] bool: hit max_completion_length without EOS
     num_generations: int
     entropy: float  # mean token entropy of the policy on the completions
+    extra: dict[str, list] = field(default_factory=dict)  # reward functions' `log_extra` columns, [N*G] each
 
 
 def prompt_text(prompt: list[dict[str, str]] | str) -> str:
@@ -301,8 +303,9 @@ def _markdown_cell(text: str, max_chars: int) -> str:
 
 
 def completions_table(record: RolloutRecord, num_prompts: int = 2, max_chars: int = 1000) -> str:
-    """A Markdown table of the first `num_prompts` groups: each completion with its rewards and advantage."""
-    header = ["prompt", "completion", *record.reward_names, "reward", "advantage", "tokens"]
+    """A Markdown table of the first `num_prompts` groups: each completion with its rewards and advantage,
+    then the columns the reward functions logged with `log_extra`."""
+    header = ["prompt", "completion", *record.reward_names, "reward", "advantage", "tokens", *record.extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     G = record.num_generations
     for i in range(min(num_prompts, len(record.prompts))):
@@ -316,6 +319,7 @@ def completions_table(record: RolloutRecord, num_prompts: int = 2, max_chars: in
                 f"{float(record.rewards[row]):.3f}",
                 f"{float(record.advantages[row]):+.3f}",
                 length,
+                *(_markdown_cell(str(values[row]), max_chars) for values in record.extra.values()),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -323,7 +327,8 @@ def completions_table(record: RolloutRecord, num_prompts: int = 2, max_chars: in
 
 class CompletionsPanel(L.Callback):
     """Every `every_n_steps` training steps (from the first), a TensorBoard text panel `completions`:
-    the completions of a few prompts with each completion's rewards per function, total and advantage.
+    the completions of a few prompts with each completion's rewards per function, total and advantage, and
+    the columns reward functions logged with TRL's `log_extra(column, values)`.
 
     Reads `pl_module.last_rollout` (a `RolloutRecord`); only TensorBoard loggers get the panel.
     """
@@ -473,16 +478,24 @@ def audit_reward_funcs(
     questions: Sequence[str],
     answers: Sequence[str],
     weights: Sequence[float] | None = None,
+    prompts: Sequence | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> AuditReport:
     """Score the reference solutions and their corrupted copies (`grpo_lightning.rewards.audit_rewards`) row
     by row, and total them with `weights` as training does (a None reward counts 0).
 
-    Full marks are the highest total the audit sees anywhere. A sound reward gives every reference full
-    marks, and every corrupted copy (changed final number, two different final answers, no answer) less
-    than its own reference: a corruption that scores as well is a way to earn reward without the answer.
+    The functions are called as in training: `prompts` are the rows' prompts (by default each question as a
+    user message) and `completion_ids` come from `tokenizer` when given. Full marks are the highest total
+    the audit sees anywhere. A sound reward gives every reference full marks, and every corrupted copy
+    (changed final number, two different final answers, no answer) less than its own reference: a
+    corruption that scores as well is a way to earn reward without the answer.
     """
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
-    per_row = [audit_rewards(reward_funcs, [q], [a]) for q, a in zip(questions, answers, strict=True)]
+    prompts = list(prompts) if prompts is not None else [[{"role": "user", "content": q}] for q in questions]
+    per_row = [
+        audit_rewards(reward_funcs, [q], [a], [p], tokenizer)
+        for q, a, p in zip(questions, answers, prompts, strict=True)
+    ]
     names = list(per_row[0])
     scores = torch.tensor(
         [[[row[name][case] for name in names] for case in AUDIT_CASES] for row in per_row]
@@ -500,14 +513,29 @@ def audit_reward_funcs(
     )
 
 
-def audit_module_rewards(pl_module: L.LightningModule, rows: Sequence[dict[str, str]]) -> AuditReport:
-    """`audit_reward_funcs` on data rows with a module's `reward_funcs` (and `reward_weights`, if any)."""
+def auditable(rows: Sequence[dict]) -> bool:
+    """Whether the audit can corrupt these rows: each has a `question` and a GSM8K `answer` (`#### N`)."""
+    return bool(rows) and all(
+        isinstance(r.get("question"), str) and "####" in str(r.get("answer", "")) for r in rows
+    )
+
+
+def audit_module_rewards(pl_module: L.LightningModule, rows: Sequence[dict]) -> AuditReport:
+    """`audit_reward_funcs` on data rows with a module's `reward_funcs` (and `reward_weights`, if any), the
+    rows' own prompts when they have them and the module's tokenizer for `completion_ids`."""
+    if not auditable(rows):
+        raise ValueError(
+            "the reward audit corrupts GSM8K-style reference solutions: it needs a `question` column and an "
+            "`answer` column ending in '#### <number>' on every row"
+        )
     weights = getattr(pl_module, "reward_weights", None)
     return audit_reward_funcs(
         pl_module.reward_funcs,
         [r["question"] for r in rows],
         [r["answer"] for r in rows],
         None if weights is None else weights.tolist(),
+        [r["prompt"] for r in rows] if all("prompt" in r for r in rows) else None,
+        getattr(pl_module, "tokenizer", None),
     )
 
 
@@ -521,7 +549,7 @@ class RewardAuditCallback(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rows = getattr(trainer.datamodule, "train_rows", None)
-        if not rows or not trainer.is_global_zero:
+        if not rows or not auditable(rows[: self.num_rows]) or not trainer.is_global_zero:
             return
         report = audit_module_rewards(pl_module, rows[: self.num_rows])
         if report.perfect:

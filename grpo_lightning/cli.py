@@ -1,5 +1,6 @@
 """`grpo-lightning fit|validate|audit|export --config configs/....yaml`: LightningCLI over GRPOModule and
-GSM8KDataModule.
+a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule` subclass by
+class path (`data: {class_path: grpo_lightning.data.PromptDataModule, init_args: {source: ...}}`).
 
 - `validate --results.path out.jsonl`: also writes every validation completion (question, completion,
   extracted answer, reference, correct) as JSON lines.
@@ -20,7 +21,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from grpo_lightning.callbacks import AuditReport, ValidationResultsWriter, audit_module_rewards
-from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.export import export_policy
 from grpo_lightning.module import GRPOModule
@@ -29,7 +30,7 @@ from grpo_lightning.module import GRPOModule
 class GRPOTrainer(Trainer):
     """A `Trainer` with `audit` and `export` methods: LightningCLI maps subcommands to Trainer methods."""
 
-    def audit(self, model: GRPOModule, datamodule: GSM8KDataModule, num_rows: int = 300) -> AuditReport:
+    def audit(self, model: GRPOModule, datamodule: PromptDataModule, num_rows: int = 300) -> AuditReport:
         """Audit the reward functions on reference solutions and corrupted copies of them.
 
         Args:
@@ -65,6 +66,8 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
         parser.add_lightning_class_args(ValidationResultsWriter, "results")
+        # GSM8K's preset when a config names no data class (the configs before TRL-format data existed).
+        parser.set_defaults({"data": {"class_path": "grpo_lightning.data.GSM8KDataModule"}})
 
     def before_instantiate_classes(self) -> None:
         # With `--ckpt_path`, LightningCLI merges the checkpoint's hyper-parameters into the model's config
@@ -81,7 +84,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     # save_config_callback=None: the YAML already is the record, and reward callables do not round-trip.
     return GRPOCLI(
         GRPOModule,
-        GSM8KDataModule,
+        PromptDataModule,
+        subclass_mode_data=True,
         trainer_class=GRPOTrainer,
         args=args,
         run=run,

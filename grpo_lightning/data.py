@@ -1,8 +1,10 @@
-"""GSM8K-style data: prompt + checkable answer, as a LightningDataModule.
+"""Data for GRPO as a LightningDataModule: prompts in TRL's format, with GSM8K as a preset.
 
-Rows are `{"question": str, "answer": str}` where the answer ends in GSM8K's `#### N` line. Each batch is
-a dict of lists: `prompt` (chat messages: the system prompt and the question), and every column of the
-rows (`question`, `answer`, ...), which reach the reward functions as keyword lists.
+`PromptDataModule` reads rows with a `prompt` column (text, or a list of chat messages, as TRL's "prompt-only"
+data sets) from a hub data set or local `.jsonl` / `.json` / `.parquet` files. Each batch is a dict of lists:
+`prompt` and every other column of the rows, which reach the reward functions as keyword lists, as in TRL.
+`GSM8KDataModule` builds the prompts from a question column instead (an optional system prompt, then the
+question as the user's turn) and checks that every answer ends in GSM8K's `#### N` line.
 """
 
 from __future__ import annotations
@@ -22,50 +24,124 @@ from grpo_lightning.resume import ResumableSampler
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."
 )
+DATA_FILE_TYPES = (".jsonl", ".json", ".parquet")
 
-Row = dict[str, str]
+Row = dict[str, object]
 
 
-def read_jsonl(path: str, question_field: str = "question", answer_field: str = "answer") -> list[Row]:
-    """Read and check a JSON-lines file; a bad row raises `ValueError` naming the file and line."""
+def _read_lines(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+            return f.readlines()
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
-    rows = []
+
+
+def read_records(path: str) -> list[tuple[str, object]]:
+    """The raw rows of a `.jsonl`, `.json` (an array of objects, or JSON lines) or `.parquet` file, each with
+    where it comes from (`file:line`, `file[i]` or `file row i`) for error messages."""
+    if path.endswith(".parquet"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file {path!r} does not exist")
+        import pyarrow.parquet  # comes with `datasets`; only parquet files need it
+
+        try:
+            table = pyarrow.parquet.read_table(path)
+        except Exception as err:  # pyarrow raises its own types for a file that is not parquet
+            raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+        return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    lines = _read_lines(path)
+    text = "".join(lines)
+    if text.lstrip().startswith("["):
+        try:
+            array = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+        return [(f"{path}[{i}]", row) for i, row in enumerate(array)]
+    records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            records.append((f"{path}:{number}", json.loads(line)))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        rows.append(check_row(row, f"{path}:{number}", question_field, answer_field))
+    return records
+
+
+def read_jsonl(path: str, question_field: str = "question", answer_field: str = "answer") -> list[Row]:
+    """Read and check a GSM8K JSON-lines file; a bad row raises `ValueError` naming the file and line."""
+    rows = [check_row(row, where, question_field, answer_field) for where, row in read_records(path)]
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
+
+
+def _check_text(row: dict, field: str, where: str) -> str:
+    if field not in row:
+        raise ValueError(f"{where}: missing field {field!r} (has {sorted(row)})")
+    if not isinstance(row[field], str) or not row[field].strip():
+        raise ValueError(f"{where}: field {field!r} is empty or not a string")
+    return row[field]
 
 
 def check_row(row: object, where: str, question_field: str = "question", answer_field: str = "answer") -> Row:
     """Return the row with `question` and `answer` keys, or raise naming `where` and the field at fault."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    for field in (question_field, answer_field):
-        if field not in row:
-            raise ValueError(f"{where}: missing field {field!r} (has {sorted(row)})")
-        if not isinstance(row[field], str) or not row[field].strip():
-            raise ValueError(f"{where}: field {field!r} is empty or not a string")
-    answer = row[answer_field]
+    question = _check_text(row, question_field, where)
+    answer = _check_text(row, answer_field, where)
     if "####" not in answer or not answer.rsplit("####", 1)[1].strip():
         raise ValueError(
             f"{where}: field {answer_field!r} has no final '#### <number>' line: {answer[-80:]!r}"
         )
     out = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
-    out.update(question=row[question_field], answer=answer)
+    out.update(question=question, answer=answer)
     return out
+
+
+def check_prompt(prompt: object, where: str, field: str = "prompt") -> None:
+    """A prompt is non-empty text or a non-empty list of `{"role": str, "content": str}` messages."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: field {field!r} is empty")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(
+            f"{where}: field {field!r} must be text or a list of chat messages, got {type(prompt).__name__}"
+        )
+    for i, message in enumerate(prompt):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: field {field!r}, message {i}: a chat message is {{'role': str, 'content': str}}, "
+                f"got {str(message)[:80]!r}"
+            )
+
+
+def check_same_columns(rows: list[Row], wheres: list[str]) -> None:
+    """Every row has the first row's columns: a column that only some rows carry cannot be batched."""
+    if not rows:
+        return
+    first = set(rows[0])
+    for row, where in zip(rows, wheres, strict=True):
+        if set(row) != first:
+            missing, extra = sorted(first - set(row)), sorted(set(row) - first)
+            what = f"lacks column {missing[0]!r}" if missing else f"has column {extra[0]!r}"
+            raise ValueError(
+                f"{where}: {what}, unlike the first row ({wheres[0]}, columns {sorted(first)}): every row "
+                "needs the same columns"
+            )
+    kinds = {isinstance(row["prompt"], list) for row in rows}
+    if len(kinds) > 1:
+        chat = next(w for row, w in zip(rows, wheres, strict=True) if isinstance(row["prompt"], list))
+        text = next(w for row, w in zip(rows, wheres, strict=True) if not isinstance(row["prompt"], list))
+        raise ValueError(f"{chat}: the prompt is chat messages but at {text} it is text: use one kind")
 
 
 def arithmetic_problems(count: int, seed: int = 0) -> list[Row]:
@@ -110,96 +186,176 @@ def chat_prompt(question: str, system_prompt: str | None) -> list[dict[str, str]
 
 
 def collate_rows(rows: list[Row], system_prompt: str | None) -> dict[str, list]:
-    """A batch as a dict of lists: the chat `prompt` plus every column of the rows."""
-    batch: dict[str, list] = {"prompt": [chat_prompt(r["question"], system_prompt) for r in rows]}
+    """A batch as a dict of lists: each row's `prompt` (built from its `question` when it has none) plus
+    every other column of the rows."""
+    batch: dict[str, list] = {
+        "prompt": [r["prompt"] if "prompt" in r else chat_prompt(r["question"], system_prompt) for r in rows]
+    }
     for key in rows[0]:
-        batch[key] = [r[key] for r in rows]
+        if key != "prompt":
+            batch[key] = [r[key] for r in rows]
     return batch
 
 
-class GSM8KDataModule(L.LightningDataModule):
-    """GSM8K (or any prompt + `#### N` answer data) for GRPO training and held-out evaluation.
+def _positive(name: str, value: int | None, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"data.{name}={value!r}: must be an integer >= {minimum}")
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts in TRL's format for GRPO training and held-out evaluation.
+
+    Rows hold a prompt column (text, or a list of `{"role", "content"}` chat messages) and any other columns
+    (`solution`, `answer`, ...): a batch passes the prompts to the policy and every other column to the
+    reward functions, as TRL's `GRPOTrainer` does. Every row is checked before any weights load; a bad one
+    raises `ValueError` naming it (file:line, or data set, split and row) and the field at fault.
 
     Args:
-        source: where the rows come from. A folder holding `train.jsonl` (and optionally `test.jsonl`), a
-            single `.jsonl` file, `"arithmetic"` (the built-in generated task, no download), or a hub
-            dataset name loaded with `datasets.load_dataset(source, "main")`. Default `"openai/gsm8k"`.
-        system_prompt: system message asking for the `#### N` form; None for none.
+        source: where the rows come from. A folder holding `train.jsonl` (or `.json` / `.parquet`) and
+            optionally `test.*`; a single `.jsonl` / `.json` / `.parquet` file; or a hub data set loaded
+            with `datasets.load_dataset(source, config_name, split=...)`. Required.
+        config_name: the hub data set's configuration (GSM8K's is "main"); None for its default.
+        prompt_field: the column holding the prompt. Default "prompt". It reaches the rewards as `prompts`.
+        answer_field: the column holding the reference answer that validation checks (a number, or
+            GSM8K's `#### N` form) when the model has no `val_reward`. Default "answer"; rows need it only
+            for that check.
         batch_size: prompts per training step (each is sampled `num_generations` times). Default 4.
-        val_size: rows of the train split held out for validation. Default 64.
+        val_size: rows of the train split held out for validation, >= 0. Default 64.
         val_split: "holdout" (the held-out train rows) or "test" (the test split) for validation.
         val_batch_size: prompts per validation step. Default 16.
-        train_size: use only this many training rows (after the hold-out). Default all.
-        arithmetic_size: rows generated for `source="arithmetic"` (train + held-out). Default 2000.
-        question_field / answer_field: column names in the source, mapped to `question` / `answer`.
-        seed: seed of the hold-out split and shuffling.
+        train_size: use only this many training rows (after the hold-out), >= 1. Default all.
+        seed: seed of the hold-out split and shuffling. Default 0.
+        num_workers: data loader worker processes. Default 0.
     """
 
     def __init__(
         self,
-        source: str = "openai/gsm8k",
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        source: str,
+        config_name: str | None = None,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
         batch_size: int = 4,
         val_size: int = 64,
         val_split: str = "holdout",
         val_batch_size: int = 16,
         train_size: int | None = None,
-        arithmetic_size: int = 2000,
-        question_field: str = "question",
-        answer_field: str = "answer",
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         if val_split not in ("holdout", "test"):
-            raise ValueError(f"val_split must be 'holdout' or 'test', got {val_split!r}")
-        if batch_size < 1 or val_batch_size < 1:
-            raise ValueError(
-                f"batch_size and val_batch_size must be >= 1, got {batch_size}, {val_batch_size}"
-            )
+            raise ValueError(f"data.val_split={val_split!r}: must be 'holdout' or 'test'")
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"data.source={source!r}: name a hub data set, a folder or a file")
+        _positive("batch_size", batch_size)
+        _positive("val_batch_size", val_batch_size)
+        _positive("val_size", val_size, minimum=0)
+        _positive("train_size", train_size, allow_none=True)
+        _positive("num_workers", num_workers, minimum=0)
         self.save_hyperparameters()
+        # `_loader` hands it to `collate_rows`, which only uses it for rows without a prompt (GSM8K's preset
+        # builds them at read time); a base option it is not, so that the CLI, when switching from the
+        # preset to this class, does not carry the preset's system prompt over.
+        self.hparams.setdefault("system_prompt", None)
         self.train_rows: list[Row] = []
         self.val_rows: list[Row] = []
         self._resume_at: dict[str, int] | None = None  # from a checkpoint, for the next train_dataloader()
 
-    def _read_split(self, split: str) -> list[Row]:
+    @property
+    def answer_column(self) -> str:
+        """The batch column holding the reference answer that validation checks."""
+        return self.hparams.answer_field
+
+    @property
+    def conversational(self) -> bool:
+        """Whether the prompts are chat messages (known after `setup`)."""
+        rows = self.train_rows or self.val_rows
+        return bool(rows) and isinstance(rows[0]["prompt"], list)
+
+    def _prepare_row(self, row: object, where: str) -> Row:
+        """A checked row with its prompt under `prompt`, or `ValueError` naming `where` and the field."""
         hp = self.hparams
-        fields = (hp.question_field, hp.answer_field)
-        if os.path.isdir(hp.source):
-            return read_jsonl(os.path.join(hp.source, f"{split}.jsonl"), *fields)
-        if hp.source.endswith(".jsonl") or hp.source.startswith((".", "/", "~")):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        if hp.prompt_field not in row:
+            raise ValueError(
+                f"{where}: missing field {hp.prompt_field!r} (has {sorted(row)}); name the prompt column "
+                "with data.prompt_field"
+            )
+        prompt = row[hp.prompt_field]
+        check_prompt(prompt, where, hp.prompt_field)
+        out = {k: v for k, v in row.items() if k != hp.prompt_field}
+        return {"prompt": prompt, **out}
+
+    def _records(self, split: str) -> list[tuple[str, object]]:
+        """Raw rows of a split with where each comes from; hub failures say what to do offline."""
+        source = self.hparams.source
+        if os.path.isdir(source):
+            names = [f"{split}{ext}" for ext in DATA_FILE_TYPES]
+            found = [os.path.join(source, n) for n in names if os.path.isfile(os.path.join(source, n))]
+            if not found:
+                raise FileNotFoundError(f"data folder {source!r} has none of {names}")
+            return read_records(found[0])
+        if source.endswith(DATA_FILE_TYPES) or source.startswith((".", "/", "~")):
             if split != "train":
-                raise ValueError(f"source {hp.source!r} is a single file: use val_split='holdout'")
-            return read_jsonl(hp.source, *fields)
-        import datasets  # only for hub datasets: local files need no `datasets` import
+                raise ValueError(f"data.source={source!r} is a single file: use val_split='holdout'")
+            return read_records(os.path.expanduser(source))
+        return self._hub_records(split)
 
-        ds = datasets.load_dataset(hp.source, "main", split=split)
-        return [check_row(row, f"{hp.source}[{split}] row {i}", *fields) for i, row in enumerate(ds)]
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_rows:
-            return
+    def _hub_records(self, split: str) -> list[tuple[str, object]]:
         hp = self.hparams
-        if hp.source == "arithmetic":
-            train = arithmetic_problems(hp.arithmetic_size, seed=hp.seed)
-            seen = {row["question"] for row in train}
-            # Held-out problems come from another seed, minus any that the training set happens to contain.
-            self.val_rows = [
-                r for r in arithmetic_problems(2 * hp.val_size, hp.seed + 1) if r["question"] not in seen
-            ]
-            self.val_rows = self.val_rows[: hp.val_size]
-            self.train_rows = train[: hp.train_size]
-            return
+        import datasets  # only for hub data sets: local files need no `datasets` import
+
+        try:
+            ds = datasets.load_dataset(hp.source, hp.config_name, split=split)
+        except ConnectionError as err:
+            raise ConnectionError(
+                f"data.source={hp.source!r}: could not reach the Hugging Face Hub ({err}), and no local "
+                "folder or file of that name exists. Offline, pass a folder holding train.jsonl (and "
+                "test.jsonl) or a .jsonl / .json / .parquet file as data.source (a hub data set saved once "
+                "with `datasets.load_dataset(...)[split].to_json(path)`), or `source: arithmetic` for GSM8K"
+            ) from None
+        except (OSError, ValueError) as err:  # no such data set, config or split
+            raise ValueError(
+                f"data.source={hp.source!r} (config {hp.config_name!r}, split {split!r}): {err}"
+            ) from None
+        return [(f"{hp.source}[{split}] row {i}", row) for i, row in enumerate(ds)]
+
+    def _read_split(self, split: str) -> list[Row]:
+        records = self._records(split)
+        if not records:
+            raise ValueError(f"data.source={self.hparams.source!r}: the {split} split has no rows")
+        rows = [self._prepare_row(row, where) for where, row in records]
+        check_same_columns(rows, [where for where, _ in records])
+        return rows
+
+    def _split_rows(self) -> tuple[list[Row], list[Row]]:
+        """Training and validation rows: a seeded hold-out of the train split, or the test split."""
+        hp = self.hparams
         rows = self._read_split("train")
         order = list(range(len(rows)))
         random.Random(hp.seed).shuffle(order)
         holdout = hp.val_size if hp.val_split == "holdout" else 0
         if holdout >= len(rows):
-            raise ValueError(f"val_size={hp.val_size} leaves no training rows out of {len(rows)}")
-        self.val_rows = [rows[i] for i in order[:holdout]]
-        self.train_rows = [rows[i] for i in order[holdout:]][: hp.train_size]
-        if hp.val_split == "test":
-            self.val_rows = self._read_split("test")[: hp.val_size]
+            raise ValueError(f"data.val_size={hp.val_size} leaves no training rows out of {len(rows)}")
+        val_rows = [rows[i] for i in order[:holdout]]
+        train_rows = [rows[i] for i in order[holdout:]][: hp.train_size]
+        if hp.val_split == "test" and hp.val_size > 0:
+            val_rows = self._read_split("test")[: hp.val_size]
+            check_same_columns(
+                [train_rows[0], *val_rows], ["the train split's first row"] + ["a test row"] * len(val_rows)
+            )
+        return train_rows, val_rows
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.train_rows:
+            self.train_rows, self.val_rows = self._split_rows()
+        if stage == "validate" and not self.val_rows:
+            raise ValueError(
+                f"nothing to validate: data.val_size={self.hparams.val_size} gives no validation rows"
+            )
 
     def _loader(self, rows: list[Row], batch_size: int, sampler: ResumableSampler | None) -> DataLoader:
         collate = functools.partial(collate_rows, system_prompt=self.hparams.system_prompt)
@@ -248,3 +404,82 @@ class GSM8KDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_rows, self.hparams.val_batch_size, sampler=None)
+
+
+class GSM8KDataModule(PromptDataModule):
+    """GSM8K (or any question + `#### N` answer data) for GRPO training and held-out evaluation: a preset of
+    `PromptDataModule` that builds each prompt from the question (an optional system prompt, then the
+    question as the user's turn) and checks that every answer ends in a `#### N` line.
+
+    Rows are `{"question": str, "answer": str, ...}` (other column names through `question_field` /
+    `answer_field`; they reach the rewards as `question` and `answer`).
+
+    Args:
+        source: a folder holding `train.jsonl` (and optionally `test.jsonl`; or `.json` / `.parquet`), a
+            single file, `"arithmetic"` (the built-in generated task, no download), or a hub data set
+            loaded with `datasets.load_dataset(source, config_name)`. Default `"openai/gsm8k"`.
+        system_prompt: system message asking for the `#### N` form; None for none.
+        batch_size: prompts per training step (each is sampled `num_generations` times). Default 4.
+        val_size: rows of the train split held out for validation, >= 0. Default 64.
+        val_split: "holdout" (the held-out train rows) or "test" (the test split) for validation.
+        val_batch_size: prompts per validation step. Default 16.
+        train_size: use only this many training rows (after the hold-out), >= 1. Default all.
+        arithmetic_size: rows generated for `source="arithmetic"` (train + held-out), >= 1. Default 2000.
+        question_field / answer_field: column names in the source, mapped to `question` / `answer`.
+        seed: seed of the hold-out split and shuffling. Default 0.
+        num_workers: data loader worker processes. Default 0.
+        config_name: the hub data set's configuration; None for its default, which for "openai/gsm8k"
+            (whose configurations are "main" and "socratic") means "main".
+    """
+
+    def __init__(
+        self,
+        source: str = "openai/gsm8k",
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        batch_size: int = 4,
+        val_size: int = 64,
+        val_split: str = "holdout",
+        val_batch_size: int = 16,
+        train_size: int | None = None,
+        arithmetic_size: int = 2000,
+        question_field: str = "question",
+        answer_field: str = "answer",
+        seed: int = 0,
+        num_workers: int = 0,
+        config_name: str | None = None,
+    ) -> None:
+        _positive("arithmetic_size", arithmetic_size)
+        if config_name is None and source == "openai/gsm8k":
+            config_name = "main"
+        super().__init__(
+            source,
+            config_name=config_name,
+            answer_field=answer_field,
+            batch_size=batch_size,
+            val_size=val_size,
+            val_split=val_split,
+            val_batch_size=val_batch_size,
+            train_size=train_size,
+            seed=seed,
+            num_workers=num_workers,
+        )
+
+    @property
+    def answer_column(self) -> str:
+        return "answer"  # `answer_field` is renamed to `answer`
+
+    def _prepare_row(self, row: object, where: str) -> Row:
+        hp = self.hparams
+        checked = check_row(row, where, hp.question_field, hp.answer_field)
+        return {"prompt": chat_prompt(checked["question"], hp.system_prompt), **checked}
+
+    def _split_rows(self) -> tuple[list[Row], list[Row]]:
+        hp = self.hparams
+        if hp.source != "arithmetic":
+            return super()._split_rows()
+        train = [self._prepare_row(r, "arithmetic") for r in arithmetic_problems(hp.arithmetic_size, hp.seed)]
+        seen = {row["question"] for row in train}
+        # Held-out problems come from another seed, minus any that the training set happens to contain.
+        held_out = [r for r in arithmetic_problems(2 * hp.val_size, hp.seed + 1) if r["question"] not in seen]
+        val = [self._prepare_row(r, "arithmetic") for r in held_out[: hp.val_size]]
+        return train[: hp.train_size], val

@@ -1,4 +1,5 @@
-"""GSM8K evaluation metrics: pass@k, majority vote and a DDP-syncable torchmetrics accuracy."""
+"""Evaluation metrics: pass@k, majority vote, and DDP-syncable torchmetrics accuracies, for GSM8K answers
+(`GSM8KAccuracy`) and for any reward function that judges completions (`RewardAccuracy`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torchmetrics import Metric
 
 from grpo_lightning.rewards import extract_answer, reference_answer
 
-__all__ = ["GSM8KAccuracy", "majority_vote", "pass_at_k"]
+__all__ = ["GSM8KAccuracy", "RewardAccuracy", "majority_vote", "pass_at_k"]
 
 # Per-problem scores summed by GSM8KAccuracy, lenient then strict extraction.
 _SCORES = ("mean", "mean_strict", "pass_k", "pass_k_strict", "maj_k", "maj_k_strict")
@@ -111,3 +112,39 @@ class GSM8KAccuracy(Metric):
             "maj@k_strict": self.maj_k_strict / problems,
             "format": self.formatted / (problems * self.k),
         }
+
+
+class RewardAccuracy(Metric):
+    """Accuracy of `k` sampled completions per problem as a reward function judges them.
+
+    `update(rewards)` takes one reward per completion, ``k`` contiguous per problem; a completion is right
+    when its reward reaches `full_marks` (1.0, as a verifier such as math-verify's gives a right answer).
+    `compute()` returns ``accuracy`` (mean over problems of the share right, mean@k) and ``pass@k`` (share
+    of problems with a right sample). States are sums, so the metric syncs across DDP processes.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, k: int = 1, full_marks: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+        self.full_marks = full_marks
+        for name in ("problems", "mean", "pass_k"):
+            self.add_state(name, default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, rewards: Sequence[float]) -> None:
+        """Fold in ``k * N`` rewards, the `k` samples of problem `i` at ``[i * k, (i + 1) * k)``."""
+        if len(rewards) % self.k:
+            raise ValueError(f"expected a multiple of k = {self.k} rewards, got {len(rewards)}")
+        right = (torch.tensor(rewards, dtype=torch.float32) >= self.full_marks).view(-1, self.k)  # [N, k]
+        self.problems += right.size(0)
+        self.mean += right.float().mean(dim=1).sum().to(self.mean.device)
+        self.pass_k += right.any(dim=1).float().sum().to(self.pass_k.device)
+
+    def compute(self) -> dict[str, Tensor]:
+        """The metrics over all problems seen (nan before any update)."""
+        return {"accuracy": self.mean / self.problems, "pass@k": self.pass_k / self.problems}

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo_lightning.callbacks import CollapseMonitor, CompletionsPanel, RolloutRecord, stop_token_ids
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_credit_penalties
-from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
     call_in_root_forward,
     gathered_for_generation,
@@ -26,7 +26,7 @@ from grpo_lightning.distributed import (
     shard_model,
 )
 from grpo_lightning.loss import group_advantages, grpo_loss
-from grpo_lightning.metrics import GSM8KAccuracy
+from grpo_lightning.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.models import (
     LoraOptions,
     ModelOptions,
@@ -44,7 +44,7 @@ from grpo_lightning.resume import (
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions
-from grpo_lightning.scoring import score_completions
+from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
 
 REFERENCE_PREFIX = "reference."
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
@@ -62,13 +62,20 @@ class GRPOModule(L.LightningModule):
     Args:
         policy: hub id or local folder of a causal LM, or an already-built `PreTrainedModel`.
         tokenizer: hub id / folder / tokenizer object; None uses the policy's.
-        reward_funcs: TRL-style reward functions, `fn(completions, **columns) -> list[float | None]`.
-            Default `[accuracy_reward, format_reward]`.
+        reward_funcs: reward functions, called as TRL 1.16's `GRPOTrainer` calls them (keywords `prompts`,
+            `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every data
+            column; see `grpo_lightning.scoring`). Default `[accuracy_reward, format_reward]`.
         reward_weights: one weight per reward function. Default all 1.0.
         grpo: the algorithm's options (`GRPOConfig`, every option documented there).
         model_options: how the policy loads (dtype, attention, GGUF, gradient checkpointing).
         lora: LoRA options; None trains all weights.
         num_generations_eval: samples per problem in validation; 1 means greedy decoding. Default 1.
+        val_reward: the reward function that judges validation completions, called as the training
+            rewards are: `val/accuracy` is the share of completions it gives full marks (>= 1.0; None counts
+            as wrong), `val/pass@k` the share of problems with one. Use it for answers other than
+            numbers, e.g. `trl.rewards.accuracy_reward` (math-verify) for LaTeX `\\boxed{}` answers. Default
+            None: the data module's answer column holds a number (or GSM8K's `#### N`), checked by
+            `GSM8KAccuracy` (strict and lenient extraction, pass@k, maj@k, format).
     """
 
     def __init__(
@@ -81,9 +88,10 @@ class GRPOModule(L.LightningModule):
         model_options: ModelOptions = ModelOptions(),
         lora: LoraOptions | None = None,
         num_generations_eval: int = 1,
+        val_reward: Callable | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs"])
+        self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs", "val_reward"])
         self.grpo = grpo
         self.model_options = model_options
         self.lora = lora
@@ -116,7 +124,12 @@ class GRPOModule(L.LightningModule):
         self.reference: PreTrainedModel | None = None
         if self.policy is not None:
             self._prepare_models()
-        self.val_accuracy = GSM8KAccuracy(k=num_generations_eval)
+        self.val_reward = val_reward
+        self.val_accuracy = (
+            GSM8KAccuracy(k=num_generations_eval)
+            if val_reward is None
+            else RewardAccuracy(k=num_generations_eval)
+        )
         self.automatic_optimization = False
         self._bad_steps = 0
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
@@ -140,9 +153,10 @@ class GRPOModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
-        # GSM8KDataModule always builds chat prompts: a tokenizer without a template fails here, after the
-        # data module checked its files but before any weights load, instead of at the first step.
-        if isinstance(self.trainer.datamodule, GSM8KDataModule):
+        # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
+        # files but before any weights load, instead of at the first step.
+        datamodule = self.trainer.datamodule
+        if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
             self.check_chat_template()
 
     def configure_model(self) -> None:
@@ -331,16 +345,13 @@ class GRPOModule(L.LightningModule):
         generate_seconds = time.perf_counter() - start
         self._check_rollout(rollout, completions)
 
-        columns = {key: [v for v in values for _ in range(G)] for key, values in batch.items()}
-        completion_ids = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
-        ]
-        rewards_per_func = score_completions(
-            self.reward_funcs, completions, completion_ids=completion_ids, **columns
-        ).to(self.device)  # [B, F]
+        scores = score_completions(
+            self.reward_funcs, self.reward_inputs(batch, rollout, completions, batch_idx)
+        )
+        rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
         prompts, extra = batch["prompt"], {}  # extra: metrics of the options below, logged with the loss's
+        logged_columns = scores.extra  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:
             scored = ScoredGroups(prompts, rollout, completions, rewards_per_func, rewards, G)
             filled = self._dynamic_sampling(scored)
@@ -348,6 +359,7 @@ class GRPOModule(L.LightningModule):
                 self.last_rollout = None  # no update on this batch: nothing new for the callbacks
                 return None
             groups, extra = filled
+            logged_columns = {}  # they belong to this round's completions, not to the buffered groups
             prompts, rollout, completions = groups.prompts, groups.rollout, groups.completions
             rewards_per_func, rewards = groups.rewards_per_func, groups.rewards
 
@@ -399,7 +411,7 @@ class GRPOModule(L.LightningModule):
             if grad_norm is not None:
                 scheduler.step()
         step_seconds = time.perf_counter() - start
-        stats = {**stats, **extra}
+        stats = {**stats, **extra, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
         self._log_step(
             rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds
         )
@@ -414,8 +426,30 @@ class GRPOModule(L.LightningModule):
             truncated=rollout.truncated.cpu(),
             num_generations=G,
             entropy=float(stats["entropy"]),
+            extra=logged_columns,
         )
         return stats["loss"]
+
+    def reward_inputs(
+        self, batch: dict[str, list], rollout: Rollout, completions: list[str], batch_idx: int
+    ) -> RewardInputs:
+        """What the reward functions get for the rollout's completions of `batch`'s prompts: the prompts and
+        every other column repeated for each prompt's group, as TRL repeats them, the completions' token ids
+        (end-of-sequence token included, padding left out) and the trainer's state."""
+        k = len(completions) // len(batch["prompt"])
+        completion_ids = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+        ]
+        columns = {
+            key: [v for v in values for _ in range(k)] for key, values in batch.items() if key != "prompt"
+        }
+        prompts = [p for p in batch["prompt"] for _ in range(k)]
+        trainer = self.trainer
+        batches = trainer.num_training_batches
+        epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
+        state = trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
+        return RewardInputs(prompts, completions, completion_ids, columns, state)
 
     def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
         """Buffer this round's informative groups; the update's groups once there are enough, else None."""
@@ -534,7 +568,11 @@ class GRPOModule(L.LightningModule):
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, list[str]]:
         k = self.num_generations_eval
         rollout, completions = self.sample(batch["prompt"], k, do_sample=k > 1)
-        self.val_accuracy.update(completions, batch["answer"])
+        if self.val_reward is not None:
+            scores = call_reward(self.val_reward, self.reward_inputs(batch, rollout, completions, batch_idx))
+            self.val_accuracy.update([0.0 if v is None else v for v in scores])
+        else:
+            self.val_accuracy.update(completions, batch[self._answer_column(batch)])
         self.log(
             "val/completion_length",
             rollout.completion_mask.sum(1).float().mean(),
@@ -542,6 +580,17 @@ class GRPOModule(L.LightningModule):
             sync_dist=True,
         )
         return {"completions": completions}  # for callbacks such as ValidationResultsWriter
+
+    def _answer_column(self, batch: dict[str, list]) -> str:
+        """The batch column validation checks completions against: the data module's answer column."""
+        column = getattr(self.trainer.datamodule, "answer_column", "answer")
+        if column not in batch:
+            raise ValueError(
+                f"validation checks answers against a reference, but the data has no answer column "
+                f"{column!r} (columns: {sorted(batch)}): set data.answer_field to the reference's column, "
+                "or model.val_reward to a reward function that judges the completions"
+            )
+        return column
 
     def on_validation_epoch_end(self) -> None:
         results = self.val_accuracy.compute()

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from grpo_lightning.callbacks import audit_module_rewards
+from grpo_lightning.callbacks import audit_module_rewards, auditable
 from grpo_lightning.resume import preserved_rng
 
 TRUNCATION_WARN_SHARE = 0.5  # above this share of truncated samples, "most answers" are cut off
@@ -97,9 +97,10 @@ def run_preflight(
 
     if audit_rows is None and "question" in batch and "answer" in batch:
         audit_rows = [
-            {"question": q, "answer": a} for q, a in zip(batch["question"], batch["answer"], strict=True)
+            {"prompt": p, "question": q, "answer": a}
+            for p, q, a in zip(batch["prompt"], batch["question"], batch["answer"], strict=True)
         ]
-    if audit_rows:
+    if audit_rows and auditable(audit_rows):
         audit = audit_module_rewards(module, audit_rows)
         verdict = "passes" if audit.perfect else "FAILS"
         report.lines["reward audit"] = f"{verdict} on {audit.num_rows} reference solutions"
@@ -108,7 +109,9 @@ def run_preflight(
                 "the reward audit fails: a policy can earn reward without the right answer\n" + audit.table()
             )
     else:
-        report.lines["reward audit"] = "skipped: the batch has no `question` and `answer` columns"
+        report.lines["reward audit"] = (
+            "skipped: the data has no `question` and GSM8K-style `answer` (`#### N`) columns to corrupt"
+        )
 
     enabled = input_gradients_enabled(module.policy)
     if enabled is None:

@@ -2,7 +2,9 @@
 
 Reward functions follow TRL's signature, ``fn(completions, **columns) -> list[float | None]``: dataset
 columns such as ``answer`` arrive as keyword lists aligned with ``completions``, and any other keyword
-(``prompts``, ``completion_ids``, ...) is accepted and ignored, so user-written TRL reward functions plug in.
+(``prompts``, ``completion_ids``, ``trainer_state``, ...) is accepted and ignored. Completions may be text or,
+for chat prompts, TRL's list of one assistant message (``completion_text`` reads both); see
+``grpo_lightning.scoring`` for how the trainer calls them.
 
 Extraction is deliberately conservative, because a reward that can be gamed will be gamed by RL:
 
@@ -25,6 +27,7 @@ __all__ = [
     "LengthPenalty",
     "accuracy_reward",
     "audit_rewards",
+    "completion_text",
     "extract_answer",
     "format_reward",
     "normalize_number",
@@ -209,22 +212,39 @@ def extract_answer(completion: str, strict: bool = False) -> str | None:
     return answers.pop() if answers else _last_number(text)
 
 
+# A completion as TRL passes it: text, or a list of chat messages for conversational data.
+Completion = str | Sequence[dict[str, Any]]
+
+
+def completion_text(completion: Completion) -> str:
+    """The text of a completion: itself, or the content of TRL's chat completion ``[{"role", "content"}]``
+    (the messages' contents joined, should there be several)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content") or "") for message in completion)
+
+
 def _check_lengths(completions: Sequence[str], column: Sequence[Any], name: str = "answers") -> None:
     if len(completions) != len(column):
         raise ValueError(f"got {len(completions)} completions but {len(column)} {name}")
 
 
-def accuracy_reward(completions: Sequence[str], answer: Sequence[str], **kwargs: Any) -> list[float]:
+def accuracy_reward(completions: Sequence[Completion], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """1.0 when the lenient extracted answer equals the reference answer, else 0.0."""
     _check_lengths(completions, answer)
-    return [float(extract_answer(c) == reference_answer(a)) for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(extract_answer(completion_text(c)) == reference_answer(a))
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
-def strict_accuracy_reward(completions: Sequence[str], answer: Sequence[str], **kwargs: Any) -> list[float]:
+def strict_accuracy_reward(
+    completions: Sequence[Completion], answer: Sequence[str], **kwargs: Any
+) -> list[float]:
     """1.0 when the strict (`#### N` only) extracted answer equals the reference answer, else 0.0."""
     _check_lengths(completions, answer)
     return [
-        float(extract_answer(c, strict=True) == reference_answer(a))
+        float(extract_answer(completion_text(c), strict=True) == reference_answer(a))
         for c, a in zip(completions, answer, strict=True)
     ]
 
@@ -242,9 +262,9 @@ def _well_formatted(completion: str) -> bool:
     )
 
 
-def format_reward(completions: Sequence[str], **kwargs: Any) -> list[float]:
+def format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float]:
     """1.0 if the completion ends with its only `#### N` line (trailing whitespace or end token allowed)."""
-    return [float(_well_formatted(c)) for c in completions]
+    return [float(_well_formatted(completion_text(c))) for c in completions]
 
 
 class LengthPenalty:
@@ -264,12 +284,12 @@ class LengthPenalty:
 
     def __call__(
         self,
-        completions: Sequence[str],
+        completions: Sequence[Completion],
         completion_ids: Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ) -> list[float]:
         if completion_ids is None:
-            lengths = [len(c.split()) for c in completions]
+            lengths = [len(completion_text(c).split()) for c in completions]
         else:
             _check_lengths(completions, completion_ids, "completion_ids")
             lengths = [len(ids) for ids in completion_ids]
@@ -307,35 +327,41 @@ def audit_rewards(
     reward_funcs: Sequence[Callable[..., Sequence[float | None]]],
     questions: Sequence[str],
     answers: Sequence[str],
+    prompts: Sequence[Any] | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Mean reward of each function on reference solutions and on corrupted copies of them.
 
     `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
     itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
-    appended) and `no_answer` (reasoning only, every digit replaced). Sound accuracy rewards give 1.0 on
-    `reference` and 0.0 on the rest. None rewards are left out of the mean; all None gives nan.
-    Returns `{reward_name: {case: mean}}`.
+    appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
+    training (`grpo_lightning.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
+    prompts, by default each question as a user message (so completions arrive as chat messages);
+    `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
+    accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all
+    None gives nan. Returns `{reward_name: {case: mean}}`.
     """
+    from grpo_lightning.scoring import RewardInputs, call_reward  # scoring imports this module
+
     if len(questions) != len(answers):
         raise ValueError(f"got {len(questions)} questions but {len(answers)} answers")
     if not answers:
         raise ValueError("the reward audit needs at least one row")
+    if prompts is None:
+        prompts = [[{"role": "user", "content": q}] for q in questions]
     cases = [_corruptions(a) for a in answers]
+    columns = {"question": list(questions), "answer": list(answers)}
     result: dict[str, dict[str, float]] = {}
     for fn in reward_funcs:
         means = {}
         for case in ("reference", "wrong_number", "two_answers", "no_answer"):
             completions = [c[case] for c in cases]
+            ids = None if tokenizer is None else tokenizer(completions, add_special_tokens=False)["input_ids"]
+            inputs = RewardInputs(list(prompts), completions, ids, columns)
             try:
-                rewards = fn(
-                    completions, prompts=list(questions), question=list(questions), answer=list(answers)
-                )
-            except Exception as err:
-                raise RuntimeError(
-                    f"reward function {reward_name(fn)!r} raised {type(err).__name__}: {err} "
-                    "in the reward audit "
-                    f"({case} case), on: {completions[0][:200]!r}"
-                ) from err
+                rewards = call_reward(fn, inputs)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err} (in the reward audit, {case} case)") from err
             scored = [r for r in rewards if r is not None]
             means[case] = sum(scored) / len(scored) if scored else float("nan")
         result[reward_name(fn)] = means

@@ -1,56 +1,224 @@
-"""Running reward functions over a rollout, with checks that name the function at fault."""
+"""Running reward functions over a rollout exactly as TRL 1.16's `GRPOTrainer` calls them, and checking
+what they return in one place, with errors that name the function at fault.
+
+A reward function is called with keywords only::
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=..., log_metric=...,
+       **columns)
+
+- `prompts`: one per completion (a prompt's group repeats it): text, or a list of chat messages;
+- `completions`: text, or, when the prompts are chat messages, a list of one assistant message
+  `[{"role": "assistant", "content": text}]` (read it as `completion[0]["content"]`);
+- `completion_ids`: the completion's token ids, end-of-sequence token included, padding left out;
+- `trainer_state`: a `transformers.TrainerState` with `global_step` (optimizer steps so far), `max_steps`,
+  `epoch` (fractional) and `num_train_epochs`;
+- `log_extra(column, values)`: a column of one value per completion for the completions panel;
+- `log_metric(name, value)`: a scalar, logged as `train/<name>` (the mean over the step's calls);
+- every data column but `prompt`, one value per completion (`answer`, `solution`, ...).
+
+A function may be `async def` (or return an awaitable): those of one call run concurrently, as in TRL.
+It must return a list (or tuple) with one real number or `None` (does not apply) per completion.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import TrainerState
 
 from grpo_lightning.rewards import reward_name
 
+__all__ = ["RewardInputs", "RewardLog", "Scores", "call_reward", "score_completions", "trainer_state"]
 
-def score_completions(reward_funcs: Sequence[Callable], completions: list[str], **columns: list) -> Tensor:
-    """Call each reward function TRL-style, `fn(completions=..., **columns)`, and stack the results.
 
-    Returns `[B, F]` float32 with NaN where a function answered `None` (not applicable). Raises
-    `RuntimeError` naming the function when it raises, returns the wrong number of values, or returns NaN
-    or inf, and when some completion gets `None` from every function (it would have no reward at all).
-    A function that answers `None` for a whole batch only warns: in a mixed data set it may not apply.
-    """
-    columns_out = []
-    for fn in reward_funcs:
-        name = reward_name(fn)
-        try:
-            values = fn(completions=completions, **columns)
-        except Exception as err:
-            raise RuntimeError(
-                f"reward function {name!r} raised {type(err).__name__}: {err}; "
-                f"first completion: {completions[0][:200]!r}"
-            ) from err
+def trainer_state(global_step: int = 0, max_steps: int = -1, epoch: float = 0.0, num_epochs: int = 1) -> Any:
+    """The `trainer_state` a reward function gets: the `transformers.TrainerState` TRL passes."""
+    return TrainerState(
+        global_step=global_step, max_steps=max_steps, epoch=epoch, num_train_epochs=num_epochs
+    )
+
+
+@dataclass
+class RewardInputs:
+    """What the reward functions score: B completions, each with its prompt and data columns."""
+
+    prompts: list  # [B] text, or chat messages
+    completions: list[str]  # [B] decoded text
+    completion_ids: list[list[int]] | None = None  # [B] token ids without padding
+    columns: dict[str, list] = field(default_factory=dict)  # every data column but `prompt`, [B] each
+    state: Any = field(default_factory=trainer_state)  # transformers.TrainerState
+
+    def __post_init__(self) -> None:
+        for name, values in {"prompts": self.prompts, **self.columns}.items():
+            if len(values) != len(self.completions):
+                raise ValueError(f"{name} has {len(values)} values for {len(self.completions)} completions")
+
+    @property
+    def conversational(self) -> bool:
+        return bool(self.prompts) and isinstance(self.prompts[0], list)
+
+    def trl_completions(self) -> list:
+        """The completions as TRL hands them over: one assistant message each for chat prompts."""
+        if not self.conversational:
+            return list(self.completions)
+        return [[{"role": "assistant", "content": text}] for text in self.completions]
+
+
+class RewardLog:
+    """Collects what reward functions log through `log_extra` and `log_metric` during one scoring."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.extra: dict[str, list] = {}  # column -> one value per completion
+        self.metrics: dict[str, list[float]] = {}  # name -> every value logged under it
+
+    def log_extra(self, column: str, values: Sequence) -> None:
+        """A column of the completions panel, one value per completion (as TRL's `log_extra`)."""
         values = list(values)
-        if len(values) != len(completions):
+        if len(values) != self.size:
+            raise ValueError(f"log_extra({column!r}) got {len(values)} values for {self.size} completions")
+        self.extra[str(column)] = values
+
+    def log_metric(self, name: str, value: float) -> None:
+        """A scalar for the loggers, averaged over the step (as TRL's `log_metric`)."""
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def metric_means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+
+
+@dataclass
+class Scores:
+    """One scoring of a rollout: the rewards and what the functions logged."""
+
+    rewards: Tensor  # [B, F] float32, NaN where a function answered None
+    extra: dict[str, list]  # log_extra columns, [B] values each
+    metrics: dict[str, float]  # log_metric means
+
+
+def _describe(value: object) -> str:
+    """What a wrong return value is, with the fix where there is an obvious one."""
+    kind = type(value).__name__
+    if value is None:
+        return "None (return a list: [None] * len(completions) when the function does not apply)"
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        return f"a {type(value).__module__.split('.')[0]} {kind} (return value.tolist())"
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        return "a generator (return a list, e.g. list(...))"
+    return f"a {kind}: {str(value)[:80]!r}"
+
+
+def _check_values(fn: Callable, values: object, inputs: RewardInputs) -> list[float | None]:
+    """The reward contract, for every return shape: a list or tuple of one real number or None per
+    completion, none of them NaN or inf. Raises `RuntimeError` naming the function and a completion."""
+    name, completions = reward_name(fn), inputs.completions
+    first = f"first completion: {completions[0][:200]!r}"
+    expected = "must return a list with one float (or None) per completion"
+    if not isinstance(values, (list, tuple)):
+        raise RuntimeError(f"reward function {name!r} {expected}; it returned {_describe(values)}; {first}")
+    if len(values) != len(completions):
+        raise RuntimeError(
+            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+        )
+    for i, v in enumerate(values):
+        if v is not None and not isinstance(v, numbers.Real):
             raise RuntimeError(
-                f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+                f"reward function {name!r} {expected}; value {i} is {_describe(v)}, "
+                f"for completion {i}: {completions[i][:200]!r}"
             )
-        for i, v in enumerate(values):
-            if v is not None and not math.isfinite(v):
-                raise RuntimeError(
-                    f"reward function {name!r} returned {v} for completion {i}: {completions[i][:200]!r}"
-                )
+        if v is not None and not math.isfinite(v):
+            raise RuntimeError(
+                f"reward function {name!r} returned {v} for completion {i}: {completions[i][:200]!r}"
+            )
+    return [None if v is None else float(v) for v in values]
+
+
+def _raised(fn: Callable, err: Exception, inputs: RewardInputs) -> RuntimeError:
+    return RuntimeError(
+        f"reward function {reward_name(fn)!r} raised {type(err).__name__}: {err}; "
+        f"first completion: {inputs.completions[0][:200]!r}"
+    )
+
+
+def _run_async(awaitables: list) -> list:
+    """Await `awaitables` concurrently; in a thread of its own where an event loop already runs (Jupyter)."""
+
+    async def gather() -> list:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _call_all(reward_funcs: Sequence[Callable], inputs: RewardInputs, log: RewardLog) -> list[list]:
+    """Each function's checked values; awaitable results are awaited together, as TRL gathers them."""
+    kwargs = {
+        "prompts": list(inputs.prompts),
+        "completions": inputs.trl_completions(),
+        "completion_ids": inputs.completion_ids,
+        "trainer_state": inputs.state,
+        "log_extra": log.log_extra,
+        "log_metric": log.log_metric,
+        **inputs.columns,
+    }
+    results: list = []
+    for fn in reward_funcs:
+        try:
+            results.append(fn(**kwargs))
+        except Exception as err:
+            raise _raised(fn, err, inputs) from err
+    pending = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
+    for i, outcome in zip(pending, _run_async([results[i] for i in pending]), strict=True):
+        if isinstance(outcome, Exception):
+            raise _raised(reward_funcs[i], outcome, inputs) from outcome
+        results[i] = outcome
+    return [_check_values(fn, result, inputs) for fn, result in zip(reward_funcs, results, strict=True)]
+
+
+def call_reward(fn: Callable, inputs: RewardInputs, log: RewardLog | None = None) -> list[float | None]:
+    """One reward function's checked values for `inputs` (see the module's docstring for the call)."""
+    return _call_all([fn], inputs, log or RewardLog(len(inputs.completions)))[0]
+
+
+def score_completions(reward_funcs: Sequence[Callable], inputs: RewardInputs) -> Scores:
+    """Call every reward function TRL's way and stack the results.
+
+    Returns `Scores` whose `rewards` are `[B, F]` float32 with NaN where a function answered `None` (not
+    applicable). Raises `RuntimeError` naming the function when it raises, returns anything but one real
+    number or None per completion, or returns NaN or inf, and when some completion gets `None` from every
+    function (it would have no reward at all). A function that answers `None` for a whole batch only warns:
+    in a mixed data set it may not apply.
+    """
+    log = RewardLog(len(inputs.completions))
+    columns_out = []
+    for fn, values in zip(reward_funcs, _call_all(reward_funcs, inputs, log), strict=True):
         if all(v is None for v in values):
             warnings.warn(
-                f"reward function {name!r} returned None for every completion of this batch", stacklevel=2
+                f"reward function {reward_name(fn)!r} returned None for every completion of this batch",
+                stacklevel=2,
             )
-        columns_out.append([math.nan if v is None else float(v) for v in values])
+        columns_out.append([math.nan if v is None else v for v in values])
     rewards = torch.tensor(columns_out, dtype=torch.float32).T  # [B, F]
     unscored = rewards.isnan().all(dim=1)  # [B]
     if unscored.any():
         i = int(unscored.nonzero()[0])
         names = [reward_name(fn) for fn in reward_funcs]
         raise RuntimeError(
-            f"no reward function {names} scored completion {i} (all returned None): {completions[i][:200]!r}"
+            f"no reward function {names} scored completion {i} (all returned None): "
+            f"{inputs.completions[i][:200]!r}"
         )
-    return rewards
+    return Scores(rewards, log.extra, log.metric_means())

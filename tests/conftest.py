@@ -4,6 +4,7 @@ import os
 import lightning as L
 import pytest
 
+from grpo_lightning.rewards import completion_text
 from grpo_lightning.tiny import save_tiny
 
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
@@ -23,9 +24,10 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("tiny")), texts, tokenizer_vocab=400)
 
 
-def digit_reward(completions: list[str], **kwargs) -> list[float]:
+def digit_reward(completions: list, **kwargs) -> list[float]:
     """A dense reward for random-weight models (which never solve anything): the share of digit characters."""
-    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+    texts = map(completion_text, completions)  # chat data: TRL's `[{"role": "assistant", "content": ...}]`
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in texts]
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:

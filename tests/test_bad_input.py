@@ -15,6 +15,7 @@ from grpo_lightning.cli import main
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
 from tests.conftest import quiet_trainer
 from tests.test_interrupt import fit_args
 
@@ -151,7 +152,7 @@ def none_reward(completions, **kwargs) -> list[None]:
 
 
 def digit_reward(completions, **kwargs) -> list[float]:
-    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+    return [float(sum(ch.isdigit() for ch in completion_text(c))) for c in completions]
 
 
 class FailsAtStep:

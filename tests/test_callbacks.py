@@ -28,7 +28,7 @@ from grpo_lightning.callbacks import (
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import accuracy_reward, format_reward, reference_answer
+from grpo_lightning.rewards import accuracy_reward, completion_text, format_reward, reference_answer
 
 VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
 
@@ -289,7 +289,7 @@ def first_hash_reward(completions: list[str], answer: list[str], **kwargs) -> li
     """A gameable reward: it reads the first `#### N`, so a second, wrong final answer costs nothing."""
     out = []
     for completion, ref in zip(completions, answer, strict=True):
-        _, marker, tail = completion.partition("####")
+        _, marker, tail = completion_text(completion).partition("####")
         first = tail.strip().split("\n")[0].strip()
         out.append(float(bool(marker) and first == reference_answer(ref)))
     return out

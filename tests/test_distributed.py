@@ -46,6 +46,7 @@ from grpo_lightning.distributed import (
 from grpo_lightning.export import export_policy
 from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
 from grpo_lightning.sampling import Rollout, completion_logprobs
 
 NUM_ROWS = 8
@@ -56,7 +57,7 @@ PROMPT_TOKENS = 6
 # ----------------------------------------------------------------------------------------- worker
 def fixed_reward(completions: list[str], **kwargs) -> list[float]:
     """A deterministic reward of the text alone, varied enough that groups have non-zero advantages."""
-    return [float(len(c) % 5) for c in completions]
+    return [float(len(completion_text(c)) % 5) for c in completions]
 
 
 def _seed_of(text: str) -> int:

@@ -20,6 +20,7 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.export import export_policy
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
 from grpo_lightning.sampling import generate_completions
 
 PROMPTS = [
@@ -30,7 +31,7 @@ PROMPTS = [
 
 def length_reward(completions: list[str], **kwargs) -> list[float]:
     """Differs within a group even for a random model, so every step has non-zero advantages."""
-    return [len(c) / 10 for c in completions]
+    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class ScriptedAccuracy(GRPOModule):

@@ -8,7 +8,7 @@ from grpo_lightning.data import GSM8KDataModule, arithmetic_problems, collate_ro
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.preflight import Preflight, effective_batch, input_gradients_enabled, run_preflight
-from grpo_lightning.rewards import accuracy_reward
+from grpo_lightning.rewards import accuracy_reward, completion_text
 from tests.conftest import quiet_trainer
 from tests.test_bad_input import end_early
 
@@ -16,7 +16,7 @@ BATCH = collate_rows(arithmetic_problems(2, seed=3), system_prompt=None)
 
 
 def length_reward(completions, **kwargs) -> list[float]:
-    return [len(c) / 100 for c in completions]
+    return [len(completion_text(c)) / 100 for c in completions]
 
 
 def module_for(model_dir: str, grpo: dict | None = None, reward_funcs=(accuracy_reward,), **kwargs):

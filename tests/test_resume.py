@@ -14,6 +14,7 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.resume import ResumableSampler, capture_rng_states, restore_rng_states
+from grpo_lightning.rewards import completion_text
 
 M = 2  # steps after the resume
 BATCHES_PER_EPOCH = 3  # train_size=6, batch_size=2: the resumed steps reach into the next epoch
@@ -21,7 +22,7 @@ BATCHES_PER_EPOCH = 3  # train_size=6, batch_size=2: the resumed steps reach int
 
 def length_reward(completions, **kwargs) -> list[float]:
     """A reward that varies within every group, so that each step really changes the weights."""
-    return [len(c) / 10 for c in completions]
+    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class Recorder(L.Callback):
