@@ -1,0 +1,222 @@
+"""A TRL user's reward functions and data set run here unchanged: TRL 1.16's own `trl.rewards` inside real
+training steps of a tiny model, on data in TRL's format, called exactly as `GRPOTrainer` calls them."""
+
+import asyncio
+import json
+
+import lightning as L
+import pytest
+import torch
+from trl.rewards import (
+    accuracy_reward,
+    get_repetition_penalty_reward,
+    get_soft_overlong_punishment,
+    think_format_reward,
+)
+
+from grpo_lightning.callbacks import completions_table
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.data import PromptDataModule
+from grpo_lightning.metrics import RewardAccuracy
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import accuracy_reward as gsm8k_accuracy_reward
+from grpo_lightning.rewards import format_reward
+from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
+from tests.conftest import quiet_trainer
+
+G, MAX_TOKENS, STEPS = 2, 6, 2
+PROBLEMS = [
+    ("What is 1/3 of 1?", r"\frac{1}{3}"),
+    ("Half of 9?", r"\frac{9}{2}"),
+    ("What is 2 + 2?", "4"),
+    ("What is 3 * 3?", "9"),
+]
+
+
+def write_jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def trl_rows(conversational: bool) -> list[dict]:
+    """Rows in TRL's "prompt-only" format with a `solution` column, as TRL's math examples have them."""
+    rows = []
+    for question, solution in PROBLEMS:
+        prompt = (
+            [{"role": "user", "content": question}] if conversational else f"Question: {question}\nAnswer:"
+        )
+        rows.append({"prompt": prompt, "solution": solution, "level": len(question)})
+    return rows
+
+
+class DocsStyleReward:
+    """A reward written as TRL's documentation writes them for chat data: `completion[0]["content"]`,
+    `prompts`, `trainer_state`, `log_extra` and `log_metric`. It records every call."""
+
+    __name__ = "docs_style_reward"
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kwargs):
+        self.calls.append(
+            dict(prompts=prompts, completions=completions, completion_ids=completion_ids, kwargs=kwargs)
+            | {
+                "step": trainer_state.global_step,
+                "max_steps": trainer_state.max_steps,
+                "epoch": trainer_state.epoch,
+            }
+        )
+        contents = [completion[0]["content"] for completion in completions]
+        log_extra("prompt_chars", [len(p[-1]["content"]) for p in prompts])
+        log_metric("docs_style/step_seen", float(trainer_state.global_step))
+        # Grows with the step, as TRL's docs' curriculum examples do with trainer_state.
+        return [len(c) / 100 + trainer_state.global_step for c in contents]
+
+
+class Recorder(L.Callback):
+    """After each training step: the module's `RolloutRecord` and the metrics logged."""
+
+    def __init__(self) -> None:
+        self.records, self.metrics = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.records.append(pl_module.last_rollout)
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def fit_trl(model_dir, root, reward_funcs, conversational=True, **module_options):
+    source = write_jsonl(root / "train.jsonl", trl_rows(conversational))
+    data = PromptDataModule(source, batch_size=2, val_size=0)
+    grpo = GRPOConfig(num_generations=G, max_completion_length=MAX_TOKENS, log_completions_every=0)
+    module = GRPOModule(model_dir, reward_funcs=reward_funcs, grpo=grpo, **module_options)
+    seen = Recorder()
+    trainer = quiet_trainer(
+        max_steps=STEPS, limit_val_batches=0, default_root_dir=str(root), callbacks=[seen]
+    )
+    trainer.fit(module, data)
+    return trainer, module, seen
+
+
+def test_trl_reward_functions_run_unchanged_in_training_steps(tiny_model_dir, tmp_path):
+    overlong = get_soft_overlong_punishment(max_completion_len=MAX_TOKENS, soft_punish_cache=4)
+    repetition = get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    docs = DocsStyleReward()
+    funcs = [think_format_reward, overlong, repetition, accuracy_reward, docs]
+    trainer, module, seen = fit_trl(tiny_model_dir, tmp_path, funcs)
+    assert trainer.global_step == STEPS
+
+    for step, (record, call) in enumerate(zip(seen.records, docs.calls, strict=True)):
+        # The call TRL makes: keywords only, prompts repeated per completion, completions as one assistant
+        # message each, ids without padding, every column but `prompt`, and the trainer's state.
+        assert set(call["kwargs"]) == {"solution", "level"}
+        assert len(call["prompts"]) == len(call["completions"]) == 2 * G
+        assert call["prompts"][0] == call["prompts"][1] != call["prompts"][2]  # a group shares its prompt
+        assert call["completions"] == [[{"role": "assistant", "content": c}] for c in record.completions]
+        assert [len(ids) for ids in call["completion_ids"]] == record.completion_lengths.tolist()
+        assert call["kwargs"]["solution"][0] == call["kwargs"]["solution"][1]
+        assert (call["step"], call["max_steps"]) == (step, STEPS)
+        assert call["epoch"] == pytest.approx(step / 2)  # 4 rows in batches of 2: 2 steps per epoch
+
+        # Each column of the step's rewards is what TRL's own function gives on the same inputs.
+        expected = [
+            think_format_reward(call["completions"]),
+            overlong(call["completion_ids"]),
+            repetition(call["completion_ids"]),
+            accuracy_reward(call["completions"], call["kwargs"]["solution"]),
+            [len(c) / 100 + step for c in record.completions],
+        ]
+        torch.testing.assert_close(record.rewards_per_func, torch.tensor(expected).T)
+        # log_extra: TRL's accuracy_reward logs its parses, the docs-style reward its own column.
+        assert record.extra["solution"] == call["kwargs"]["solution"]
+        assert set(record.extra) == {"solution", "gold_parsed", "answer_parsed", "prompt_chars"}
+        header = completions_table(record).splitlines()[0]
+        assert header.endswith("| solution | gold_parsed | answer_parsed | prompt_chars |")
+        # log_metric: a scalar of the step, next to the built-in ones.
+        assert seen.metrics[step]["train/docs_style/step_seen"] == step
+        for name in ("think_format_reward", "soft_overlong_punishment_reward", "repetition_penalty_reward"):
+            assert f"train/rewards/{name}" in seen.metrics[step]
+    # Completions that hit the limit get the overlong punishment: the length reward saw real lengths.
+    lengths = torch.cat([r.completion_lengths for r in seen.records])
+    penalties = torch.cat([r.rewards_per_func[:, 1] for r in seen.records])
+    assert torch.equal(penalties < 0, lengths > MAX_TOKENS - 4)
+
+
+def test_standard_prompts_get_text_completions_and_our_rewards_take_both_shapes(tiny_model_dir, tmp_path):
+    seen_shapes = []
+
+    def shape_reward(prompts, completions, **kwargs):
+        seen_shapes.append((type(prompts[0]), type(completions[0])))
+        return [0.0] * len(completions)
+
+    trainer, module, seen = fit_trl(tiny_model_dir, tmp_path, [shape_reward], conversational=False)
+    assert seen_shapes == [(str, str)] * STEPS
+    # Our own rewards read text and TRL's chat completions alike.
+    text = "2 + 2 = 4\n#### 4"
+    chat = [{"role": "assistant", "content": text}]
+    assert gsm8k_accuracy_reward([text, chat], answer=["#### 4", "#### 4"]) == [1.0, 1.0]
+    assert format_reward([chat]) == format_reward([text]) == [1.0]
+
+
+def test_async_reward_functions_run_concurrently():
+    class Pair:
+        """Two async rewards: the first waits until the second has run, which only concurrency allows."""
+
+        def __init__(self) -> None:
+            self.event = asyncio.Event()
+
+        async def first(self, completions, **kwargs):
+            await asyncio.wait_for(self.event.wait(), timeout=5)
+            return [1.0] * len(completions)
+
+        async def second(self, completions, **kwargs):
+            self.event.set()
+            return [2.0] * len(completions)
+
+    pair = Pair()
+    inputs = RewardInputs(["q", "q"], ["a", "b"])
+    scores = score_completions([pair.first, pair.second], inputs)
+    assert scores.rewards.tolist() == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def test_math_verify_judges_latex_answers():
+    inputs = RewardInputs(
+        [[{"role": "user", "content": "1/3?"}]] * 3,
+        [r"So \boxed{\frac{1}{3}}", r"\boxed{0.5}", "no idea"],
+        columns={"solution": [r"\frac{1}{3}"] * 3},
+    )
+    assert call_reward(accuracy_reward, inputs) == [1.0, 0.0, 0.0]
+
+
+def test_reward_accuracy_metric():
+    metric = RewardAccuracy(k=2)
+    metric.update([1.0, 0.0, 0.0, 0.0])
+    metric.update([1.0, 1.0])
+    result = metric.compute()
+    assert result["accuracy"].item() == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert result["pass@k"].item() == pytest.approx(2 / 3)
+
+
+def test_validation_accuracy_from_a_reward_function_drives_early_stopping(tiny_model_dir, tmp_path):
+    """Beyond GSM8K: val/accuracy comes from `val_reward` on the data's columns; EarlyStopping reads it."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    rows = [{"prompt": [{"role": "user", "content": f"Question {i}?"}], "solution": str(i)} for i in range(8)]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+
+    def judged_by_solution(completions, solution, trainer_state, **kwargs):  # right on even problems
+        return [1.0 if int(s) % 2 == 0 else 0.0 for s in solution]
+
+    grpo = GRPOConfig(num_generations=2, max_completion_length=4, preflight=False, log_completions_every=0)
+    module = GRPOModule(
+        tiny_model_dir, reward_funcs=[judged_by_solution], grpo=grpo, val_reward=judged_by_solution
+    )
+    data = PromptDataModule(source, batch_size=2, val_size=5, val_batch_size=2)
+    stop = EarlyStopping(monitor="val/accuracy", mode="max", patience=1, check_on_train_epoch_end=False)
+    trainer = quiet_trainer(
+        max_steps=10, val_check_interval=1, check_val_every_n_epoch=None, callbacks=[stop]
+    )
+    trainer.fit(module, data)
+    expected = sum(int(r["solution"]) % 2 == 0 for r in data.val_rows) / len(data.val_rows)
+    assert float(trainer.callback_metrics["val/accuracy"]) == pytest.approx(expected)
+    assert trainer.global_step == 2  # flat accuracy: stopped after patience=1 validations without gain
