@@ -245,15 +245,6 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if val_split not in ("holdout", "test"):
-            raise ValueError(f"data.val_split={val_split!r}: must be 'holdout' or 'test'")
-        if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"data.source={source!r}: name a hub data set, a folder or a file")
-        _positive("batch_size", batch_size)
-        _positive("val_batch_size", val_batch_size)
-        _positive("val_size", val_size, minimum=0)
-        _positive("train_size", train_size, allow_none=True)
-        _positive("num_workers", num_workers, minimum=0)
         self.save_hyperparameters()
         # `_loader` hands it to `collate_rows`, which only uses it for rows without a prompt (GSM8K's preset
         # builds them at read time); a base option it is not, so that the CLI, when switching from the
@@ -262,6 +253,23 @@ class PromptDataModule(L.LightningDataModule):
         self.train_rows: list[Row] = []
         self.val_rows: list[Row] = []
         self._resume_at: dict[str, int] | None = None  # from a checkpoint, for the next train_dataloader()
+
+    def check_options(self) -> None:
+        """Range-check every option; `setup` calls it, before any rows are read or weights load.
+
+        Not in `__init__`: LightningCLI builds the data module inside a type union, which would fold the
+        one-line message into a page of jsonargparse's own.
+        """
+        hp = self.hparams
+        if hp.val_split not in ("holdout", "test"):
+            raise ValueError(f"data.val_split={hp.val_split!r}: must be 'holdout' or 'test'")
+        if not isinstance(hp.source, str) or not hp.source.strip():
+            raise ValueError(f"data.source={hp.source!r}: name a hub data set, a folder or a file")
+        _positive("batch_size", hp.batch_size)
+        _positive("val_batch_size", hp.val_batch_size)
+        _positive("val_size", hp.val_size, minimum=0)
+        _positive("train_size", hp.train_size, allow_none=True)
+        _positive("num_workers", hp.num_workers, minimum=0)
 
     @property
     def answer_column(self) -> str:
@@ -350,6 +358,7 @@ class PromptDataModule(L.LightningDataModule):
         return train_rows, val_rows
 
     def setup(self, stage: str | None = None) -> None:
+        self.check_options()
         if not self.train_rows:
             self.train_rows, self.val_rows = self._split_rows()
         if stage == "validate" and not self.val_rows:
@@ -448,7 +457,6 @@ class GSM8KDataModule(PromptDataModule):
         num_workers: int = 0,
         config_name: str | None = None,
     ) -> None:
-        _positive("arithmetic_size", arithmetic_size)
         if config_name is None and source == "openai/gsm8k":
             config_name = "main"
         super().__init__(
@@ -463,6 +471,10 @@ class GSM8KDataModule(PromptDataModule):
             seed=seed,
             num_workers=num_workers,
         )
+
+    def check_options(self) -> None:
+        super().check_options()
+        _positive("arithmetic_size", self.hparams.arithmetic_size)
 
     @property
     def answer_column(self) -> str:

@@ -128,7 +128,8 @@ def _check_values(fn: Callable, values: object, inputs: RewardInputs) -> list[fl
         raise RuntimeError(f"reward function {name!r} {expected}; it returned {_describe(values)}; {first}")
     if len(values) != len(completions):
         raise RuntimeError(
-            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; "
+            + first
         )
     for i, v in enumerate(values):
         if v is not None and not isinstance(v, numbers.Real):

@@ -7,8 +7,11 @@ import os
 import shutil
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from grpo_lightning.callbacks import RewardAuditCallback
 from grpo_lightning.cli import main
@@ -16,6 +19,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text
+from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
 from tests.conftest import quiet_trainer
 from tests.test_interrupt import fit_args
 
@@ -272,3 +276,162 @@ def test_prompt_over_the_limit_is_cut_from_the_left_or_refused(tiny_model_dir, m
         ids, mask = module.encode_prompts(prompts)
     assert ids.shape == (2, 6)
     torch.testing.assert_close(ids, full_ids[:, -6:])  # the ends, where the generation prompt is, survive
+
+
+# ------------------------------------------------------------------------------------------ reward types
+def tensor_reward(completions, **kwargs):
+    return torch.zeros(len(completions))
+
+
+# Wrong return values, each with what the message says about it. One contract (`scoring._check_values`)
+# checks them all, in training, validation, the audit and the pre-flight alike.
+WRONG_RETURNS = {
+    "strings": (lambda n: ["1.0"] * n, "value 0 is a str: '1.0', for completion 0: "),
+    "None": (lambda n: None, "it returned None (return a list: [None] * len(completions) when"),
+    "tensor": (
+        lambda n: torch.zeros(n),
+        "it returned a torch Tensor (return value.tolist()); first completion: ",
+    ),
+    "ndarray": (
+        lambda n: np.zeros(n),
+        "it returned a numpy ndarray (return value.tolist()); first completion: ",
+    ),
+    "generator": (
+        lambda n: (0.0 for _ in range(n)),
+        "it returned a generator (return a list, e.g. list(...))",
+    ),
+    "str": (lambda n: "1" * n, "it returned a str: '1111'; first completion: "),
+    "dict": (lambda n: {i: 0.0 for i in range(n)}, "it returned a dict: "),
+    "tensor items": (
+        lambda n: list(torch.zeros(n)),
+        "value 0 is a torch Tensor (return value.tolist()), for",
+    ),
+    "numpy strings": (lambda n: list(np.array(["a"] * n)), "value 0 is a numpy str_ (return value.tolist())"),
+    "nested": (lambda n: [[0.0]] * n, "value 0 is a list: '[0.0]', for completion 0: "),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_RETURNS))
+def test_every_wrong_return_type_names_the_function_and_a_completion(case):
+    make, detail = WRONG_RETURNS[case]
+
+    def bad_reward(completions, **kwargs):
+        return make(len(completions))
+
+    inputs = RewardInputs(["q"] * 4, ["a", "b", "c", "d"])
+    with pytest.raises(RuntimeError) as error:
+        score_completions([bad_reward], inputs)
+    message = str(error.value)
+    assert message.startswith("reward function 'bad_reward' must return a list with one float (or None) per ")
+    assert detail in message
+    assert "'a'" in message  # the completion it was given
+
+
+def test_numbers_of_any_kind_are_rewards():
+    values = [np.float32(0.5), np.int64(2), True, None]
+    scores = call_reward(lambda completions, **kwargs: tuple(values), RewardInputs(["q"] * 4, list("abcd")))
+    assert scores == [0.5, 2.0, 1.0, None] and all(type(v) is float for v in scores[:3])
+
+
+ELEMENTS = st.one_of(
+    st.none(),
+    st.floats(),
+    st.integers(-10, 10),
+    st.booleans(),
+    st.text(max_size=3),
+    st.lists(st.floats(), max_size=1),
+)
+
+
+@given(
+    st.one_of(
+        st.lists(ELEMENTS, min_size=0, max_size=5),
+        st.tuples(ELEMENTS, ELEMENTS, ELEMENTS),
+        st.none(),
+        st.floats(),
+        st.text(max_size=5),
+        st.dictionaries(st.integers(0, 3), st.floats(), max_size=3),
+    )
+)
+def test_any_return_value_is_a_reward_or_one_clear_error(returned):
+    """Whatever a reward function returns: three valid rewards, or a `RuntimeError` naming it and a
+    completion, never a raw `TypeError` from deeper down."""
+
+    def any_reward(completions, **kwargs):
+        return returned
+
+    inputs = RewardInputs(["q"] * 3, ["first", "second", "third"])
+    try:
+        scores = call_reward(any_reward, inputs)
+    except RuntimeError as err:
+        assert str(err).startswith("reward function 'any_reward' ")
+        assert any(repr(c) in str(err) for c in inputs.completions)
+        return
+    assert isinstance(returned, (list, tuple)) and len(returned) == 3
+    for value, got in zip(returned, scores, strict=True):
+        assert got == (None if value is None else float(value)) and (got is None or math.isfinite(got))
+
+
+def test_a_wrong_return_type_ends_the_cli_with_one_line(tiny_model_dir, tmp_path, capsys):
+    args = fit_args(
+        tiny_model_dir, str(tmp_path), 1, "--model.reward_funcs=[tests.test_bad_input.tensor_reward]"
+    )
+    err = cli_error(args, capsys)
+    assert "error: reward function 'tensor_reward' must return a list with one float (or None) per " in err
+    assert "returned a torch Tensor (return value.tolist()); first completion: '" in err
+
+
+# ------------------------------------------------------------------------------------------ data options
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--data.val_size=-1", "data.val_size=-1: must be an integer >= 0"),
+        ("--data.train_size=0", "data.train_size=0: must be an integer >= 1"),
+        ("--data.batch_size=0", "data.batch_size=0: must be an integer >= 1"),
+        ("--data.val_batch_size=-3", "data.val_batch_size=-3: must be an integer >= 1"),
+        ("--data.arithmetic_size=0", "data.arithmetic_size=0: must be an integer >= 1"),
+        ("--data.num_workers=-1", "data.num_workers=-1: must be an integer >= 0"),
+        ("--data.val_split=train", "data.val_split='train': must be 'holdout' or 'test'"),
+    ],
+)
+def test_bad_data_option_is_one_line_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, option, message
+):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
+    assert f"error: {message}" in err
+
+
+@given(st.integers(-5, 5), st.one_of(st.none(), st.integers(-5, 5)))
+def test_data_sizes_are_accepted_exactly_in_range(val_size, train_size):
+    try:
+        GSM8KDataModule(source="arithmetic", val_size=val_size, train_size=train_size).check_options()
+    except ValueError as err:
+        bad = f"data.val_size={val_size}" if val_size < 0 else f"data.train_size={train_size}"
+        assert str(err).startswith(f"{bad}: must be an integer >= ")
+        assert val_size < 0 or (train_size is not None and train_size < 1)
+    else:
+        assert val_size >= 0 and (train_size is None or train_size >= 1)
+
+
+def test_validate_with_no_validation_rows_is_an_error(tiny_model_dir, tmp_path, capsys, no_weights):
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.val_size=0")
+    err = cli_error(["validate", *args[1:]], capsys)
+    assert "error: nothing to validate: data.val_size=0 gives no validation rows" in err
+
+
+@pytest.mark.parametrize("preset", [True, False], ids=["gsm8k", "trl-format"])
+def test_a_column_only_some_rows_carry_is_named_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, preset
+):
+    if preset:
+        rows = [ROW, ROW, {**ROW, "hint": "add"}]
+        data = []
+    else:
+        row = {"prompt": "2 + 3?", "solution": "5"}
+        rows = [row, {"prompt": "1 + 1?"}, row]
+        data = ["--data=grpo_lightning.data.PromptDataModule"]
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *data, f"--data.source={source}"), capsys)
+    where = f"{source}:3: has column 'hint'" if preset else f"{source}:2: lacks column 'solution'"
+    assert f"error: {where}, unlike the first row ({source}:1, columns [" in err
+    assert "every row needs the same columns" in err
