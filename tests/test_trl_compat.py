@@ -1,8 +1,12 @@
 """A TRL user's reward functions and data set run here unchanged: TRL 1.16's own `trl.rewards` inside real
 training steps of a tiny model, on data in TRL's format, called exactly as `GRPOTrainer` calls them."""
 
+import ast
 import asyncio
+import functools
 import json
+import re
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -220,3 +224,109 @@ def test_validation_accuracy_from_a_reward_function_drives_early_stopping(tiny_m
     expected = sum(int(r["solution"]) % 2 == 0 for r in data.val_rows) / len(data.val_rows)
     assert float(trainer.callback_metrics["val/accuracy"]) == pytest.approx(expected)
     assert trainer.global_step == 2  # flat accuracy: stopped after patience=1 validations without gain
+
+
+# ------------------------------------------------------------------------------------------ docs/from_trl.md
+DOC = Path(__file__).parent.parent / "docs" / "from_trl.md"
+
+
+def doc_parts() -> tuple[str, str, list[dict]]:
+    """The doc's TRL script, its YAML, and its table rows (names, values, kind)."""
+    text = DOC.read_text(encoding="utf-8")
+    script = re.search(r"```python\n(.*?)```", text, re.S)[1]
+    config = re.search(r"```yaml\n(.*?)```", text, re.S)[1]
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        trl_names, trl_value, ours, our_value, kind, _note = [c.strip() for c in line.strip("|").split(" | ")]
+
+        def literal(cell: str):
+            return ast.literal_eval(cell.strip("`")) if cell != "—" else NOTHING
+
+        rows.append(
+            {
+                "trl": re.findall(r"`(\w+)`", trl_names),
+                "trl_value": literal(trl_value),
+                "ours": ours.strip("`") if ours != "—" else None,
+                "our_value": literal(our_value),
+                "kind": kind,
+            }
+        )
+    return script, config, rows
+
+
+NOTHING = object()
+
+
+def plain(value):
+    """Config values as literals: enums by value, tensors as lists, one-item lists (report_to) as the item."""
+    value = getattr(value, "value", value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
+
+
+def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
+    import dataclasses
+    import inspect
+
+    import transformers
+    import trl
+
+    from grpo_lightning.cli import build_cli
+    from grpo_lightning.models import ModelOptions
+
+    script, config, rows = doc_parts()
+    assert {row["kind"] for row in rows} == {"maps", "differs", "lacks"}
+    # Every option TRL's GRPOConfig adds to TrainingArguments has its row.
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    own = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
+    named = [name for row in rows for name in row["trl"]]
+    assert len(named) == len(set(named)) and own <= set(named), sorted(own - set(named))
+
+    # TRL's side: the script's GRPOConfig(...) is the table's TRL column, and TRL builds it.
+    call = next(
+        n
+        for n in ast.walk(ast.parse(script))
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "GRPOConfig"
+    )
+    script_kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    table_kwargs = {row["trl"][0]: row["trl_value"] for row in rows if row["trl_value"] is not NOTHING}
+    assert script_kwargs == table_kwargs
+    trl_config = trl.GRPOConfig(**script_kwargs, use_cpu=True)  # bf16 on a machine without a GPU
+
+    # Ours: the YAML, with the tiny model standing in for the hub's.
+    path = tmp_path / "deepmath.yaml"
+    path.write_text(config)
+    cli = build_cli(["--config", str(path), f"--model.policy={tiny_model_dir}"], run=False)
+    assert (
+        cli.model.reward_funcs == [accuracy_reward, think_format_reward]
+        and cli.model.val_reward is accuracy_reward
+    )
+    assert type(cli.datamodule) is PromptDataModule
+
+    def ours(option: str):
+        head, *rest = option.split(".")
+        if head == "model":
+            return plain(functools.reduce(getattr, rest, cli.model))
+        if head == "data":
+            return cli.datamodule.hparams[rest[0]]
+        return functools.reduce(lambda ns, key: ns[key], option.split("."), cli.config)
+
+    our_names = (
+        {f.name for f in dataclasses.fields(GRPOConfig)}
+        | {f.name for f in dataclasses.fields(ModelOptions)}
+        | set(inspect.signature(GRPOModule).parameters)
+        | set(inspect.signature(PromptDataModule).parameters)
+    )
+    for row in rows:
+        name = row["trl"][0]
+        if row["trl_value"] is not NOTHING:
+            assert plain(getattr(trl_config, name)) == row["trl_value"], name
+        if row["ours"] is not None:
+            assert ours(row["ours"]) == row["our_value"], row["ours"]
+        if row["kind"] == "maps":
+            assert row["our_value"] == row["trl_value"], name
+        if row["kind"] == "lacks":
+            assert row["ours"] is None and not set(row["trl"]) & our_names, row["trl"]
