@@ -330,3 +330,28 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
             assert row["our_value"] == row["trl_value"], name
         if row["kind"] == "lacks":
             assert row["ours"] is None and not set(row["trl"]) & our_names, row["trl"]
+
+
+def test_cli_trains_on_trl_data_with_trl_rewards(tiny_model_dir, tmp_path):
+    """The command line path: a TRL-format file, TRL's reward functions by import path, two steps."""
+    from grpo_lightning.cli import build_cli
+    from tests.test_interrupt import fit_args
+
+    source = write_jsonl(tmp_path / "train.jsonl", trl_rows(conversational=True))
+    args = fit_args(
+        tiny_model_dir,
+        str(tmp_path),
+        2,
+        "--data=grpo_lightning.data.PromptDataModule",
+        f"--data.source={source}",
+        "--data.val_size=0",
+        "--model.reward_funcs=[trl.rewards.think_format_reward, trl.rewards.accuracy_reward]",
+        "--model.grpo.preflight=true",
+    )
+    # Without `--data.system_prompt=null`, the preset's default system prompt would be there to carry over.
+    cli = build_cli([arg for arg in args if arg != "--data.system_prompt=null"])
+    assert cli.trainer.global_step == 2
+    assert cli.datamodule.hparams.system_prompt is None  # the GSM8K preset's is not carried over
+    assert cli.datamodule.train_rows[0]["prompt"][0]["role"] == "user"
+    for name in ("think_format_reward", "accuracy_reward"):
+        assert f"train/rewards/{name}" in cli.trainer.callback_metrics
