@@ -183,6 +183,19 @@ def test_async_reward_functions_run_concurrently():
     assert scores.rewards.tolist() == [[1.0, 2.0], [1.0, 2.0]]
 
 
+def test_async_rewards_inside_a_running_event_loop():
+    """In a notebook an event loop already runs: the rewards are awaited on a loop of their own."""
+
+    async def reward(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [3.0] * len(completions)
+
+    async def score_in_loop():
+        return score_completions([reward], RewardInputs(["q"], ["a"]))
+
+    assert asyncio.run(score_in_loop()).rewards.tolist() == [[3.0]]
+
+
 def test_math_verify_judges_latex_answers():
     inputs = RewardInputs(
         [[{"role": "user", "content": "1/3?"}]] * 3,
