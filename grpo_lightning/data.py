@@ -71,14 +71,6 @@ def read_records(path: str) -> list[tuple[str, object]]:
     return records
 
 
-def read_jsonl(path: str, question_field: str = "question", answer_field: str = "answer") -> list[Row]:
-    """Read and check a GSM8K JSON-lines file; a bad row raises `ValueError` naming the file and line."""
-    rows = [check_row(row, where, question_field, answer_field) for where, row in read_records(path)]
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
-
-
 def _check_text(row: dict, field: str, where: str) -> str:
     if field not in row:
         raise ValueError(f"{where}: missing field {field!r} (has {sorted(row)})")
@@ -331,18 +323,24 @@ class PromptDataModule(L.LightningDataModule):
             ) from None
         return [(f"{hp.source}[{split}] row {i}", row) for i, row in enumerate(ds)]
 
-    def _read_split(self, split: str) -> list[Row]:
+    def _read_split(self, split: str, like: tuple[str, Row] | None = None) -> tuple[list[Row], list[str]]:
+        """A split's checked rows and where each comes from; `like` is a row of another split (and where it
+        comes from) whose columns these rows must have too."""
         records = self._records(split)
         if not records:
             raise ValueError(f"data.source={self.hparams.source!r}: the {split} split has no rows")
         rows = [self._prepare_row(row, where) for where, row in records]
-        check_same_columns(rows, [where for where, _ in records])
-        return rows
+        wheres = [where for where, _ in records]
+        if like is None:
+            check_same_columns(rows, wheres)
+        else:
+            check_same_columns([like[1], *rows], [like[0], *wheres])
+        return rows, wheres
 
     def _split_rows(self) -> tuple[list[Row], list[Row]]:
         """Training and validation rows: a seeded hold-out of the train split, or the test split."""
         hp = self.hparams
-        rows = self._read_split("train")
+        rows, wheres = self._read_split("train")
         order = list(range(len(rows)))
         random.Random(hp.seed).shuffle(order)
         holdout = hp.val_size if hp.val_split == "holdout" else 0
@@ -351,10 +349,7 @@ class PromptDataModule(L.LightningDataModule):
         val_rows = [rows[i] for i in order[:holdout]]
         train_rows = [rows[i] for i in order[holdout:]][: hp.train_size]
         if hp.val_split == "test" and hp.val_size > 0:
-            val_rows = self._read_split("test")[: hp.val_size]
-            check_same_columns(
-                [train_rows[0], *val_rows], ["the train split's first row"] + ["a test row"] * len(val_rows)
-            )
+            val_rows = self._read_split("test", like=(wheres[0], rows[0]))[0][: hp.val_size]
         return train_rows, val_rows
 
     def setup(self, stage: str | None = None) -> None:

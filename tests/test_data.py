@@ -154,3 +154,14 @@ def test_gsm8k_preset_rows_and_the_arithmetic_task():
         "question": ["q?"],
         "answer": ["#### 1"],
     }
+
+
+def test_test_split_rows_need_the_train_split_columns(tmp_path):
+    write(tmp_path / "train.jsonl", TRL_ROWS, "jsonl")
+    write(tmp_path / "test.jsonl", [TRL_ROWS[0], {"prompt": CHAT, "level": 1}], "jsonl")
+    with pytest.raises(ValueError) as error:
+        PromptDataModule(str(tmp_path), val_split="test").setup("fit")
+    assert str(error.value).startswith(
+        f"{tmp_path}/test.jsonl:2: lacks column 'solution', unlike the first row ("
+    )
+    assert f"({tmp_path}/train.jsonl:1, columns ['level', 'prompt', 'solution'])" in str(error.value)
