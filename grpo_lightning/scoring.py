@@ -30,7 +30,6 @@ import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +40,9 @@ from grpo_lightning.rewards import reward_name
 __all__ = ["RewardInputs", "RewardLog", "Scores", "call_reward", "score_completions", "trainer_state"]
 
 
-def trainer_state(global_step: int = 0, max_steps: int = -1, epoch: float = 0.0, num_epochs: int = 1) -> Any:
+def trainer_state(
+    global_step: int = 0, max_steps: int = -1, epoch: float = 0.0, num_epochs: int = 1
+) -> TrainerState:
     """The `trainer_state` a reward function gets: the `transformers.TrainerState` TRL passes."""
     return TrainerState(
         global_step=global_step, max_steps=max_steps, epoch=epoch, num_train_epochs=num_epochs
@@ -56,7 +57,7 @@ class RewardInputs:
     completions: list[str]  # [B] decoded text
     completion_ids: list[list[int]] | None = None  # [B] token ids without padding
     columns: dict[str, list] = field(default_factory=dict)  # every data column but `prompt`, [B] each
-    state: Any = field(default_factory=trainer_state)  # transformers.TrainerState
+    state: TrainerState = field(default_factory=trainer_state)
 
     def __post_init__(self) -> None:
         for name, values in {"prompts": self.prompts, **self.columns}.items():
