@@ -127,6 +127,19 @@ def call_in_root_forward(model: nn.Module, fn: Callable[..., Any], *args: Any, *
     return output
 
 
+def gather_per_rank(state: Any) -> list:
+    """Every rank's `state` (picklable), indexed by rank; a one-item list without a process group.
+
+    A collective: every rank calls it. It carries Python objects of any size, e.g. a checkpoint's per-rank
+    state to rank 0, which alone writes it, or rewards whose count differs between ranks.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
+
+
 def close_process_group() -> None:
     """Wait for every rank, then free the default process group, if there is one.
 

@@ -21,6 +21,7 @@ from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.distributed import (
     call_in_root_forward,
+    gather_per_rank,
     gathered_for_generation,
     is_sharded,
     mixed_precision_policy,
@@ -40,7 +41,6 @@ from grpo_lightning.preflight import Preflight
 from grpo_lightning.resume import (
     InterruptCheckpoint,
     capture_rng_states,
-    gather_per_rank,
     register_safe_globals,
     restore_rng_states,
     state_of_rank,
@@ -432,13 +432,16 @@ class GRPOModule(L.LightningModule):
 
     def _advantages(self, outcome: Tensor) -> Tensor:
         """Group-relative advantages of this rank's `[B]` rewards. With `scale_rewards="batch"` the std is
-        that of the whole batch over all ranks, as TRL computes it (every rank holds the same B)."""
-        cfg, world = self.grpo, self.trainer.world_size
+        that of the whole batch over all ranks, as TRL computes it."""
+        cfg = self.grpo
         args = (cfg.num_generations, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)
-        if cfg.scale_rewards != "batch" or world == 1:
+        if cfg.scale_rewards != "batch" or self.trainer.world_size == 1:
             return group_advantages(outcome, *args)  # [B]
-        everyone = self.all_gather(outcome).reshape(-1)  # [world * B], rank after rank
-        return group_advantages(everyone, *args).view(world, -1)[self.global_rank]  # [B]
+        # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
+        per_rank = gather_per_rank(outcome.tolist())
+        everyone = torch.tensor(sum(per_rank, []), dtype=outcome.dtype, device=outcome.device)  # [sum of B]
+        start = sum(len(rewards) for rewards in per_rank[: self.global_rank])
+        return group_advantages(everyone, *args)[start : start + outcome.numel()]  # [B]
 
     def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
         """Buffer this round's informative groups; the update's groups once there are enough, else None."""

@@ -5,7 +5,7 @@ What it lacks for an exact continuation, and what this file adds:
 
 - the random number generators that sampling draws from (`capture_rng_states` / `restore_rng_states`),
   stored as tensors and plain Python values so that `torch.load(weights_only=True)` reads them; with
-  several processes every rank's own states (`gather_per_rank`), since each samples its own prompts;
+  several processes every rank's own states, since each samples its own prompts;
 - the position in the shuffled training data (`ResumableSampler`: this rank's share of a seeded order
   per epoch, able to start part-way through);
 - `torch.load(weights_only=True)`, the default since PyTorch 2.6, refusing the option dataclasses that
@@ -62,19 +62,6 @@ def restore_rng_states(states: dict) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def gather_per_rank(state: Any) -> list:
-    """Every rank's `state` (picklable), indexed by rank; a one-item list without a process group.
-
-    A collective: every rank calls it, as every rank calls `on_save_checkpoint`. Only rank 0 writes the
-    checkpoint (the metadata file of a sharded one), so the other ranks' own states must reach it.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [state]
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, state)
-    return gathered
 
 
 def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
