@@ -65,7 +65,7 @@ def restore_rng_states(states: dict) -> None:
 
 
 def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
-    """This rank's item of what `gather_per_rank` stored; warns if the number of processes changed."""
+    """This rank's item of what `distributed.gather_per_rank` stored; warns if the process count changed."""
     if len(per_rank) != world_size:
         rank_zero_warn(
             f"the checkpoint holds the state of {len(per_rank)} process(es), this run has {world_size}: "
