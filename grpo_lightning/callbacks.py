@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
-from grpo_lightning.distributed import is_sharded
+from grpo_lightning.distributed import gathered_for_generation, is_sharded
 from grpo_lightning.export import export_policy
 from grpo_lightning.metrics import GSM8KAccuracy
 from grpo_lightning.resume import preserved_rng
@@ -190,17 +190,20 @@ class GSM8KAccuracyCallback(L.Callback):
         rows = self.data.val_rows[rank::world_size]
         metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
         system_prompt = self.data.hparams.system_prompt
-        for start in range(0, len(rows), self.batch_size):
-            batch = collate_rows(rows[start : start + self.batch_size], system_prompt)
-            completions = generate_answers(
-                model,
-                tokenizer,
-                batch["prompt"],
-                num_generations=self.num_generations,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-            )
-            metric.update(completions, batch["answer"])
+        # Sharded (FSDP2): full weights once for the whole shard, as in training, so that `generate` needs
+        # no collective: ranks may stop at different lengths, and make different numbers of calls.
+        with gathered_for_generation(model):
+            for start in range(0, len(rows), self.batch_size):
+                batch = collate_rows(rows[start : start + self.batch_size], system_prompt)
+                completions = generate_answers(
+                    model,
+                    tokenizer,
+                    batch["prompt"],
+                    num_generations=self.num_generations,
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                )
+                metric.update(completions, batch["answer"])
         return metric.compute()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):

@@ -375,14 +375,16 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
-        sampler = ResumableSampler(len(self.train_rows), seed=hp.seed, shuffle=True)
+        # Each rank reads its own share: a `DistributedSampler`, which Lightning does not wrap again.
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        sampler = ResumableSampler(len(self.train_rows), hp.seed, shuffle=True, num_replicas=world, rank=rank)
         if self._resume_at is not None:
             sampler.resume(self._resume_at["epoch"], self._resume_at["batches_done"] * hp.batch_size)
             self._resume_at = None
         return self._loader(self.train_rows, hp.batch_size, sampler)
 
     def state_dict(self) -> dict[str, int]:
-        """Where the training stream stands: an epoch and how many of its batches have been trained on.
+        """Where the training stream stands: an epoch and how many of its batches each rank has trained on.
 
         Lightning stores this in every checkpoint and hands it to `load_state_dict` on resume, so that the
         resumed run continues with the batch the interrupted one would have taken next.

@@ -7,7 +7,9 @@ things in GRPO do not fit that pattern, and this file handles both:
 - `generate` runs the model once per new token, and ranks stop at different lengths. Gathering layer by
   layer would be one all-gather per layer per token, and collectives that the other rank never joins.
   `gathered_for_generation` all-gathers every unit once, keeps them gathered through `generate` (which
-  then needs no collective at all), and reshards afterwards.
+  then needs no collective at all: `sampling.generate_completions` also turns off transformers' lockstep
+  decoding, its default for an FSDP-managed model), and reshards afterwards. Training and
+  `GSM8KAccuracyCallback` both generate this way.
 - `completion_logprobs` calls the decoder and the LM head directly, so that the head only runs over the
   completion positions; the root's own forward, where FSDP2 gathers the embeddings and the head, never
   runs. `call_in_root_forward` runs the function as the root's forward, inside its FSDP hooks.
@@ -123,6 +125,19 @@ def call_in_root_forward(model: nn.Module, fn: Callable[..., Any], *args: Any, *
     if not torch.is_grad_enabled():
         model.reshard()
     return output
+
+
+def gather_per_rank(state: Any) -> list:
+    """Every rank's `state` (picklable), indexed by rank; a one-item list without a process group.
+
+    A collective: every rank calls it. It carries Python objects of any size, e.g. a checkpoint's per-rank
+    state to rank 0, which alone writes it, or rewards whose count differs between ranks.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
 
 
 def close_process_group() -> None:

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -20,6 +21,7 @@ from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
     call_in_root_forward,
+    gather_per_rank,
     gathered_for_generation,
     is_sharded,
     mixed_precision_policy,
@@ -41,6 +43,7 @@ from grpo_lightning.resume import (
     capture_rng_states,
     register_safe_globals,
     restore_rng_states,
+    state_of_rank,
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions
@@ -226,10 +229,15 @@ class GRPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What Lightning does not store, for an exact resume: the generators that sampling draws from, the
         # count of consecutive non-finite steps and dynamic sampling's waiting groups (not its options).
-        # The data position is the data module's state.
+        # The data position is the data module's state. The generators and the waiting groups are each
+        # rank's own (each samples its own prompts): all ranks' go into the checkpoint, on the CPU.
+        # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
         buffer = {k: v for k, v in vars(self.group_buffer).items() if k not in GroupBuffer.OPTIONS}
-        rng = capture_rng_states()
-        checkpoint["grpo_state"] = {"rng": rng, "bad_steps": self._bad_steps, "group_buffer": buffer}
+        own = {
+            "rng": self._rng_outside_validation or capture_rng_states(),
+            "group_buffer": move_data_to_device(buffer, "cpu"),
+        }
+        checkpoint["grpo_state"] = {"bad_steps": self._bad_steps, "per_rank": gather_per_rank(own)}
         # The reference never changes: it is rebuilt from the policy's source, not stored a second time.
         # Sharded checkpoints keep it: the strategy loads them in place and checks every key.
         if is_sharded(self.policy):
@@ -243,15 +251,20 @@ class GRPOModule(L.LightningModule):
             for key, value in self.reference.state_dict().items():
                 checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)
         if "grpo_state" in checkpoint:
-            self._bad_steps = checkpoint["grpo_state"]["bad_steps"]
-            self._rng_to_restore = checkpoint["grpo_state"]["rng"]
-            vars(self.group_buffer).update(checkpoint["grpo_state"]["group_buffer"])
+            state = checkpoint["grpo_state"]
+            self._bad_steps = state["bad_steps"]
+            world = self.trainer.world_size if self._trainer is not None else 1
+            own = state_of_rank(state["per_rank"], self.global_rank, world)
+            self._rng_to_restore = own["rng"]
+            vars(self.group_buffer).update(own["group_buffer"])
 
     def on_train_start(self) -> None:
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
         if self._rng_to_restore is not None:
             restore_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
+        # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
+        vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
 
     # ----------------------------------------------------------------------------------------- rollout
     def check_chat_template(self) -> None:
@@ -380,7 +393,7 @@ class GRPOModule(L.LightningModule):
                 rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.beta, cfg.kl_estimator
             )  # [B]
             extra["kl_reward_penalty"] = (rewards - outcome).mean()
-        advantages = group_advantages(outcome, G, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)  # [B]
+        advantages = self._advantages(outcome)  # [B]
         token_advantages = advantages  # [B], or [B, T] with step credit
         if cfg.step_credit > 0:
             penalties = step_credit_penalties(
@@ -450,6 +463,19 @@ class GRPOModule(L.LightningModule):
         epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
         state = trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
         return RewardInputs(prompts, completions, completion_ids, columns, state)
+
+    def _advantages(self, outcome: Tensor) -> Tensor:
+        """Group-relative advantages of this rank's `[B]` rewards. With `scale_rewards="batch"` the std is
+        that of the whole batch over all ranks, as TRL computes it."""
+        cfg = self.grpo
+        args = (cfg.num_generations, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)
+        if cfg.scale_rewards != "batch" or self.trainer.world_size == 1:
+            return group_advantages(outcome, *args)  # [B]
+        # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
+        per_rank = gather_per_rank(outcome.tolist())
+        everyone = torch.tensor(sum(per_rank, []), dtype=outcome.dtype, device=outcome.device)  # [sum of B]
+        start = sum(len(rewards) for rewards in per_rank[: self.global_rank])
+        return group_advantages(everyone, *args)[start : start + outcome.numel()]  # [B]
 
     def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
         """Buffer this round's informative groups; the update's groups once there are enough, else None."""
@@ -601,3 +627,4 @@ class GRPOModule(L.LightningModule):
         for key, value in results.items():
             self.log(f"val/{key}", value, prog_bar=key == "accuracy")
         restore_rng_states(self._rng_outside_validation)
+        self._rng_outside_validation = None  # back on the training stream

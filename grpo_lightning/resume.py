@@ -4,9 +4,10 @@ Lightning's checkpoint already holds the weights, the optimizer, the scheduler a
 What it lacks for an exact continuation, and what this file adds:
 
 - the random number generators that sampling draws from (`capture_rng_states` / `restore_rng_states`),
-  stored as tensors and plain Python values so that `torch.load(weights_only=True)` reads them;
-- the position in the shuffled training data (`ResumableSampler`: a seeded order per epoch that can
-  start part-way through);
+  stored as tensors and plain Python values so that `torch.load(weights_only=True)` reads them; with
+  several processes every rank's own states, since each samples its own prompts;
+- the position in the shuffled training data (`ResumableSampler`: this rank's share of a seeded order
+  per epoch, able to start part-way through);
 - `torch.load(weights_only=True)`, the default since PyTorch 2.6, refusing the option dataclasses that
   `save_hyperparameters` pickles (`register_safe_globals`);
 - a checkpoint of the last completed step when the run gets SIGTERM or Ctrl-C, or stops on an error
@@ -20,6 +21,7 @@ import random
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -27,7 +29,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.credit import ScoredGroups
@@ -62,6 +64,16 @@ def restore_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
+    """This rank's item of what `distributed.gather_per_rank` stored; warns if the process count changed."""
+    if len(per_rank) != world_size:
+        rank_zero_warn(
+            f"the checkpoint holds the state of {len(per_rank)} process(es), this run has {world_size}: "
+            "sampling (and dynamic sampling's waiting groups) will not continue as the interrupted run's"
+        )
+    return per_rank[rank % len(per_rank)]
+
+
 @contextmanager
 def preserved_rng() -> Iterator[None]:
     """Run a block without moving any generator: what it draws is invisible to the training stream."""
@@ -73,42 +85,59 @@ def preserved_rng() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------ data order
-class ResumableSampler(Sampler[int]):
-    """Row indices in a fixed order per epoch (a permutation seeded by `seed + epoch`, or 0..n-1), able to
-    start the next pass `start` rows into it.
+class ResumableSampler(DistributedSampler):
+    """This rank's share of the training rows in a fixed order per epoch, able to start the next pass
+    `start` rows into that share.
 
-    The order depends only on the seed and the epoch, never on the global RNG, so a resumed run sees the
-    rows the uninterrupted one would have. Lightning calls `set_epoch` before each epoch.
+    Each epoch's order is a permutation seeded by `seed + epoch` (or 0..n-1 without `shuffle`), never drawn
+    from the global RNG, so a resumed run sees the rows the uninterrupted one would have. Its first
+    `num_replicas * (num_rows // num_replicas)` rows are dealt round-robin (rank r takes positions r,
+    r + num_replicas, ...); the `num_rows % num_replicas` rows left over sit that epoch out (other rows
+    each epoch). So the ranks never share a row within an epoch and all take the same number of batches,
+    which DDP and FSDP need (a rank with one batch more would wait alone in a collective).
+
+    A rank-aware sampler rather than a loader that checkpoints its own state: every rank's position
+    follows from the epoch and the number of batches done, which are the same on all ranks, so the one
+    state that rank 0 writes (`GSM8KDataModule.state_dict`) resumes every rank. A stateful loader's state
+    is per rank, and Lightning's checkpoint holds rank 0's only. It subclasses `DistributedSampler`
+    because Lightning leaves a loader whose sampler is one as it is (with the default
+    `use_distributed_sampler=True`); any other sampler it wraps in its `DistributedSamplerWrapper`, whose
+    indices no longer match once the inner sampler starts part-way. Lightning calls `set_epoch` on it
+    before each epoch.
     """
 
-    def __init__(self, num_rows: int, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, num_rows: int, seed: int = 0, shuffle: bool = True, num_replicas: int = 1, rank: int = 0
+    ) -> None:
+        if num_rows < num_replicas:
+            raise ValueError(f"{num_rows} training rows cannot be shared among {num_replicas} processes")
+        super().__init__(
+            range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
         self.num_rows = num_rows
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
         self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def resume(self, epoch: int, start: int) -> None:
-        """Make the next pass the one of `epoch`, beginning `start` rows in; later passes start at 0."""
-        if not 0 <= start <= self.num_rows:
-            raise ValueError(f"resume position {start} outside the {self.num_rows} training rows")
+        """Make the next pass the one of `epoch`, beginning `start` rows into this rank's share; later
+        passes start at 0."""
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"resume position {start} outside this rank's {self.num_samples} training rows")
         self.epoch, self.start = epoch, start
 
     def order(self, epoch: int) -> list[int]:
+        """The epoch's order of all rows, before they are dealt to the ranks."""
         if not self.shuffle:
             return list(range(self.num_rows))
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.num_rows, generator=generator).tolist()
 
+    def share(self, epoch: int) -> list[int]:
+        """This rank's rows of the epoch, in order."""
+        return self.order(epoch)[: self.total_size][self.rank :: self.num_replicas]
+
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        return iter(self.order(self.epoch)[start:])
-
-    def __len__(self) -> int:
-        return self.num_rows
+        return iter(self.share(self.epoch)[start:])
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -126,6 +126,10 @@ def generate_completions(
             attention_mask=prompt_mask,
             generation_config=config,
             logits_processor=processors,
+            # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
+            # all-reduce per token, and a hang when ranks make different numbers of calls); our callers
+            # gather sharded weights first (`distributed.gathered_for_generation`), so no rank waits.
+            synced_gpus=False,
         )
     finally:
         model.train(was_training)
