@@ -6,6 +6,8 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +84,24 @@ def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsP
     return processors
 
 
+@contextmanager
+def raw_policy_generation(model: PreTrainedModel, eos_token_ids: list[int], pad_token_id: int) -> Iterator[None]:
+    """Inside, `generate` sees a generation config that holds only the EOS and pad ids.
+
+    `generate` fills every option that the passed `GenerationConfig` leaves at None from the checkpoint's
+    `model.generation_config`: Qwen2.5-Instruct's `repetition_penalty` 1.1, any `suppress_tokens`,
+    `bad_words_ids`, `no_repeat_ngram_size`, `min_length`... would then shape what is sampled, while
+    `completion_logprobs` scores the raw policy: off-policy data under an importance ratio of 1.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the HF model
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig(eos_token_id=eos_token_ids, pad_token_id=pad_token_id)
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -101,18 +121,16 @@ def generate_completions(
     """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
 
     Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
-    `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw.
+    `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
+    changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
+    only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
-    # A fresh config so that a checkpoint's own sampling defaults (e.g. top_k=20) never leak in.
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
         eos_token_id=eos_token_ids,
         pad_token_id=pad_token_id,
         use_cache=True,
@@ -121,12 +139,13 @@ def generate_completions(
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=config,
-            logits_processor=processors,
-        )
+        with raw_policy_generation(model, eos_token_ids, pad_token_id):
+            output = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=processors,
+            )
     finally:
         model.train(was_training)
     completion_ids = output[:, prompt_ids.size(1) :]  # [N*G, T]

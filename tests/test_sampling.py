@@ -4,8 +4,10 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from grpo_lightning import sampling
 from grpo_lightning.sampling import (
     InverseCDFSampler,
     _token_logprobs_and_entropy,
@@ -107,3 +109,106 @@ def test_completion_mask_stops_after_first_eos(tiny_model_dir):
     assert rollout.completion_ids.shape[0] == 4
     n = rollout.completion_mask.sum(1)
     assert ((n == 5) | ~rollout.truncated).all()
+
+
+def off_policy_generation_config(model, tokenizer) -> None:
+    """A checkpoint generation config that changes what `generate` samples, as Qwen2.5-Instruct's
+    repetition penalty does, plus suppressed and banned tokens: half the vocabulary in all."""
+    vocab = model.config.vocab_size
+    special = set(tokenizer.all_special_ids)
+    config = model.generation_config
+    config.repetition_penalty = 1.5
+    config.suppress_tokens = [i for i in range(0, vocab, 2) if i not in special]
+    config.bad_words_ids = [[i] for i in range(1, 40, 2) if i not in special]
+    config.no_repeat_ngram_size = 2
+    config.min_length = 1000  # would suppress EOS throughout
+    config.top_k, config.temperature, config.do_sample = 3, 0.1, True
+
+
+class RecordingSampler(InverseCDFSampler):
+    """Records the log-probability of each drawn token under the scores it was drawn from: what `generate`'s
+    own processors left of the policy's distribution."""
+
+    recorded: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        out = super().__call__(input_ids, scores)
+        drawn = out.argmax(-1, keepdim=True)  # [B, 1]
+        RecordingSampler.recorded.append(torch.log_softmax(scores.float(), -1).gather(-1, drawn).squeeze(-1))
+        return out
+
+
+def test_sampled_tokens_are_drawn_from_the_distribution_the_loss_scores(tiny_model_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    off_policy_generation_config(model, tok)
+    monkeypatch.setattr(sampling, "InverseCDFSampler", RecordingSampler)
+    RecordingSampler.recorded = []
+    enc = tok(["Natalia sold 48 clips", "Weng earns"], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    rollout = generate_completions(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        num_generations=4,
+        max_new_tokens=12,
+        eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+        temperature=0.7,
+    )
+    T = rollout.completion_ids.size(1)
+    recorded = torch.stack(RecordingSampler.recorded, dim=1)[:, :T]  # [B, T] at sampling time
+    with torch.no_grad():
+        scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T, temperature=0.7)
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(recorded[mask], scored[mask], atol=1e-5, rtol=0)
+    assert model.generation_config.repetition_penalty == 1.5  # the checkpoint's config is left as it was
+
+
+def test_token_frequencies_match_the_raw_policy(tiny_model_dir):
+    """One token, 4000 draws: the share of the tokens that the checkpoint's config suppresses or bans is
+    what the raw policy gives them (0 if generate applied the config)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    off_policy_generation_config(model, tok)
+    banned = set(model.generation_config.suppress_tokens) | {w[0] for w in model.generation_config.bad_words_ids}
+    enc = tok(["Natalia sold 48 clips"], return_tensors="pt")
+    torch.manual_seed(0)
+    rollout = generate_completions(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        num_generations=4000,
+        max_new_tokens=1,
+        eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.no_grad():
+        probs = model(**enc).logits[0, -1].float().softmax(-1)  # [V] the raw policy
+    expected = float(probs[sorted(banned)].sum())
+    share = sum(int(t) in banned for t in rollout.completion_ids[:, 0]) / 4000
+    assert 0.3 < expected < 0.7
+    assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / 4000), (share, expected)
+
+
+def test_greedy_decoding_takes_the_raw_policys_argmax(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    off_policy_generation_config(model, tok)
+    enc = tok(["Natalia sold 48 clips", "Weng earns"], return_tensors="pt", padding=True)
+    rollout = generate_completions(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        num_generations=1,
+        max_new_tokens=8,
+        eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+        do_sample=False,
+    )
+    T = rollout.completion_ids.size(1)
+    with torch.no_grad():
+        logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
+    greedy = logits[:, -T - 1 : -1].argmax(-1)  # [B, T]
+    mask = rollout.completion_mask.bool()
+    assert torch.equal(rollout.completion_ids[mask], greedy[mask])
