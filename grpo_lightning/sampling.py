@@ -176,6 +176,11 @@ class _HeadLogProbs(torch.autograd.Function):
     kept when `keep_logits` (the caller's only chunk, so at most `max_logits_elements`) and recomputed from
     `hidden` otherwise. Autograd through the same ops would keep (or, checkpointed, recompute) every
     intermediate of the log-softmax and the entropy. Entropies come out of the forward, without gradient.
+
+    Under autocast (float32 weights with Lightning's `bf16-mixed` or `16-mixed`) the backward runs under the
+    forward's autocast state, as `torch.amp.custom_bwd` would: recomputed logits are then the forward's
+    bf16 ones, consistent with its `log_z` (float32 logits against a bf16 `log_z` give a softmax that does
+    not sum to 1), and the gradient goes through the same low-precision matmuls as autograd's would.
     """
 
     @staticmethod
@@ -193,6 +198,8 @@ class _HeadLogProbs(torch.autograd.Function):
         logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
         entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)  # [C]
         ctx.temperature = temperature
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, weight, targets, log_z, logits if keep_logits else None)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -200,13 +207,17 @@ class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, log_z, logits = ctx.saved_tensors
-        if logits is None:
-            logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
-        grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
-        grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
-        grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)  # d logits / d (hidden @ weight.T)
-        grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
-        grad_weight = (grad_logits.T @ hidden).to(weight.dtype) if ctx.needs_input_grad[1] else None  # [V, H]
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            if logits is None:
+                logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
+            grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
+            grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
+            grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)  # d logits / d (hidden @ weight.T)
+            grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
+            grad_weight = grad_logits.T @ hidden if ctx.needs_input_grad[1] else None  # [V, H]
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
