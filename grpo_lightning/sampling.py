@@ -85,7 +85,9 @@ def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsP
 
 
 @contextmanager
-def raw_policy_generation(model: PreTrainedModel, eos_token_ids: list[int], pad_token_id: int) -> Iterator[None]:
+def raw_policy_generation(
+    model: PreTrainedModel, eos_token_ids: list[int], pad_token_id: int
+) -> Iterator[None]:
     """Inside, `generate` sees a generation config that holds only the EOS and pad ids.
 
     `generate` fills every option that the passed `GenerationConfig` leaves at None from the checkpoint's
@@ -159,10 +161,57 @@ def _entropy(logits: Tensor, log_z: Tensor) -> Tensor:
     return log_z - (probs * logits).sum(dim=-1)  # [C]
 
 
+LogitTransform = Callable[[Tensor], Tensor]
+
+
+def head_logit_transform(model: PreTrainedModel) -> LogitTransform | None:
+    """What the model's `forward` does to the LM head's output before it returns the logits that `generate`
+    samples from; None for a plain head (nearly every causal LM).
+
+    Gemma 2/3 soft-cap them (`final_logit_softcapping`: c * tanh(x / c)), Cohere multiplies by
+    `logit_scale`, Granite divides by `logits_scaling`. Another config carrying one of those names is
+    refused: the same name means a different operation elsewhere (HyperCLOVAX multiplies by
+    `logits_scaling`), and scoring other logits than the sampled ones would bias every ratio silently.
+    """
+    config = model.config.get_text_config(decoder=True)
+    family = config.model_type
+    transforms: list[LogitTransform] = []
+    if family.startswith("cohere") and getattr(config, "logit_scale", None) is not None:
+        transforms.append(lambda x, s=config.logit_scale: x * s)
+    elif family.startswith("granite") and getattr(config, "logits_scaling", None) is not None:
+        transforms.append(lambda x, s=config.logits_scaling: x / s)
+    else:
+        for name in ("logit_scale", "logits_scaling"):
+            if getattr(config, name, None) not in (None, 1, 1.0):
+                raise ValueError(
+                    f"{type(model).__name__} ({family}) has `{name}={getattr(config, name)}` in its config: "
+                    "its forward may change the logits after the LM head in a way grpo-lightning does not "
+                    "reproduce, so its log-probs would not be those it samples from; not supported"
+                )
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        transforms.append(lambda x, c=cap: torch.tanh(x / c) * c)
+    if not transforms:
+        return None
+
+    def transform(logits: Tensor) -> Tensor:
+        for fn in transforms:
+            logits = fn(logits)
+        return logits
+
+    return transform
+
+
 def _token_logprobs_and_entropy(
-    head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    head: torch.nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    transform: LogitTransform | None = None,
 ) -> tuple[Tensor, Tensor]:
-    logits = head(hidden).float() / temperature  # [C, V] float32, only C rows of the vocabulary at once
+    logits = head(hidden).float()  # [C, V] float32, only C rows of the vocabulary at once
+    logits = (transform(logits) if transform is not None else logits) / temperature  # [C, V]
     log_z = logits.logsumexp(dim=-1)  # [C]
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
     entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)
@@ -213,7 +262,9 @@ class _HeadLogProbs(torch.autograd.Function):
                 logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
             grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
             grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
-            grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)  # d logits / d (hidden @ weight.T)
+            grad_logits = grad_logits.div_(ctx.temperature).to(
+                hidden.dtype
+            )  # d logits / d (hidden @ weight.T)
             grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
             grad_weight = grad_logits.T @ hidden if ctx.needs_input_grad[1] else None  # [V, H]
         grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
@@ -239,6 +290,8 @@ def completion_logprobs(
     never materialises `[B, T, V]` in float32. A plain bias-free `nn.Linear` head (nearly every causal LM)
     goes through `_HeadLogProbs`, whose backward keeps a single chunk's logits and recomputes several
     chunks'; any other head, or a gradient through the entropy, is checkpointed chunk by chunk instead.
+    Models whose forward transforms the head's logits get the same transform (`head_logit_transform`), so
+    every token is scored with the logits it was sampled from.
 
     Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
     """
@@ -254,11 +307,14 @@ def completion_logprobs(
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
     targets = input_ids[:, -T:]  # [B, T]
     head = model.get_output_embeddings()
+    transform = head_logit_transform(model)
     rows = hidden.reshape(-1, hidden.size(-1))  # [B*T, H]
     flat_targets = targets.reshape(-1)  # [B*T]
     chunk = max(1, max_logits_elements // head.weight.size(0))
     use_checkpoint = torch.is_grad_enabled() and rows.requires_grad
-    written_backward = type(head) is torch.nn.Linear and head.bias is None and not entropy_grad
+    written_backward = (
+        type(head) is torch.nn.Linear and head.bias is None and transform is None and not entropy_grad
+    )
     keep_logits = rows.size(0) <= chunk
     logprobs, entropies = [], []
     for start in range(0, rows.size(0), chunk):
@@ -267,10 +323,17 @@ def completion_logprobs(
             lp, ent = _HeadLogProbs.apply(h, head.weight, y, temperature, keep_logits, with_entropy)
         elif use_checkpoint:
             lp, ent = checkpoint(
-                _token_logprobs_and_entropy, head, h, y, temperature, with_entropy, use_reentrant=False
+                _token_logprobs_and_entropy,
+                head,
+                h,
+                y,
+                temperature,
+                with_entropy,
+                transform,
+                use_reentrant=False,
             )
         else:
-            lp, ent = _token_logprobs_and_entropy(head, h, y, temperature, with_entropy)
+            lp, ent = _token_logprobs_and_entropy(head, h, y, temperature, with_entropy, transform)
         logprobs.append(lp)
         entropies.append(ent if entropy_grad else ent.detach())
     shape = targets.shape

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+)
 
 from grpo_lightning import sampling
 from grpo_lightning.sampling import (
@@ -62,24 +69,40 @@ def test_inverse_cdf_sampler_draws_the_softmax_distribution():
     assert freq[4] == 0  # a token of probability 0 is never drawn
 
 
+class HeadOnly(torch.nn.Module):
+    """A model whose decoder returns fixed hidden states: only the LM head and its log-softmax run."""
+
+    config = LlamaConfig()  # a plain head: no transform of the logits
+
+    def __init__(self, hidden: Tensor, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.hidden, self.head = hidden, head
+
+    def get_decoder(self):
+        return lambda input_ids, attention_mask, position_ids: type(
+            "O", (), {"last_hidden_state": self.hidden}
+        )()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
 def test_written_head_backward_matches_autograd():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False).double()
     hidden = torch.randn(2, 7, 8, dtype=torch.float64)
     targets = torch.randint(0, 50, (2, 4))
 
-    class Tiny(torch.nn.Module):  # decoder = identity on precomputed hidden states
-        def get_decoder(self):
-            return lambda input_ids, attention_mask, position_ids: type("O", (), {"last_hidden_state": h})()
-
-        def get_output_embeddings(self):
-            return head
-
     for chunk_elements in (10_000, 60):  # one chunk (logits kept) and several (recomputed)
         h = hidden.clone().requires_grad_()
         ids = torch.cat([torch.zeros(2, 3, dtype=torch.long), targets], 1)
         lp, _ = completion_logprobs(
-            Tiny(), ids, torch.ones_like(ids), 4, temperature=0.7, max_logits_elements=chunk_elements
+            HeadOnly(h, head),
+            ids,
+            torch.ones_like(ids),
+            4,
+            temperature=0.7,
+            max_logits_elements=chunk_elements,
         )
         (lp * torch.arange(8.0, dtype=torch.float64).view(2, 4)).sum().backward()
         h_ref = hidden.clone().requires_grad_()
@@ -171,7 +194,9 @@ def test_token_frequencies_match_the_raw_policy(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
     off_policy_generation_config(model, tok)
-    banned = set(model.generation_config.suppress_tokens) | {w[0] for w in model.generation_config.bad_words_ids}
+    banned = set(model.generation_config.suppress_tokens) | {
+        w[0] for w in model.generation_config.bad_words_ids
+    }
     enc = tok(["Natalia sold 48 clips"], return_tensors="pt")
     torch.manual_seed(0)
     rollout = generate_completions(
@@ -214,20 +239,6 @@ def test_greedy_decoding_takes_the_raw_policys_argmax(tiny_model_dir):
     assert torch.equal(rollout.completion_ids[mask], greedy[mask])
 
 
-class HeadOnly(torch.nn.Module):
-    """A model whose decoder returns fixed hidden states: only the LM head and its log-softmax run."""
-
-    def __init__(self, hidden: Tensor, head: torch.nn.Module) -> None:
-        super().__init__()
-        self.hidden, self.head = hidden, head
-
-    def get_decoder(self):
-        return lambda input_ids, attention_mask, position_ids: type("O", (), {"last_hidden_state": self.hidden})()
-
-    def get_output_embeddings(self):
-        return self.head
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk_elements", [2**20, 300], ids=["kept", "recomputed"])
 def test_written_head_backward_is_exact_under_autocast(dtype, chunk_elements):
@@ -245,7 +256,12 @@ def test_written_head_backward_is_exact_under_autocast(dtype, chunk_elements):
     h = hidden.clone().requires_grad_()
     with torch.autocast("cpu", dtype=dtype):
         lp, _ = completion_logprobs(
-            HeadOnly(h, head), ids, torch.ones_like(ids), 6, temperature=0.7, max_logits_elements=chunk_elements
+            HeadOnly(h, head),
+            ids,
+            torch.ones_like(ids),
+            6,
+            temperature=0.7,
+            max_logits_elements=chunk_elements,
         )
     (lp * weights).sum().backward()
     grads = h.grad, head.weight.grad
@@ -265,3 +281,49 @@ def test_written_head_backward_is_exact_under_autocast(dtype, chunk_elements):
     assert error < 1e-5, error
     error = (grads[1] - head.weight.grad).norm() / head.weight.grad.norm()
     assert error < 2e-3, error
+
+
+@pytest.mark.parametrize(
+    ("architecture", "options"),
+    [
+        ("gemma2", {"final_logit_softcapping": 2.0, "head_dim": 8}),
+        ("cohere", {"logit_scale": 3.0}),
+        ("granite", {"logits_scaling": 0.25}),
+    ],
+)
+def test_models_that_transform_their_logits_are_scored_with_the_logits_they_sample_from(
+    architecture, options
+):
+    config = AutoConfig.for_model(
+        architecture,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **options,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    torch.nn.init.normal_(model.get_output_embeddings().weight, std=1.0)  # logits large enough to cap
+    ids = torch.randint(0, 96, (2, 10))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [2, 10, V] what generate samples
+    expected = (logits[:, 3:-1] / 0.8).log_softmax(-1).gather(-1, ids[:, 4:, None]).squeeze(-1)  # [2, 6]
+    scored, _ = completion_logprobs(model, ids, mask, 6, temperature=0.8)
+    torch.testing.assert_close(scored, expected, atol=1e-5, rtol=1e-5)
+    scored.sum().backward()  # the gradient reaches the head through the transform
+    assert model.get_output_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_an_unknown_logit_transform_is_refused():
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4
+    )
+    config.logits_scaling = 2.0  # HyperCLOVAX multiplies by it, Granite divides: unknown here
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 64, (1, 6))
+    with pytest.raises(ValueError, match=r"logits_scaling=2.0.*not supported"):
+        completion_logprobs(model, ids, torch.ones_like(ids), 3)
