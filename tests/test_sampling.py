@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from grpo_lightning import sampling
+from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.sampling import (
     InverseCDFSampler,
     _token_logprobs_and_entropy,
@@ -216,10 +217,13 @@ def test_token_frequencies_match_the_raw_policy(tiny_model_dir):
     assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / 4000), (share, expected)
 
 
-def test_greedy_decoding_takes_the_raw_policys_argmax(tiny_model_dir):
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_decoding_takes_the_raw_policys_argmax(tiny_model_dir, lora):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
     off_policy_generation_config(model, tok)
+    if lora:  # PEFT's generate hands the wrapped model's generation config down: the same must hold
+        model = apply_lora(model, LoraOptions(r=4)).eval()
     enc = tok(["Natalia sold 48 clips", "Weng earns"], return_tensors="pt", padding=True)
     rollout = generate_completions(
         model,
