@@ -175,11 +175,11 @@ def head_logit_transform(model: PreTrainedModel) -> LogitTransform | None:
     """
     config = model.config.get_text_config(decoder=True)
     family = config.model_type
-    transforms: list[LogitTransform] = []
+    scale = 1.0  # the head's logits are multiplied by it, then soft-capped
     if family.startswith("cohere") and getattr(config, "logit_scale", None) is not None:
-        transforms.append(lambda x, s=config.logit_scale: x * s)
+        scale = config.logit_scale
     elif family.startswith("granite") and getattr(config, "logits_scaling", None) is not None:
-        transforms.append(lambda x, s=config.logits_scaling: x / s)
+        scale = 1 / config.logits_scaling
     else:
         for name in ("logit_scale", "logits_scaling"):
             if getattr(config, name, None) not in (None, 1, 1.0):
@@ -189,15 +189,12 @@ def head_logit_transform(model: PreTrainedModel) -> LogitTransform | None:
                     "reproduce, so its log-probs would not be those it samples from; not supported"
                 )
     cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        transforms.append(lambda x, c=cap: torch.tanh(x / c) * c)
-    if not transforms:
+    if scale == 1.0 and cap is None:
         return None
 
     def transform(logits: Tensor) -> Tensor:
-        for fn in transforms:
-            logits = fn(logits)
-        return logits
+        logits = logits * scale if scale != 1.0 else logits
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
 
     return transform
 
