@@ -20,7 +20,8 @@ Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 
 - weights move: 2 GRPO steps at the shipped one-GPU config's lr 1e-6 with 10 warm-up steps, under its
   precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true;
 - head gradients: `completion_logprobs`' written LM-head backward under bf16 autocast, with the chunk's
-  logits kept and recomputed, against autograd through the same autocast ops.
+  logits kept and recomputed, against autograd through the same autocast ops (relative error under 5e-3;
+  before the backward ran under autocast, recomputed logits gave 1.3e-2 on the tiny CPU model).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from unittest import mock
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from transformers import LlamaConfig
 
 from grpo_lightning import sampling
 from grpo_lightning.config import GRPOConfig
@@ -315,7 +317,7 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
     weights = torch.randn(1, rows, device=device)
 
     class HeadOnly(torch.nn.Module):
-        config = model_config(V, H)
+        config = LlamaConfig(vocab_size=V, hidden_size=H, num_attention_heads=1)  # no logit transform
 
         def __init__(self, h):
             super().__init__()
@@ -349,18 +351,11 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
         checks.append(
             Check(
                 f"head gradient under bf16 autocast, {path} logits",
-                max(errors) < 1e-2,
+                max(errors) < 5e-3,
                 f"relative error: hidden {errors[0]:.2e}, weight {errors[1]:.2e}",
             )
         )
     return checks
-
-
-def model_config(vocab: int, hidden: int):
-    """A config without any logit transform, for the head-only model."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=1)
 
 
 def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
