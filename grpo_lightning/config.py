@@ -62,11 +62,15 @@ class GRPOConfig:
         importance_sampling_level: "token" or "sequence" (GSPO, arXiv:2507.18071). Default "token".
         epsilon: lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347). Default 0.2.
         epsilon_high: upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the
-            ratio, e.g. 5.0). Default None = epsilon.
+            IS weight). Default None = epsilon, or for cispo 5.0 (TRL's recommended value, ScaleRL
+            arXiv:2510.13786; TRL itself falls back to epsilon, a cap of 0.2 that shrinks every weight).
         delta: cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291). Default None.
         beta: weight of the KL penalty to the frozen reference; 0 loads no reference at all. Default 0.0
             (as TRL and DAPO; DeepSeekMath used 0.04).
         kl_estimator: "k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). Default "k3".
+            In the loss (beta > 0 without use_kl_in_reward) k1 is refused at the first step: its gradient,
+            grad log pi, has mean zero under the policy, so it regularises nothing; k2's gradient is the
+            KL's own, k3's the reverse KL's. k1 is for use_kl_in_reward.
         use_kl_in_reward: put the KL in the reward instead of the loss, as verl's
             `algorithm.use_kl_in_reward`: reward_i -= beta * sum over the completion's tokens of the
             `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then

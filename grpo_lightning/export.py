@@ -2,8 +2,8 @@
 
 The folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. A LoRA policy
 is either merged into its base weights (a plain model) or saved as the adapter alone, which transformers
-loads on top of the base model named in `adapter_config.json`. No Lightning import: a module is only an
-object holding the model and the tokenizer as attributes.
+loads on top of the base model named in `adapter_config.json`. Any module works: it is only an object
+holding the model and the tokenizer as attributes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning.resume import register_safe_globals
 
 __all__ = ["export_policy", "load_policy_weights"]
 
@@ -29,9 +31,10 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
     if os.path.isdir(ckpt_path):
         state = _sharded_checkpoint_weights(ckpt_path, prefix)
     else:
-        # weights_only=False: a Lightning checkpoint also pickles the hyper-parameters (option dataclasses).
-        # Only load checkpoints you trust.
-        full = torch.load(ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
+        # weights_only=True: a checkpoint handed to `export` cannot run code. Our option dataclasses in its
+        # hyper-parameters are allow-listed, as for resuming.
+        register_safe_globals()
+        full = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")

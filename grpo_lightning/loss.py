@@ -27,6 +27,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 STD_EPS = 1e-4  # added to the reward std before dividing, as in TRL
 MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
+CISPO_EPSILON_HIGH = 5.0  # cispo's cap of the IS weight when epsilon_high is unset: TRL's recommended value
 
 
 def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -164,7 +165,13 @@ def grpo_loss(
     ``importance_sampling_level="sequence"``, ``rho`` is the exp of the sequence's mean token log-ratio
     (GSPO, arXiv:2507.18071). ``loss_type="cispo"`` replaces the surrogate by
     ``l = -sg(min(rho, epsilon_high)) * A * log pi`` (MiniMax-M1, arXiv:2506.13585); as in TRL,
-    ``epsilon_high`` is then the raw upper bound of the ratio (e.g. 5.0), not an offset from 1.
+    ``epsilon_high`` is then the raw upper bound of the ratio, not an offset from 1. Unset, it is 5.0 for
+    cispo (TRL's documented recommendation, from ScaleRL arXiv:2510.13786), not ``epsilon``: TRL falls back
+    to ``epsilon`` (0.2), which would cap every weight far below 1.
+
+    The KL term uses ``k2`` or ``k3``: ``k1 = log pi - log pi_ref`` has the gradient ``grad log pi``, whose
+    mean under pi is 0, so in the loss it regularises nothing (``k2``'s gradient, ``(log pi - log pi_ref)
+    grad log pi``, is the KL's own). ``k1`` belongs in the reward (``credit.kl_in_reward``), as verl uses it.
 
     Aggregation over the masked tokens:
         - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
@@ -187,13 +194,13 @@ def grpo_loss(
         loss_type: one of ``"grpo"``, ``"bnpo"``, ``"dapo"``, ``"dr_grpo"``, ``"cispo"``.
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         epsilon: lower clipping range.
-        epsilon_high: upper clipping range, defaults to ``epsilon``.
+        epsilon_high: upper clipping range, defaults to ``epsilon`` (for ``cispo``: ``CISPO_EPSILON_HIGH``).
         delta: optional cap on the ratio in the unclipped branch (should exceed ``1 + epsilon_high``).
         beta: KL coefficient.
         max_completion_length: required for ``dr_grpo``.
         entropies: ``[B, T]`` per-token entropies; required when ``entropy_coef != 0``.
         entropy_coef: entropy bonus coefficient.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`).
+        kl_estimator: ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`); ``"k1"`` only with ``beta=0``.
         total_tokens: global number of masked tokens (float or 0-d tensor).
         total_sequences: global number of sequences (int or 0-d tensor).
 
@@ -209,12 +216,19 @@ def grpo_loss(
     _check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
+    if beta != 0.0 and kl_estimator == "k1":
+        raise ValueError(
+            "kl_estimator='k1' in the loss has a gradient of mean zero (grad k1 = grad log pi): it "
+            "regularises nothing. Use 'k2' (the KL's own gradient) or 'k3' in the loss, or keep k1 and move "
+            "the KL into the reward (GRPOConfig.use_kl_in_reward=True, as verl)."
+        )
     if entropy_coef != 0.0 and entropies is None:
         raise ValueError(f"entropies are required when entropy_coef != 0 (entropy_coef={entropy_coef}).")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("max_completion_length is required when loss_type='dr_grpo'.")
 
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if epsilon_high is None:
+        epsilon_high = CISPO_EPSILON_HIGH if loss_type == "cispo" else epsilon
     mask = mask.bool()  # [B, T]
     token_counts = mask.sum(-1).clamp(min=1).to(logprobs.dtype)  # [B]
     if advantages.dim() == 1:

@@ -32,7 +32,8 @@ class ModelOptions:
         gguf_file: file name of a GGUF checkpoint inside the model folder (or hub repo); transformers
             dequantises it to `dtype`. Default None (a normal safetensors checkpoint).
         dtype: "float32", "bfloat16", "float16" or "auto" (the checkpoint's). Default "float32": on CPU and
-            for small models fp32 is the safe choice; use "bfloat16" with `precision: bf16-true` on GPUs.
+            on GPUs keep it with `precision: bf16-mixed` (bf16 compute, float32 master weights); bf16 weights
+            that train round small updates away (the pre-flight says how many).
         attn_implementation: "eager", "sdpa", "flash_attention_2", ... Default None (transformers picks).
         gradient_checkpointing: recompute activations in backward to save memory. Default False.
         trust_remote_code: passed to `from_pretrained`. Default False.

@@ -534,10 +534,19 @@ class GRPOModule(L.LightningModule):
             weight = mask[rows].sum() / mask.sum().clamp(min=1)  # token share of this micro-batch
             sums["loss"] = sums.get("loss", 0.0) + loss.detach()
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
+                # The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add
+                # up. The other stats are micro-batch means, weighted by their token share.
+                sums[key] = sums.get(key, 0.0) + (value if key == "policy_loss" else value * weight)
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
+            scaler.unscale_(optimizer.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if scaler is not None and torch.isfinite(sums["loss"]) and not torch.isfinite(grad_norm):
+            optimizer.step()  # the scaler sees the overflow: it skips the update and lowers the loss scale
+            warnings.warn(f"step {self.global_step}: fp16 gradients overflowed, update skipped", stacklevel=2)
+            return sums, None
         if not (torch.isfinite(sums["loss"]) and torch.isfinite(grad_norm)):
             optimizer.zero_grad()
             self._bad_steps += 1

@@ -7,7 +7,10 @@ On the first training batch (before its step) `Preflight` reports:
   an EOS (most of them means most answers would be cut off before their `#### N` line);
 - the reward audit (`grpo_lightning.callbacks.audit_module_rewards`) on the first 200 training rows' reference
   solutions (the batch's when the data module has no `train_rows`);
-- with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on.
+- with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
+- the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
+  all: a bf16 weight keeps 8 bits of mantissa, so an AdamW step of ~1e-6 rounds away on nearly every weight
+  (float32 master weights with bf16 compute, `precision: bf16-mixed`, keep every update).
 
 Problems are also raised as warnings. Sampling runs under `preserved_rng`, so a run with the pre-flight
 draws exactly the completions a run without it would.
@@ -27,6 +30,8 @@ from grpo_lightning.callbacks import audit_module_rewards, auditable
 from grpo_lightning.resume import preserved_rng
 
 TRUNCATION_WARN_SHARE = 0.5  # above this share of truncated samples, "most answers" are cut off
+UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
+SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap
 
 
 @dataclass
@@ -59,6 +64,19 @@ def input_gradients_enabled(model: nn.Module) -> bool | None:
     token = torch.zeros(1, 1, dtype=torch.long, device=embeddings.weight.device)  # [1, 1]
     with torch.enable_grad():
         return bool(embeddings(token).requires_grad)  # enable_input_require_grads() hooks this output
+
+
+def share_of_weights_updated(weights: Sequence[torch.Tensor], step: float) -> float:
+    """Share of the weights that change when `step` is added in their own dtype, as an optimizer writes
+    them back (AdamW's first updates move each weight by about the learning rate). Reads a strided sample
+    of at most `SAMPLED_WEIGHTS` per tensor; sharded (DTensor) weights are judged on the local shard."""
+    changed = total = 0
+    for weight in weights:
+        values = getattr(weight, "_local_tensor", weight).detach().reshape(-1)  # [N]
+        values = values[:: max(1, values.numel() // SAMPLED_WEIGHTS)]
+        changed += int((values + step != values).sum())
+        total += values.numel()
+    return changed / max(total, 1)
 
 
 def run_preflight(
@@ -111,6 +129,21 @@ def run_preflight(
     else:
         report.lines["reward audit"] = (
             "skipped: the data has no `question` and GSM8K-style `answer` (`#### N`) columns to corrupt"
+        )
+
+    trainable = [p for p in module.policy.parameters() if p.requires_grad]
+    lr = module.grpo.learning_rate
+    dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in trainable}))
+    share = share_of_weights_updated(trainable, lr)
+    report.lines["weight precision"] = (
+        f"trainable weights in {dtypes}: a step of lr={lr:g} changes {share:.1%} of them"
+    )
+    if share < UPDATED_WARN_SHARE:
+        report.problems.append(
+            f"the trainable weights are {dtypes} and an update of the learning rate's size ({lr:g}) changes "
+            f"only {share:.1%} of them: the rest round away and the model barely trains. Keep float32 master "
+            "weights with bf16 compute (trainer.precision: bf16-mixed, model_options.dtype: float32), or "
+            "raise the learning rate"
         )
 
     enabled = input_gradients_enabled(module.policy)

@@ -6,6 +6,8 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +84,26 @@ def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsP
     return processors
 
 
+@contextmanager
+def raw_policy_generation(
+    model: PreTrainedModel, eos_token_ids: list[int], pad_token_id: int
+) -> Iterator[None]:
+    """Inside, `generate` sees a generation config that holds only the EOS and pad ids.
+
+    `generate` fills every option that the passed `GenerationConfig` leaves at None from the checkpoint's
+    `model.generation_config`: Qwen2.5-Instruct's `repetition_penalty` 1.1, any `suppress_tokens`,
+    `bad_words_ids`, `no_repeat_ngram_size`, `min_length`... would then shape what is sampled, while
+    `completion_logprobs` scores the raw policy: off-policy data under an importance ratio of 1.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the HF model
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig(eos_token_id=eos_token_ids, pad_token_id=pad_token_id)
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -101,18 +123,16 @@ def generate_completions(
     """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
 
     Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
-    `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw.
+    `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
+    changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
+    only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
-    # A fresh config so that a checkpoint's own sampling defaults (e.g. top_k=20) never leak in.
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
         eos_token_id=eos_token_ids,
         pad_token_id=pad_token_id,
         use_cache=True,
@@ -121,16 +141,17 @@ def generate_completions(
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=config,
-            logits_processor=processors,
-            # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
-            # all-reduce per token, and a hang when ranks make different numbers of calls); our callers
-            # gather sharded weights first (`distributed.gathered_for_generation`), so no rank waits.
-            synced_gpus=False,
-        )
+        with raw_policy_generation(model, eos_token_ids, pad_token_id):
+            output = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=processors,
+                # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
+                # all-reduce per token, and a hang when ranks make different numbers of calls); our callers
+                # gather sharded weights first (`distributed.gathered_for_generation`), so no rank waits.
+                synced_gpus=False,
+            )
     finally:
         model.train(was_training)
     completion_ids = output[:, prompt_ids.size(1) :]  # [N*G, T]
@@ -144,10 +165,54 @@ def _entropy(logits: Tensor, log_z: Tensor) -> Tensor:
     return log_z - (probs * logits).sum(dim=-1)  # [C]
 
 
+LogitTransform = Callable[[Tensor], Tensor]
+
+
+def head_logit_transform(model: PreTrainedModel) -> LogitTransform | None:
+    """What the model's `forward` does to the LM head's output before it returns the logits that `generate`
+    samples from; None for a plain head (nearly every causal LM).
+
+    Gemma 2/3 soft-cap them (`final_logit_softcapping`: c * tanh(x / c)), Cohere multiplies by
+    `logit_scale`, Granite divides by `logits_scaling`. Another config carrying one of those names is
+    refused: the same name means a different operation elsewhere (HyperCLOVAX multiplies by
+    `logits_scaling`), and scoring other logits than the sampled ones would bias every ratio silently.
+    """
+    config = model.config.get_text_config(decoder=True)
+    family = config.model_type
+    scale = 1.0  # the head's logits are multiplied by it, then soft-capped
+    if family.startswith("cohere") and getattr(config, "logit_scale", None) is not None:
+        scale = config.logit_scale
+    elif family.startswith("granite") and getattr(config, "logits_scaling", None) is not None:
+        scale = 1 / config.logits_scaling
+    else:
+        for name in ("logit_scale", "logits_scaling"):
+            if getattr(config, name, None) not in (None, 1, 1.0):
+                raise ValueError(
+                    f"{type(model).__name__} ({family}) has `{name}={getattr(config, name)}` in its config: "
+                    "its forward may change the logits after the LM head in a way grpo-lightning does not "
+                    "reproduce, so its log-probs would not be those it samples from; not supported"
+                )
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale == 1.0 and cap is None:
+        return None
+
+    def transform(logits: Tensor) -> Tensor:
+        logits = logits * scale if scale != 1.0 else logits
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    return transform
+
+
 def _token_logprobs_and_entropy(
-    head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    head: torch.nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    transform: LogitTransform | None = None,
 ) -> tuple[Tensor, Tensor]:
-    logits = head(hidden).float() / temperature  # [C, V] float32, only C rows of the vocabulary at once
+    logits = head(hidden).float()  # [C, V] float32, only C rows of the vocabulary at once
+    logits = (transform(logits) if transform is not None else logits) / temperature  # [C, V]
     log_z = logits.logsumexp(dim=-1)  # [C]
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
     entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)
@@ -161,6 +226,11 @@ class _HeadLogProbs(torch.autograd.Function):
     kept when `keep_logits` (the caller's only chunk, so at most `max_logits_elements`) and recomputed from
     `hidden` otherwise. Autograd through the same ops would keep (or, checkpointed, recompute) every
     intermediate of the log-softmax and the entropy. Entropies come out of the forward, without gradient.
+
+    Under autocast (float32 weights with Lightning's `bf16-mixed` or `16-mixed`) the backward runs under the
+    forward's autocast state, as `torch.amp.custom_bwd` would: recomputed logits are then the forward's
+    bf16 ones, consistent with its `log_z` (float32 logits against a bf16 `log_z` give a softmax that does
+    not sum to 1), and the gradient goes through the same low-precision matmuls as autograd's would.
     """
 
     @staticmethod
@@ -178,6 +248,8 @@ class _HeadLogProbs(torch.autograd.Function):
         logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [C]
         entropy = _entropy(logits, log_z) if with_entropy else torch.zeros_like(logprobs)  # [C]
         ctx.temperature = temperature
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, weight, targets, log_z, logits if keep_logits else None)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -185,13 +257,19 @@ class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, log_z, logits = ctx.saved_tensors
-        if logits is None:
-            logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
-        grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
-        grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
-        grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)  # d logits / d (hidden @ weight.T)
-        grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
-        grad_weight = (grad_logits.T @ hidden).to(weight.dtype) if ctx.needs_input_grad[1] else None  # [V, H]
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            if logits is None:
+                logits = (hidden @ weight.T.to(hidden.dtype)).float() / ctx.temperature  # [C, V]
+            grad_logits = (logits - log_z[:, None]).exp_().mul_(-grad_logprobs[:, None])  # [C, V] -g * p
+            grad_logits.scatter_add_(-1, targets[:, None], grad_logprobs[:, None])  # + g at the target
+            grad_logits = grad_logits.div_(ctx.temperature).to(
+                hidden.dtype
+            )  # d logits / d (hidden @ weight.T)
+            grad_hidden = grad_logits @ weight.to(hidden.dtype) if ctx.needs_input_grad[0] else None  # [C, H]
+            grad_weight = grad_logits.T @ hidden if ctx.needs_input_grad[1] else None  # [V, H]
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -213,6 +291,8 @@ def completion_logprobs(
     never materialises `[B, T, V]` in float32. A plain bias-free `nn.Linear` head (nearly every causal LM)
     goes through `_HeadLogProbs`, whose backward keeps a single chunk's logits and recomputes several
     chunks'; any other head, or a gradient through the entropy, is checkpointed chunk by chunk instead.
+    Models whose forward transforms the head's logits get the same transform (`head_logit_transform`), so
+    every token is scored with the logits it was sampled from.
 
     Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
     """
@@ -228,11 +308,14 @@ def completion_logprobs(
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
     targets = input_ids[:, -T:]  # [B, T]
     head = model.get_output_embeddings()
+    transform = head_logit_transform(model)
     rows = hidden.reshape(-1, hidden.size(-1))  # [B*T, H]
     flat_targets = targets.reshape(-1)  # [B*T]
     chunk = max(1, max_logits_elements // head.weight.size(0))
     use_checkpoint = torch.is_grad_enabled() and rows.requires_grad
-    written_backward = type(head) is torch.nn.Linear and head.bias is None and not entropy_grad
+    written_backward = (
+        type(head) is torch.nn.Linear and head.bias is None and transform is None and not entropy_grad
+    )
     keep_logits = rows.size(0) <= chunk
     logprobs, entropies = [], []
     for start in range(0, rows.size(0), chunk):
@@ -241,10 +324,17 @@ def completion_logprobs(
             lp, ent = _HeadLogProbs.apply(h, head.weight, y, temperature, keep_logits, with_entropy)
         elif use_checkpoint:
             lp, ent = checkpoint(
-                _token_logprobs_and_entropy, head, h, y, temperature, with_entropy, use_reentrant=False
+                _token_logprobs_and_entropy,
+                head,
+                h,
+                y,
+                temperature,
+                with_entropy,
+                transform,
+                use_reentrant=False,
             )
         else:
-            lp, ent = _token_logprobs_and_entropy(head, h, y, temperature, with_entropy)
+            lp, ent = _token_logprobs_and_entropy(head, h, y, temperature, with_entropy, transform)
         logprobs.append(lp)
         entropies.append(ent if entropy_grad else ent.detach())
     shape = targets.shape

@@ -25,6 +25,9 @@ Reading rules (chosen to avoid bogus steps in prose rather than to catch every c
   only when glued to its operand (``-3``, not ``- 3``). An expression that starts with a binary operator
   (``the cost - 5 + 3 = 8``, ``X*2 - $40 = $250``) continues over a word (a dash in prose, a variable),
   so it is not a step; nor is a result that goes on with more maths (``22 - 16 = 16 + x``).
+* Limits: a number of more than ``MAX_DIGITS`` digits is not a quantity, and an expression nested more than
+  ``MAX_DEPTH`` parentheses deep is not verifiable; neither forms a step. The verifier never raises on any
+  text (it runs on whatever a policy writes), and its time grows linearly with the text.
 * Results are a number or a simple fraction (``3/4``). In a chain ``a + b = c + d = e`` every expression
   is claimed equal to the next result (``a + b = e`` and ``c + d = e``): equality read literally, so the
   sloppy continuation ``2*3 = 6*2 = 12`` flags ``2*3``.
@@ -103,6 +106,8 @@ _OPS = {
     "−": "-",
 }
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
+MAX_DIGITS = 100  # longer digit runs are not quantities (Python refuses int() of over 4300 digits)
+MAX_DEPTH = 32  # deeper parenthesis nesting is not a claim anyone writes: "not verifiable"
 
 
 def _tokenize(text: str, pos: int = 0, end: int | None = None) -> list[_Token]:
@@ -116,7 +121,7 @@ def _tokenize(text: str, pos: int = 0, end: int | None = None) -> list[_Token]:
         if kind == "num":
             glued = _GLUED_WORD_RE.match(text, pos, end)
             digits = m.group("digits").replace(",", "")
-            if glued or _LEADING_ZERO_RE.match(digits):
+            if glued or _LEADING_ZERO_RE.match(digits) or len(digits) > MAX_DIGITS:
                 pos = glued.end() if glued else pos
                 tokens.append(_Token("break", m.start(), pos))
                 continue
@@ -145,18 +150,26 @@ class _ParseError(Exception):
     pass
 
 
+class _TooDeep(Exception):
+    """Parentheses nested beyond `MAX_DEPTH`: the run of text holds no verifiable step. Not a
+    `_ParseError`, so that no backtracking retries it at every level."""
+
+
 class _Parser:
     """Recursive descent over tokens: expr := term (+|- term)*, term := unary (*|/ unary)*, unary := -unary
     | atom, atom := number | number/number (written without spaces) | ( expr ).
 
     A failed operand after a binary operator backtracks to just before that operator, so parsing stops
-    at the longest valid prefix; callers that need the whole segment check ``pos``.
+    at the longest valid prefix; callers that need the whole segment check ``pos``. Signs are counted in a
+    loop and parentheses recurse at most ``MAX_DEPTH`` deep (then `_TooDeep`), so no text can exhaust
+    Python's recursion limit.
     """
 
     def __init__(self, tokens: list[_Token]) -> None:
         self.tokens = tokens
         self.pos = 0
         self.binops = 0
+        self.depth = 0
 
     def _peek(self, offset: int = 0) -> _Token | None:
         i = self.pos + offset
@@ -183,13 +196,18 @@ class _Parser:
         return value
 
     def _unary(self) -> Fraction | None:
-        tok, nxt = self._peek(), self._peek(1)
+        negative = False
         # A minus is a sign only when glued to its operand: "- 5" after a word is a dash in prose.
-        if tok is not None and tok.op == "-" and nxt is not None and tok.end == nxt.start:
+        while (
+            (tok := self._peek()) is not None
+            and tok.op == "-"
+            and (nxt := self._peek(1)) is not None
+            and tok.end == nxt.start
+        ):
             self.pos += 1
-            value = self._unary()
-            return None if value is None else -value
-        return self._atom()
+            negative = not negative
+        value = self._atom()
+        return -value if negative and value is not None else value
 
     def _atom(self) -> Fraction | None:
         tok = self._peek()
@@ -210,8 +228,12 @@ class _Parser:
                 return _apply("/", tok.value, denominator.value)
             return tok.value
         if tok is not None and tok.kind == "(":
+            if self.depth == MAX_DEPTH:
+                raise _TooDeep
             self.pos += 1
+            self.depth += 1
             value = self.expr()
+            self.depth -= 1
             closing = self._peek()
             if closing is None or closing.kind != ")":
                 raise _ParseError
@@ -315,16 +337,24 @@ def _split(tokens: list[_Token], kind: str) -> Iterator[list[_Token]]:
     yield part
 
 
+def _chain_segments(parts: list[list[_Token]]) -> list[_Segment | None]:
+    """The parsed segments of ``a = b = ... = z``; middle segments must parse whole."""
+    last = len(parts) - 1
+    segments = [_parse_lhs(parts[0])]
+    segments += [s if s is not None and s.full else None for s in map(_parse, parts[1:last])]
+    segments.append(_parse_rhs(parts[last]))
+    return segments
+
+
 def _plain_steps(text: str) -> Iterator[Step]:
     for run in _split(_tokenize(text), "break"):
         parts = list(_split(run, "="))
         if len(parts) < 2:
             continue
-        last = len(parts) - 1
-        # Middle segments of a chain must parse whole.
-        segments = [_parse_lhs(parts[0])]
-        segments += [s if s is not None and s.full else None for s in map(_parse, parts[1:last])]
-        segments.append(_parse_rhs(parts[last]))
+        try:
+            segments = _chain_segments(parts)
+        except _TooDeep:
+            continue
         for i, seg in enumerate(segments):
             if seg is None or seg.binops == 0:
                 continue
@@ -345,7 +375,10 @@ def _annotation_steps(text: str) -> Iterator[Step]:
         if eq < 0:
             continue
         eq += m.start(1)
-        left, right = _parse(_tokenize(text, m.start(1), eq)), _parse(_tokenize(text, eq + 1, m.end(1)))
+        try:
+            left, right = _parse(_tokenize(text, m.start(1), eq)), _parse(_tokenize(text, eq + 1, m.end(1)))
+        except _TooDeep:
+            continue
         if left is None or right is None or not (left.full and right.full) or left.binops == 0:
             continue
         readings = right.readings()

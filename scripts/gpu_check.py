@@ -1,28 +1,48 @@
-"""A few GRPO steps of a random ~0.5B model (150k vocabulary) under bf16 FSDP2 and under LoRA, timed.
+"""GPU checks on a random ~0.5B model (150k vocabulary): throughput of bf16 FSDP2 and LoRA steps, and the
+numerics that only show on a GPU in bf16.
 
-    bash scripts/gpu_check.sh              # one GPU, under 5 minutes on an H200
-    bash scripts/gpu_check.sh --cpu --tiny # the same code paths on CPU in seconds (a test runs this)
+    bash scripts/gpu_check.sh                      # one GPU, about 5 minutes on an H200
+    bash scripts/gpu_check.sh --only numerics      # the numeric checks alone
+    bash scripts/gpu_check.sh --cpu --tiny         # the same code paths on CPU in seconds (tests run this)
 
 No network: the tokenizer is trained on generated arithmetic problems and the model has random weights,
-so the figures are about throughput and memory, not learning. Per run it prints the mean over the steps
-after the first (warm-up) of: the step-time split (generate / reference log-probs / the rest, which is
-the policy's forward-backward and the optimizer step), completion tokens per second, and peak memory.
+so the figures are about throughput, memory and numerics, not learning.
+
+Throughput: per run, the mean over the steps after the first (warm-up) of the step-time split (generate /
+reference log-probs / the rest, which is the policy's forward-backward and the optimizer step), completion
+tokens per second, and peak memory.
+
+Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
+- on-policy: float32 weights under bf16 autocast, a checkpoint generation config as Qwen2.5-Instruct's
+  (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7) plus every other token suppressed; the
+  log-prob of each sampled token under the distribution it was drawn from equals `completion_logprobs`',
+  and the share of suppressed tokens sampled equals the raw policy's probability of them;
+- weights move: 2 GRPO steps at the shipped one-GPU config's lr 1e-6 with 10 warm-up steps, under its
+  precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true;
+- head gradients: `completion_logprobs`' written LM-head backward under bf16 autocast, with the chunk's
+  logits kept and recomputed, against autograd through the same autocast ops (relative error under 5e-3;
+  before the backward ran under autocast, recomputed logits gave 1.3e-2 on the tiny CPU model).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import resource
+import sys
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from transformers import LlamaConfig
 
+from grpo_lightning import sampling
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule, arithmetic_problems
+from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmetic_problems, chat_prompt
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
@@ -31,6 +51,14 @@ from grpo_lightning.tiny import build_model, build_tokenizer
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.
 FULL = {"vocab": 151936, "hidden_size": 896, "num_layers": 24, "num_heads": 14}
 TINY = {"vocab": 1024, "hidden_size": 64, "num_layers": 2, "num_heads": 4}
+# Qwen2.5-Instruct's generation_config.json: what `generate` would apply unless told otherwise.
+QWEN_GENERATION_CONFIG = {
+    "do_sample": True,
+    "repetition_penalty": 1.1,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+}
 
 
 @dataclass
@@ -90,6 +118,8 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     model = build_model(shape["vocab"], shape["hidden_size"], shape["num_layers"], shape["num_heads"])
     model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if lora:
+        model.to(torch.bfloat16)  # the frozen base; PEFT creates the adapters in float32
     params = sum(p.numel() for p in model.parameters())
     grpo = GRPOConfig(
         num_generations=args.num_generations,
@@ -106,8 +136,8 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
         lora=LoraOptions(r=16) if lora else None,
         model_options=ModelOptions(gradient_checkpointing=True),
     )
-    if lora:  # bf16 base weights, as a LoRA run on a small card; the reference is the adapter switched off
-        strategy, precision = "auto", "bf16-true"
+    if lora:  # as configs/lora_1.5b_24gb.yaml: a frozen bf16 base, float32 adapters, bf16-mixed compute
+        strategy, precision = "auto", "bf16-mixed"
     else:  # FSDP2, world size 1: float32 shards, bf16 all-gathers and compute, a sharded reference
         strategy = ModelParallelStrategy(
             data_parallel_size=1, tensor_parallel_size=1, process_group_backend=None if gpu else "gloo"
@@ -148,6 +178,195 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     }
 
 
+# ----------------------------------------------------------------------------------------- numerics
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    numbers: str
+
+
+def tiny_policy(shape: dict, tokenizer, device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(shape["vocab"], shape["hidden_size"], shape["num_layers"], shape["num_heads"])
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device)
+
+
+class RecordingSampler(sampling.InverseCDFSampler):
+    """Records each drawn token's log-prob under the scores it was drawn from (after `generate`'s own
+    processors, before the draw)."""
+
+    recorded: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = super().__call__(input_ids, scores)
+        drawn = out.argmax(-1, keepdim=True)  # [B, 1]
+        RecordingSampler.recorded.append(torch.log_softmax(scores.float(), -1).gather(-1, drawn).squeeze(-1))
+        return out
+
+
+def check_on_policy(shape: dict, tokenizer, device: str, completions: int, length: int) -> Check:
+    model = tiny_policy(shape, tokenizer, device).eval()
+    special = set(tokenizer.all_special_ids)
+    suppressed = [i for i in range(0, shape["vocab"], 2) if i not in special]
+    model.generation_config.update(**QWEN_GENERATION_CONFIG, suppress_tokens=suppressed)
+    texts = [
+        tokenizer.apply_chat_template(
+            chat_prompt(row["question"], DEFAULT_SYSTEM_PROMPT), tokenize=False, add_generation_prompt=True
+        )
+        for row in arithmetic_problems(4, seed=1)
+    ]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    RecordingSampler.recorded = []
+    torch.manual_seed(0)
+    with (
+        torch.autocast(device, dtype=torch.bfloat16),
+        mock.patch.object(sampling, "InverseCDFSampler", RecordingSampler),
+    ):
+        rollout = sampling.generate_completions(
+            model,
+            enc["input_ids"],
+            enc["attention_mask"],
+            num_generations=completions // len(texts),
+            max_new_tokens=length,
+            eos_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        T = rollout.completion_ids.size(1)
+        with torch.no_grad():
+            scored, _ = sampling.completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T)
+            logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
+    mask = rollout.completion_mask.bool()  # [B, T]
+    recorded = torch.stack(RecordingSampler.recorded, dim=1)[:, :T]  # [B, T]
+    diff = (recorded - scored)[mask].abs()
+    probs = logits[:, -T - 1 : -1].float().softmax(-1)  # [B, T, V] the raw policy at each sampled position
+    expected = probs[..., suppressed].sum(-1)[mask].mean().item()  # its mass on the suppressed tokens
+    is_suppressed = torch.isin(rollout.completion_ids, torch.tensor(suppressed, device=device))
+    observed = is_suppressed[mask].float().mean().item()
+    n = int(mask.sum())
+    tolerance = 5 * math.sqrt(expected * (1 - expected) / n) + 0.01  # tokens of a row are not independent
+    passed = diff.max().item() < 0.1 and diff.mean().item() < 0.01 and abs(observed - expected) < tolerance
+    numbers = (
+        f"{n} tokens: |sampled - scored log-prob| max {diff.max().item():.2e} mean {diff.mean().item():.2e}; "
+        f"suppressed tokens sampled {observed:.3f}, the raw policy's mass on them {expected:.3f} "
+        f"(+-{tolerance:.3f})"
+    )
+    return Check("on-policy sampling (Qwen-like generation config)", passed, numbers)
+
+
+def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
+    """The shipped one-GPU config's lr and warm-up, 2 steps: the share of trainable weights (the input
+    embedding aside, whose rows of unseen tokens get no gradient) that changed."""
+    checks = []
+    for precision, dtype, expect_moving in (
+        ("bf16-mixed", torch.float32, True),
+        ("bf16-true", torch.bfloat16, False),
+    ):
+        model = tiny_policy(shape, tokenizer, "cpu").to(dtype)
+        module = GRPOModule(
+            model,
+            tokenizer=tokenizer,
+            reward_funcs=[lambda completions, **kw: [len(c) / 10 for c in completions]],
+            grpo=GRPOConfig(
+                num_generations=4,
+                max_completion_length=16,
+                learning_rate=1e-6,
+                warmup_steps=10,
+                epsilon_high=0.28,
+                log_completions_every=0,
+                preflight=False,
+            ),
+        )
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if "embed_tokens" not in n}
+        trainer = L.Trainer(
+            accelerator="cpu" if device == "cpu" else "gpu",
+            devices=1,
+            precision=precision,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=8, arithmetic_size=200)
+        trainer.fit(module, data)
+        after = dict(module.policy.named_parameters())
+        moved = sum(int((after[n].detach().to(w.device, w.dtype) != w).sum()) for n, w in before.items())
+        share = moved / sum(w.numel() for w in before.values())
+        passed = share > 0.9 if expect_moving else True  # bf16-true is the contrast, reported only
+        label = "shipped" if expect_moving else "contrast"
+        checks.append(
+            Check(f"weights move, {precision} ({label})", passed, f"{share:.1%} of the weights changed")
+        )
+    return checks
+
+
+def check_head_gradients(shape: dict, device: str) -> list[Check]:
+    """The LM head's written backward under bf16 autocast against autograd through the same ops."""
+    torch.manual_seed(0)
+    V, H, rows = shape["vocab"], shape["hidden_size"], 256
+    head = torch.nn.Linear(H, V, bias=False, device=device)
+    torch.nn.init.normal_(head.weight, std=4 / math.sqrt(H))  # logits of a few units, as a trained model's
+    hidden = torch.randn(1, rows + 1, H, device=device)
+    targets = torch.randint(0, V, (1, rows), device=device)
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long, device=device), targets], 1)  # [1, rows + 1]
+    weights = torch.randn(1, rows, device=device)
+
+    class HeadOnly(torch.nn.Module):
+        config = LlamaConfig(vocab_size=V, hidden_size=H, num_attention_heads=1)  # no logit transform
+
+        def __init__(self, h):
+            super().__init__()
+            self.h = h
+
+        def get_decoder(self):
+            return lambda **kwargs: type("O", (), {"last_hidden_state": self.h})()
+
+        def get_output_embeddings(self):
+            return head
+
+    h_ref = hidden.clone().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        logits = (h_ref[:, :-1] @ head.weight.T).float()  # [1, rows, V]
+    ref = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    (ref * weights).sum().backward()
+    expected = h_ref.grad, head.weight.grad.clone()
+    checks = []
+    for path, elements in (("kept", rows * V), ("recomputed", rows * V // 4)):
+        head.weight.grad = None
+        h = hidden.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            lp, _ = sampling.completion_logprobs(
+                HeadOnly(h), ids, torch.ones_like(ids), rows, max_logits_elements=elements
+            )
+        (lp * weights).sum().backward()
+        errors = [
+            ((g - e).norm() / e.norm()).item()
+            for g, e in zip((h.grad, head.weight.grad), expected, strict=True)
+        ]
+        checks.append(
+            Check(
+                f"head gradient under bf16 autocast, {path} logits",
+                max(errors) < 5e-3,
+                f"relative error: hidden {errors[0]:.2e}, weight {errors[1]:.2e}",
+            )
+        )
+    return checks
+
+
+def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
+    device = "cpu" if args.cpu else "cuda"
+    completions, length = (8, 8) if args.tiny else (64, 64)
+    checks = [check_on_policy(shape, tokenizer, device, completions, length)]
+    checks += check_weights_move(shape, tokenizer, device)
+    checks += check_head_gradients(shape, device)
+    return checks
+
+
 def table(rows: list[dict]) -> str:
     headers = list(rows[0])
     cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
@@ -166,6 +385,7 @@ def main() -> None:
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--max_completion_length", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=16)
+    parser.add_argument("--only", choices=["throughput", "numerics"], help="one part; default both")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.batch_size, args.num_generations = min(args.steps, 2), 2, 2
@@ -176,18 +396,28 @@ def main() -> None:
     texts = [row["question"] + "\n" + row["answer"] for row in arithmetic_problems(2000)]
     tokenizer = build_tokenizer(texts, vocab_size=min(shape["vocab"], 1024))
     start = time.perf_counter()
-    rows = [
-        run("fsdp2-bf16", args, shape, tokenizer, lora=False),
-        run("lora-bf16", args, shape, tokenizer, lora=True),
-    ]
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
-    print(
-        f"\nGRPO GPU check: {device}, torch {torch.__version__}, {args.steps} steps of {args.batch_size} "
-        f"prompts x {args.num_generations} completions x {args.max_completion_length} tokens "
-        "(means over steps 2..)"
-    )
-    print(table(rows))
+    print(f"\nGRPO GPU check: {device}, torch {torch.__version__}")
+    if args.only != "numerics":
+        rows = [
+            run("fsdp2-bf16", args, shape, tokenizer, lora=False),
+            run("lora-bf16", args, shape, tokenizer, lora=True),
+        ]
+        print(
+            f"\nthroughput: {args.steps} steps of {args.batch_size} prompts x {args.num_generations} "
+            f"completions x {args.max_completion_length} tokens (means over steps 2..)"
+        )
+        print(table(rows))
+    failed = False
+    if args.only != "throughput":
+        checks = numerics(args, shape, tokenizer)
+        print("\nnumerics:")
+        for check in checks:
+            print(f"  {'PASS' if check.passed else 'FAIL'}  {check.name}: {check.numbers}")
+        failed = not all(check.passed for check in checks)
     print(f"total {time.perf_counter() - start:.0f} s")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

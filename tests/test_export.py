@@ -4,6 +4,7 @@ or as an adapter; every export reloads with AutoModelForCausalLM and decodes the
 from __future__ import annotations
 
 import os
+import pickle
 
 import lightning as L
 import pytest
@@ -188,3 +189,25 @@ def test_lora_exports_merged_or_as_adapter(tiny_model_dir: str, tmp_path) -> Non
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
     for model in (merged, adapted):
         assert torch.equal(greedy_tokens(model, tokenizer, module), rollout.completion_ids)
+
+
+class RunsCode:
+    """Unpickling this creates a folder: what a checkpoint loaded with weights_only=False could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_export_never_runs_code_from_a_checkpoint(best_run, tiny_model_dir: str, tmp_path) -> None:
+    _, root, _ = best_run
+    checkpoint = torch.load(root / "ckpt" / "latest-step=3.ckpt", weights_only=True)  # ours loads
+    marker = tmp_path / "ran"
+    torch.save(checkpoint | {"payload": RunsCode(str(marker))}, tmp_path / "tampered.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        export_policy(
+            GRPOModule(tiny_model_dir), str(tmp_path / "out"), ckpt_path=str(tmp_path / "tampered.ckpt")
+        )
+    assert not marker.exists()

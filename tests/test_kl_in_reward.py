@@ -57,7 +57,7 @@ def test_the_kl_moves_from_the_loss_into_the_advantages(tiny_model_dir, monkeypa
             max_completion_length=6,
             learning_rate=1e-3,
             beta=beta,
-            kl_estimator="k1",
+            kl_estimator="k1" if use_kl_in_reward else "k3",  # k1 in the loss is refused
             use_kl_in_reward=use_kl_in_reward,
             log_completions_every=0,
             preflight=False,

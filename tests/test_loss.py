@@ -289,6 +289,48 @@ def test_cispo_hand_values() -> None:
     torch.testing.assert_close(stats["clip_ratio/region_mean"], torch.tensor(0.2))
 
 
+def test_cispo_without_epsilon_high_caps_the_weights_at_trls_recommended_5() -> None:
+    # Ratio 7 on a masked token only: the largest weight that counts is 1.5, under the cap of 5, over 0.2.
+    default, stats = grpo_loss(**HAND, loss_type="cispo")
+    explicit, _ = grpo_loss(**HAND, loss_type="cispo", epsilon_high=5.0)
+    torch.testing.assert_close(default, explicit)
+    # -ratio * A * logprob with no ratio capped (a cap of 0.2 would give 0.2 in place of 1.5 and 0.5).
+    expected = -(1.5 * -1.0 + 0.5 * -2.0 - (1.5 * -0.5 + 0.5 * -1.5 + 1.0 * -3.0)) / 5
+    torch.testing.assert_close(default, torch.tensor(expected, dtype=torch.float64))
+    assert stats["clip_ratio/high_mean"] == 0
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(estimator: str) -> None:
+    """Exact expectation over a 5-token vocabulary: each token weighted by its probability under the policy.
+    The KL term's expected gradient is the KL's own for k2, the reverse KL's for k3 (Schulman 2020); k1's
+    would be 0 (E[grad log pi] = 0), which is why the loss refuses k1."""
+    theta = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    ref_logprobs = torch.log_softmax(torch.tensor([0.0, 1.0, 0.5, -0.5, 0.2], dtype=torch.float64), -1)
+    logprobs = torch.log_softmax(theta, -1)  # [V]
+    probs = logprobs.exp().detach()
+    weighted = torch.zeros((), dtype=torch.float64)
+    for token in range(5):  # the per-token KL loss of a one-token completion, weighted by pi(token)
+        lp = logprobs[token].view(1, 1)
+        loss, _ = grpo_loss(
+            lp,
+            torch.zeros(1, dtype=torch.float64),
+            torch.ones(1, 1),
+            ref_logprobs=ref_logprobs[token].view(1, 1),
+            beta=1.0,
+            kl_estimator=estimator,
+        )
+        weighted = weighted + probs[token] * loss
+    (expected_grad,) = torch.autograd.grad(weighted, theta, retain_graph=True)
+    if estimator == "k2":
+        kl = (logprobs.exp() * (logprobs - ref_logprobs)).sum()  # KL(pi || ref)
+    else:
+        kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum()  # KL(ref || pi)
+    (true_grad,) = torch.autograd.grad(kl, theta)
+    torch.testing.assert_close(expected_grad, true_grad)
+    assert true_grad.abs().max() > 0.1
+
+
 def test_sequence_level_hand_values() -> None:
     loss, stats = grpo_loss(**HAND, loss_type="grpo", importance_sampling_level="sequence")
     # Geometric-mean ratios: row 0 (1.5 * 0.5) ** (1/2), row 1 (1.5 * 0.5 * 1.0) ** (1/3), both unclipped.
@@ -314,7 +356,6 @@ CONFIGS = [
     {},
     {"delta": 1.3},
     {"epsilon_high": 0.28},
-    {"beta": 0.04, "kl_estimator": "k1"},
     {"beta": 0.04, "kl_estimator": "k2"},
     {"beta": 0.1, "kl_estimator": "k3", "delta": 1.5},
     {"entropy_coef": 0.01},
@@ -350,7 +391,7 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
     data = _batch(6)
     mask = data["mask"]
     base, _ = grpo_loss(**data, loss_type="dapo")
-    for estimator in ("k1", "k2", "k3"):
+    for estimator in ("k2", "k3"):
         with_kl, _ = grpo_loss(**data, loss_type="dapo", beta=0.5, kl_estimator=estimator)
         kl = kl_penalty(data["logprobs"], data["ref_logprobs"], estimator)
         torch.testing.assert_close(with_kl - base, 0.5 * kl[mask].mean())
@@ -368,6 +409,7 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
         ({"beta": 0.1, "ref_logprobs": None}, "ref_logprobs"),
         ({"entropy_coef": 0.1, "entropies": None}, "entropies"),
         ({"loss_type": "dr_grpo", "max_completion_length": None}, "max_completion_length"),
+        ({"beta": 0.1, "kl_estimator": "k1"}, "k1.*regularises nothing.*use_kl_in_reward"),
     ],
 )
 def test_grpo_loss_errors(kwargs: dict, match: str) -> None:

@@ -7,6 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
+from transformers import AutoModelForCausalLM
 
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
@@ -153,3 +155,68 @@ def test_bf16_policy_gets_float32_logprobs_and_loss(tiny_model_dir):
 
     loss, _ = grpo_loss(logprobs, torch.tensor([1.0, -1.0]), rollout.completion_mask)
     assert loss.dtype == torch.float32
+
+
+def first_step_metrics(model_dir: str, root, trainer_kwargs: dict | None = None, **grpo) -> dict[str, float]:
+    """The metrics logged by one training step of a tiny policy on the arithmetic task (seed 0)."""
+    L.seed_everything(0)
+    options = {"num_generations": 4, "max_completion_length": 6, "preflight": False} | grpo
+    module = GRPOModule(model_dir, reward_funcs=[length_reward], grpo=GRPOConfig(**options))
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=30, batch_size=2, val_size=2
+    )
+    trainer = quiet_trainer(
+        max_steps=1, limit_val_batches=0, default_root_dir=str(root), **(trainer_kwargs or {})
+    )
+    trainer.fit(module, data)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_policy_loss_is_the_rollouts_whatever_the_micro_batches(tiny_model_dir, tmp_path):
+    # Clipped advantages no longer sum to 0 over a group, so the on-policy loss is not 0 either.
+    whole = first_step_metrics(tiny_model_dir, tmp_path / "whole", advantage_clip=0.5)
+    split = first_step_metrics(tiny_model_dir, tmp_path / "split", advantage_clip=0.5, micro_batch_size=2)
+    assert abs(whole["train/policy_loss"]) > 1e-3
+    assert split["train/policy_loss"] == pytest.approx(whole["train/policy_loss"], rel=1e-4)  # was 1/4 of it
+    assert split["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-4)
+    assert split["train/entropy"] == pytest.approx(whole["train/entropy"], rel=1e-4)
+
+
+def test_16_mixed_clips_and_logs_the_unscaled_gradient(tiny_model_dir, tmp_path):
+    """Under 16-mixed the loss is scaled by the GradScaler (2**16 here) before backward: the gradient norm
+    logged and clipped is the true one, as with float32, not 65536 times it."""
+    full = first_step_metrics(tiny_model_dir, tmp_path / "fp32")
+    # Lightning keeps a GradScaler for CUDA only; on CPU the test hands one to the precision plugin.
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    mixed = first_step_metrics(tiny_model_dir, tmp_path / "fp16", {"plugins": [scaled]})
+    assert full["train/grad_norm"] > 0
+    assert mixed["train/grad_norm"] == pytest.approx(full["train/grad_norm"], rel=0.05)
+
+
+def test_16_mixed_overflow_lowers_the_loss_scale_instead_of_stopping(tiny_model_dir, tmp_path):
+    L.seed_everything(0)
+    module = GRPOModule(
+        tiny_model_dir,
+        reward_funcs=[length_reward],
+        grpo=GRPOConfig(num_generations=4, max_completion_length=6, max_bad_steps=1, preflight=False),
+    )
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=30, batch_size=2, val_size=2
+    )
+    # A scale that overflows fp16 at once, and a back-off that makes the next one fit.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+    snapshots = Snapshots()
+    trainer = quiet_trainer(
+        max_steps=2,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        callbacks=[snapshots],
+    )
+    with pytest.warns(UserWarning, match="fp16 gradients overflowed, update skipped") as caught:
+        trainer.fit(module, data)  # max_bad_steps=1: an overflow counted as a bad step would stop here
+    assert sum("overflowed" in str(w.message) for w in caught) == 1
+    assert scaler.get_scale() == 2.0**10
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).lm_head.weight
+    assert torch.equal(snapshots.weights[0]["lm_head.weight"], initial)  # the overflowed step changed nothing
+    assert not torch.equal(snapshots.weights[1]["lm_head.weight"], initial)  # the second one updated

@@ -9,10 +9,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.steps import (
+    MAX_DEPTH,
     Step,
     StepReward,
     find_steps,
@@ -212,3 +213,43 @@ def test_corrupted_annotation_is_flagged(references: dict[str, list[str]]) -> No
         assert score is not None and score < 1
         corrupted += 1
     assert corrupted > 300
+
+
+# Pieces a degenerate completion is made of: runs of dashes and signs, deep nesting, numbers of thousands of
+# digits, annotations, and arbitrary text in between.
+_DEGENERATE = st.one_of(
+    st.text(max_size=40),
+    st.integers(1, 3000).map(lambda n: "-" * n),
+    st.integers(1, 2000).map(lambda n: "- " * n),
+    st.integers(1, 1500).map(lambda n: "(" * n + "5" + ")" * n),
+    st.integers(1, 1500).map(lambda n: "(-" * n),
+    st.integers(1, 6000).map(lambda n: "9" * n),
+    st.integers(1, 3000).map(lambda n: "0." + "3" * n + "%"),
+    st.sampled_from([" = ", " + ", " * ", " / ", "<<", ">>", "=", "$", ",", "\n", "1,000", " x ", " of "]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_DEGENERATE, max_size=12).map("".join))
+def test_the_verifier_never_raises(text):
+    steps = find_steps(text)
+    assert all(0 <= s.start < s.end <= len(text) for s in steps)
+    assert all(start < end for start, end in wrong_step_spans(text))
+    score = step_reward([text])[0]
+    assert score == 0.0 if not steps else 0.0 <= score <= 1.0
+    assert len(step_token_penalties([(0, len(text))], text, 1.0)) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("-" * 1200 + "5 + 1 = 3", [False]),  # a glued sign per dash: recursed once per dash before
+        ("(" * 300 + "5" + ")" * 300 + " + 1 = 6", []),  # deeper than MAX_DEPTH: not verifiable
+        ("(" * MAX_DEPTH + "5" + ")" * MAX_DEPTH + " + 1 = 6", [True]),  # as deep as it goes
+        ("<<" + "(" * 300 + "5" + ")" * 300 + "+1=6>>6", []),
+        ("9" * 5000 + " + 1 = 2 and 2 + 2 = 4", [True]),  # int() refuses over 4300 digits
+        ("1 + 2 = " + "3" * 5000, []),
+    ],
+)
+def test_degenerate_completions(text, expected):
+    assert [s.correct for s in find_steps(text)] == expected

@@ -96,7 +96,7 @@ def test_qwen_config_stops_and_exports_even_before_the_first_validation(tiny_mod
     with open(QWEN_CONFIG, encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     assert raw["model"]["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert raw["trainer"]["precision"] == "bf16-true" and raw["model"]["model_options"]["dtype"] == "bfloat16"
+    assert raw["trainer"]["precision"] == "bf16-mixed" and raw["model"]["model_options"]["dtype"] == "float32"
     options = raw["model"]["grpo"]
     assert [options[k] for k in ("num_generations", "max_completion_length", "epsilon_high")] == [
         8,
