@@ -21,6 +21,7 @@ from grpo_lightning.distributed import close_process_group
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.preflight import share_of_weights_updated
+from grpo_lightning.rewards import completion_text
 from tests.conftest import quiet_trainer
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
@@ -36,7 +37,7 @@ SMALL = {  # the rollout's size only: everything that decides the update's preci
 
 def length_reward(completions: list[str], **kwargs) -> list[float]:
     """Dense: a random model's completions differ in length within every group, so every group teaches."""
-    return [len(c) / 10 for c in completions]
+    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class TrainableWeights(L.Callback):
