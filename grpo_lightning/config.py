@@ -2,12 +2,101 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import operator
+from dataclasses import dataclass, fields
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "loo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ------------------------------------------------------------------------------------------ option rules
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_KIND_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    list: "a list of names",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one option accepts: its type, bounds such as "> 0, <= 1", or a set of choices.
+
+    Args:
+        kind: int, float (ints accepted, NaN and inf refused), bool, str, or list (a list of strings); a
+            tuple of them for an option of several types.
+        bounds: comma-separated comparisons that the value must pass, e.g. ">= 2" or "> 0, <= 1".
+        choices: the only values allowed.
+        none: None is allowed (it means what the option's docstring says).
+        why: the reason, shown after the rule.
+    """
+
+    kind: type | tuple[type, ...]
+    bounds: str = ""
+    choices: tuple[str, ...] = ()
+    none: bool = False
+    why: str = ""
+
+    def problem(self, value: object) -> str | None:
+        """None when `value` is allowed, else the rule it breaks ("must be > 0 and <= 1 (why)")."""
+        if value is None:
+            return None if self.none else self.expected(type_too=False)
+        if not any(_is_kind(value, kind) for kind in self.kinds):
+            return self.expected(type_too=True)
+        if self.choices and value not in self.choices:
+            return self.expected(type_too=False)
+        for text in filter(None, (b.strip() for b in self.bounds.split(","))):
+            op, bound = text.split()
+            if not _COMPARE[op](value, float(bound)):
+                return self.expected(type_too=False)
+        return None
+
+    @property
+    def kinds(self) -> tuple[type, ...]:
+        return self.kind if isinstance(self.kind, tuple) else (self.kind,)
+
+    def expected(self, type_too: bool) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(self.choices)
+        else:
+            bounds = " and ".join(b.strip() for b in self.bounds.split(",") if b.strip())
+            if bounds and not type_too:
+                text = bounds
+            else:
+                kind = " or ".join(_KIND_WORDS[k] for k in self.kinds)
+                kind = kind.replace("a number", "a finite number")
+                text = f"{kind} {bounds}".rstrip()
+        text = f"must be {text}" + (" or None" if self.none else "")
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _is_kind(value: object, kind: type) -> bool:
+    if kind is float:  # ints are numbers too, booleans are not; NaN and inf pass no bound: refused
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
+    return isinstance(value, kind)
+
+
+def option_error(options: object, option: str, value: object, rule: str) -> ValueError:
+    """The one message format of a bad option: `Class.option=value: rule`."""
+    return ValueError(f"{type(options).__name__}.{option}={value!r}: {rule}")
+
+
+def check_options(options: object, rules: dict[str, Rule]) -> None:
+    """Raise `option_error` for the first option of the dataclass `options` that breaks its rule."""
+    for field in fields(options):
+        value = getattr(options, field.name)
+        problem = rules[field.name].problem(value)
+        if problem is not None:
+            raise option_error(options, field.name, value, problem)
 
 
 @dataclass
@@ -133,49 +222,54 @@ class GRPOConfig:
     preflight: bool = True
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"GRPOConfig.{option}={value!r}: {rule}")
+        check_options(self, GRPO_RULES)
 
-        choices = {
-            "loss_type": LOSS_TYPES,
-            "scale_rewards": SCALES,
-            "baseline": BASELINES,
-            "kl_estimator": KL_ESTIMATORS,
-            "importance_sampling_level": ("token", "sequence"),
-            "truncate_prompts": ("left", "error"),
-        }
-        for option, allowed in choices.items():
-            if getattr(self, option) not in allowed:
-                raise bad(option, getattr(self, option), f"must be one of {', '.join(allowed)}")
-        if self.num_generations < 2:
-            raise bad("num_generations", self.num_generations, "must be >= 2 (advantages compare a group)")
-        if self.max_completion_length is None or self.max_completion_length <= 0:
-            # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
-            raise bad("max_completion_length", self.max_completion_length, "must be > 0")
-        if not 0 <= self.min_completion_length <= self.max_completion_length:
-            rule = "must be >= 0 and <= max_completion_length"
-            raise bad("min_completion_length", self.min_completion_length, rule)
-        if self.max_prompt_length is not None and self.max_prompt_length <= 0:
-            raise bad("max_prompt_length", self.max_prompt_length, "must be > 0 or None")
-        if self.epsilon <= 0:
-            raise bad("epsilon", self.epsilon, "must be > 0")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise bad("epsilon_high", self.epsilon_high, "must be > 0")
+        def bad(option: str, value: object, rule: str) -> ValueError:
+            return option_error(self, option, value, rule)
+
+        # Rules that relate two options.
+        if self.min_completion_length > self.max_completion_length:
+            raise bad("min_completion_length", self.min_completion_length, "must be <= max_completion_length")
         if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
             raise bad("delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)")
-        if self.beta < 0:
-            raise bad("beta", self.beta, "must be >= 0")
         if self.use_kl_in_reward and self.beta == 0:
             raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
-        if self.dynamic_sampling_max_rounds < 0:
-            raise bad("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, "must be >= 0")
-        if self.step_credit < 0:
-            raise bad("step_credit", self.step_credit, "must be >= 0 (it is subtracted from the advantage)")
-        if self.temperature <= 0:
-            raise bad("temperature", self.temperature, "must be > 0")
-        if self.num_iterations < 1:
-            raise bad("num_iterations", self.num_iterations, "must be >= 1")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise bad("micro_batch_size", self.micro_batch_size, "must be >= 1 or None")
-        if self.max_bad_steps < 1:
-            raise bad("max_bad_steps", self.max_bad_steps, "must be >= 1")
+
+
+GRPO_RULES = {
+    "num_generations": Rule(int, ">= 2", why="advantages compare a group"),
+    # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
+    "max_completion_length": Rule(int, "> 0"),
+    "min_completion_length": Rule(int, ">= 0"),
+    "max_prompt_length": Rule(int, "> 0", none=True),
+    "truncate_prompts": Rule(str, choices=("left", "error")),
+    "temperature": Rule(float, "> 0"),
+    "top_p": Rule(float, "> 0, <= 1"),
+    "top_k": Rule(int, ">= 0", why="0 disables it"),
+    "dynamic_sampling": Rule(bool),
+    "dynamic_sampling_max_rounds": Rule(int, ">= 0"),
+    "dynamic_sampling_metric": Rule(str, none=True),  # a reward function's name: GRPOModule checks it
+    "scale_rewards": Rule(str, choices=SCALES),
+    "baseline": Rule(str, choices=BASELINES),
+    "advantage_clip": Rule(float, "> 0", none=True),
+    "step_credit": Rule(float, ">= 0", why="it is subtracted from the advantage"),
+    "loss_type": Rule(str, choices=LOSS_TYPES),
+    "importance_sampling_level": Rule(str, choices=("token", "sequence")),
+    "epsilon": Rule(float, "> 0"),
+    "epsilon_high": Rule(float, "> 0", none=True),
+    "delta": Rule(float, "> 1", none=True),
+    "beta": Rule(float, ">= 0"),
+    "kl_estimator": Rule(str, choices=KL_ESTIMATORS),
+    "use_kl_in_reward": Rule(bool),
+    "entropy_coef": Rule(float),  # any finite weight: a negative one penalises entropy
+    "num_iterations": Rule(int, ">= 1"),
+    "mask_truncated_completions": Rule(bool),
+    "learning_rate": Rule(float, ">= 0"),
+    "weight_decay": Rule(float, ">= 0"),
+    "warmup_steps": Rule(int, ">= 0"),
+    "max_grad_norm": Rule(float, "> 0", none=True, why="a negative norm would flip the gradient's sign"),
+    "micro_batch_size": Rule(int, ">= 1", none=True),
+    "max_bad_steps": Rule(int, ">= 1"),
+    "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
+    "preflight": Rule(bool),
+}
