@@ -10,12 +10,37 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["export_policy", "load_policy_weights"]
+__all__ = ["export_policy", "load_policy_weights", "read_checkpoint"]
+
+
+def read_checkpoint(path: str, **load_kwargs) -> dict:
+    """`torch.load` a Lightning checkpoint file onto the CPU; anything else raises one `ValueError` naming it.
+
+    What `torch.load` raises for a truncated or foreign file (a zip or unpickling error, whose text may
+    advise loading with `weights_only=False`) is replaced: never advise unsafe loading of an unknown file.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", **load_kwargs)
+    except pickle.UnpicklingError as err:
+        if str(err).startswith("Weights only load failed"):
+            why = "it holds Python objects that safe loading refuses: not a checkpoint grpo-lightning wrote"
+        else:
+            why = "not a PyTorch checkpoint"
+        raise ValueError(f"checkpoint {path!r} cannot be read: {why}") from err
+    except (RuntimeError, EOFError, ValueError) as err:  # the zip reader's, or pickle's on a cut-off file
+        raise ValueError(
+            f"checkpoint {path!r} cannot be read: truncated or not a PyTorch checkpoint "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'})"
+        ) from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
+    return checkpoint
 
 
 def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
@@ -31,7 +56,7 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
     else:
         # weights_only=False: a Lightning checkpoint also pickles the hyper-parameters (option dataclasses).
         # Only load checkpoints you trust.
-        full = torch.load(ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
+        full = read_checkpoint(ckpt_path, weights_only=False)["state_dict"]
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")
