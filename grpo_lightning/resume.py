@@ -18,6 +18,7 @@ What it lacks for an exact continuation, and what this file adds:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import signal
@@ -145,9 +146,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         folder = os.path.dirname(path) or "."
         os.makedirs(folder, exist_ok=True)
         temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        # Serialised in memory first (as Lightning does): a failed write is then the file's OSError, not
+        # the error torch's zip writer raises when its file stops taking bytes.
+        serialised = io.BytesIO()
+        torch.save(checkpoint, serialised)
         try:
             with open(temporary, "wb") as f:
-                torch.save(checkpoint, f)
+                f.write(serialised.getbuffer())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, path)
