@@ -27,16 +27,16 @@ def read_checkpoint(path: str, **load_kwargs) -> dict:
     """
     try:
         checkpoint = torch.load(path, map_location="cpu", **load_kwargs)
-    except pickle.UnpicklingError as err:
-        if str(err).startswith("Weights only load failed"):
-            why = "it holds Python objects that safe loading refuses: not a checkpoint grpo-lightning wrote"
+    except FileNotFoundError:
+        raise  # its message names the file already
+    except Exception as err:  # on damaged bytes torch.load raises zip, pickle, OS, index, ... errors
+        # The library's own text is left out: it may advise weights_only=False, or describe zip internals.
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+            why = "it holds Python objects that safe loading refuses (not a checkpoint grpo-lightning wrote)"
         else:
-            why = "not a PyTorch checkpoint"
-        raise ValueError(f"checkpoint {path!r} cannot be read: {why}") from err
-    except (RuntimeError, EOFError, ValueError) as err:  # the zip reader's, or pickle's on a cut-off file
+            why = "truncated, corrupt or not a PyTorch checkpoint"
         raise ValueError(
-            f"checkpoint {path!r} cannot be read: truncated or not a PyTorch checkpoint "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no details'})"
+            f"checkpoint {path!r} cannot be read: {why} ({type(err).__name__} in torch.load)"
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
@@ -59,7 +59,7 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
         full = read_checkpoint(ckpt_path, weights_only=False)["state_dict"]
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
-        raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")
+        raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
     model.load_state_dict(state, strict=True)
 
 

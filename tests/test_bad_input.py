@@ -1,6 +1,7 @@
 """Bad input ends in one clear message naming the option, file, row or function, before weights load where
 it can, and `cli.py` prints it without a traceback (exit status 2)."""
 
+import io
 import json
 import math
 import os
@@ -9,11 +10,14 @@ import shutil
 import lightning as L
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from grpo_lightning.callbacks import RewardAuditCallback
 from grpo_lightning.cli import main
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.module import GRPOModule
 from tests.conftest import quiet_trainer
 from tests.test_interrupt import fit_args
@@ -271,3 +275,109 @@ def test_prompt_over_the_limit_is_cut_from_the_left_or_refused(tiny_model_dir, m
         ids, mask = module.encode_prompts(prompts)
     assert ids.shape == (2, 6)
     torch.testing.assert_close(ids, full_ids[:, -6:])  # the ends, where the generation prompt is, survive
+
+
+# ------------------------------------------------------------------------------------------ broken files
+@pytest.fixture(scope="module")
+def good_checkpoint(tiny_model_dir) -> bytes:
+    """A checkpoint file as Lightning writes it (a torch zip of a dict with the policy's state_dict)."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}, buffer)
+    return buffer.getvalue()
+
+
+def with_unsafe_global() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {}, "hook": os.path.join}, buffer)  # a function: what safe loading refuses
+    return buffer.getvalue()
+
+
+def tensor_file() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(torch.ones(3), buffer)
+    return buffer.getvalue()
+
+
+def test_the_whole_checkpoint_reads(good_checkpoint, tmp_path):
+    path = tmp_path / "good.ckpt"
+    path.write_bytes(good_checkpoint)
+    assert read_checkpoint(str(path), weights_only=True, mmap=True)["global_step"] == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_broken_checkpoint_is_named_and_unsafe_loading_never_advised(good_checkpoint, tmp_path, data):
+    content = data.draw(
+        st.integers(0, len(good_checkpoint) - 1).map(lambda n: good_checkpoint[:n])  # cut off anywhere
+        | st.binary(max_size=300)
+        | st.sampled_from([b"", b'{"state_dict": {}}', with_unsafe_global(), tensor_file()])
+    )
+    path = tmp_path / "broken.ckpt"
+    path.write_bytes(content)
+    # Safe loading on any content; unsafe loading (what export used) only on cut checkpoints.
+    unsafe = [{"weights_only": False}] if good_checkpoint.startswith(content) else []
+    for kwargs in [{"weights_only": True, "mmap": True}, {"weights_only": True}, *unsafe]:
+        with pytest.raises(ValueError) as error:
+            read_checkpoint(str(path), **kwargs)
+        message = str(error.value)
+        assert message.startswith(f"checkpoint {str(path)!r} ")
+        assert "weights_only" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "export"])
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (lambda good: good[: len(good) // 2], "truncated, corrupt or not a PyTorch checkpoint"),
+        (lambda good: b"", "truncated, corrupt or not a PyTorch checkpoint"),
+        (lambda good: b"not a checkpoint\n", "truncated, corrupt or not a PyTorch checkpoint"),
+        (lambda good: with_unsafe_global(), "it holds Python objects that safe loading refuses"),
+        (lambda good: tensor_file(), "is not a Lightning checkpoint: it has no state_dict"),
+    ],
+)
+def test_a_broken_ckpt_path_is_one_line_before_weights_load(
+    tiny_model_dir, good_checkpoint, tmp_path, capsys, no_weights, subcommand, content, why
+):
+    path = tmp_path / "run.ckpt"
+    path.write_bytes(content(good_checkpoint))
+    extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
+    args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
+    err = cli_error(args, capsys)
+    assert f"error: checkpoint {str(path)!r} " in err and why in err
+    assert "weights_only" not in err
+
+
+def test_export_policy_names_a_truncated_checkpoint(tiny_model_dir, good_checkpoint, tmp_path):
+    module = GRPOModule(tiny_model_dir)
+    path = tmp_path / "cut.ckpt"
+    path.write_bytes(good_checkpoint[:-100])
+    with pytest.raises(ValueError, match=f"checkpoint '{path}' cannot be read: truncated") as error:
+        export_policy(module, str(tmp_path / "out"), ckpt_path=str(path))
+    assert "weights_only" not in str(error.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.999])
+def test_a_truncated_model_safetensors_is_named(tiny_model_dir, tmp_path, capsys, keep):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    content = weights.read_bytes()
+    weights.write_bytes(content[: int(len(content) * keep)])
+    err = cli_error(fit_args(str(model_dir), str(tmp_path), 1), capsys)
+    assert f"error: cannot load the model from '{model_dir}': {weights} is truncated or corrupt" in err
+
+
+@pytest.mark.parametrize("policy", ["checkpoints/typo", "./typo", "../typo", "typo/a/b", "checkpoints/a b"])
+def test_a_relative_model_path_that_does_not_exist_is_no_such_folder(
+    tiny_model_dir, tmp_path, capsys, no_weights, monkeypatch, policy
+):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("checkpoints")  # "checkpoints/typo" is a path here, not a hub id "org/name"
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, f"--model.policy={policy}")
+    err = cli_error(args, capsys)
+    assert f"error: model path '{policy}' does not exist: no such folder (relative to {tmp_path})" in err
+    assert "huggingface.co" not in err
