@@ -11,7 +11,6 @@ GSM8KDataModule.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import signal
@@ -25,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.callbacks import AuditReport, ValidationResultsWriter, audit_module_rewards
-from grpo_lightning.config import GRPOConfig
+from grpo_lightning.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.export import export_policy, read_checkpoint
@@ -114,13 +113,13 @@ class GRPOCLI(LightningCLI):
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
-        saved = {k: _plain(v) for k, v in saved.items() if not k.startswith("_")}
-        given = _plain(self.config[subcommand]["model"])
-        defaults = {name: _plain(p.default) for name, p in inspect.signature(GRPOModule).parameters.items()}
+        saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
+        given = self.config[subcommand]["model"].as_dict()
+        defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
         conflicts = [
             (key, theirs, ours)
-            for key, theirs, ours, default in _leaves(saved, given, defaults)
-            if ours != theirs and ours != default
+            for key, theirs, ours in option_differences(saved, given)
+            if ours != _dotted(defaults, key)  # an option left at its default takes the checkpoint's value
         ]
         refused = [c for c in conflicts if subcommand == "fit" or c[0].startswith(WEIGHT_OPTIONS)]
         if refused:
@@ -151,26 +150,13 @@ class GRPOCLI(LightningCLI):
                 options(**model[key].as_dict())
 
 
-def _plain(value: object) -> object:
-    """An option dataclass or namespace as a plain dict (nested), anything else unchanged."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, Namespace):
-        return value.as_dict()
-    return value
-
-
-def _leaves(saved: dict, given: dict, defaults: dict, prefix: str = "") -> list[tuple]:
-    """(dotted key, saved, given, default) for every option the checkpoint holds, nested dicts walked into."""
-    rows = []
-    for key, theirs in saved.items():
-        ours, default = given.get(key), defaults.get(key)
-        if isinstance(theirs, dict) and isinstance(ours, dict):
-            default = default if isinstance(default, dict) else {}
-            rows += _leaves(theirs, ours, default, f"{prefix}{key}.")
-        else:
-            rows.append((prefix + key, theirs, ours, default))
-    return rows
+def _dotted(options: dict, dotted: str) -> object:
+    """The value at "grpo.top_p" in nested option dataclasses or dicts; None where a level is None."""
+    value: object = options
+    for key in dotted.split("."):
+        value = plain_options(value)
+        value = value.get(key) if isinstance(value, dict) else None
+    return plain_options(value)
 
 
 def _drop_leaf(options: dict, dotted: str) -> None:

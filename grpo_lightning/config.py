@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
@@ -88,6 +89,29 @@ def _is_kind(value: object, kind: type) -> bool:
 def option_error(options: object, option: str, value: object, rule: str) -> ValueError:
     """The one message format of a bad option: `Class.option=value: rule`."""
     return ValueError(f"{type(options).__name__}.{option}={value!r}: {rule}")
+
+
+def option_differences(
+    saved: Mapping, current: Mapping, prefix: str = ""
+) -> list[tuple[str, object, object]]:
+    """(dotted name, saved value, current value) for each option of `saved` whose value differs in `current`;
+    option dataclasses and dicts on both sides are compared option by option ("grpo.top_p"). Names starting
+    with "_" are Lightning's bookkeeping (`_instantiator`), not options."""
+    rows = []
+    for key, theirs in saved.items():
+        if key.startswith("_"):
+            continue
+        theirs, ours = plain_options(theirs), plain_options(current.get(key))
+        if isinstance(theirs, dict) and isinstance(ours, dict):
+            rows += option_differences(theirs, ours, f"{prefix}{key}.")
+        elif theirs != ours:
+            rows.append((prefix + key, theirs, ours))
+    return rows
+
+
+def plain_options(value: object) -> object:
+    """An option dataclass as a dict (nested), anything else as it is."""
+    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
 
 
 def check_options(options: object, rules: dict[str, Rule]) -> None:

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
 from grpo_lightning.config import GRPO_RULES, GRPOConfig
+from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
+from tests.conftest import digit_reward, quiet_trainer
 from tests.test_bad_input import cli_error, no_weights  # noqa: F401 (a fixture)
 from tests.test_interrupt import fit_args
 
@@ -230,6 +232,19 @@ def test_validate_refuses_lora_options_the_checkpoint_was_not_trained_with(
     args = ["validate", *fit_args(tiny_model_dir, root, 1)[1:], f"--ckpt_path={ckpt}", "--model.lora.r=4"]
     err = cli_error(args, capsys)
     assert "model.lora: checkpoint None, this run {'r': 4" in err
+
+
+def test_a_module_resumed_from_python_says_its_options_win(tiny_model_dir, one_step_checkpoint):
+    _, ckpt = one_step_checkpoint
+    grpo = GRPOConfig(num_generations=4, max_completion_length=6, preflight=False, top_p=0.9)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(source="arithmetic", system_prompt=None, batch_size=2, val_size=2)
+    with pytest.warns(UserWarning, match="other options, this module's apply") as caught:
+        quiet_trainer(limit_val_batches=1).validate(module, datamodule=data, ckpt_path=ckpt)
+    message = next(str(w.message) for w in caught if "this module's apply" in str(w.message))
+    assert "grpo.num_generations: checkpoint 2, this module 4" in message
+    assert "grpo.top_p: checkpoint 1.0, this module 0.9" in message
+    assert "max_completion_length" not in message  # the same on both sides
 
 
 # ------------------------------------------------------------------------------------------ empty data
