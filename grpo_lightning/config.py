@@ -127,6 +127,8 @@ def check_options(options: object, rules: dict[str, Rule]) -> None:
 class GRPOConfig:
     """Options of the GRPO algorithm (defaults follow TRL's `GRPOConfig` where both have the option).
 
+    Each option is checked when the config is built, against its rule in `GRPO_RULES`.
+
     Sampling:
         num_generations: completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300,
             sec. 4.1.2). Default 8. Must be >= 2: advantages are relative to the group.
@@ -137,8 +139,9 @@ class GRPOConfig:
             Default 512.
         truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
             warning) or "error". Default "left".
-        temperature / top_p / top_k: sampling; top_k 0 disables it. Defaults 1.0 / 1.0 / 0. The same
-            temperature scales the logits of the log-probs, as the sampler saw them.
+        temperature / top_p / top_k: sampling (temperature > 0, top_p in (0, 1]); top_k 0 disables it.
+            Defaults 1.0 / 1.0 / 0. The same temperature scales the logits of the log-probs, as the sampler
+            saw them.
         dynamic_sampling: drop the groups whose completions all got the same reward (they carry no
             gradient) and sample the next batches' prompts until an update has one informative group per
             prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer
@@ -185,7 +188,8 @@ class GRPOConfig:
             `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then
             has no KL term. Needs beta > 0. verl pairs it with k1 (`algorithm.kl_penalty: kl`): set
             kl_estimator "k1" to match. Default False.
-        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy. Default 0.0.
+        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty).
+            Default 0.0.
         num_iterations: optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With
             mu > 1 the sampling-time log-probs are kept as the old policy's. Default 1.
         mask_truncated_completions: drop completions that never stopped from the loss (DAPO sec. 3.4).
@@ -195,7 +199,7 @@ class GRPOConfig:
         learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
         weight_decay: AdamW weight decay. Default 0.0.
         warmup_steps: linear warm-up optimizer steps, then constant. Default 0.
-        max_grad_norm: gradient clipping by global norm; None disables. Default 1.0.
+        max_grad_norm: gradient clipping by global norm, > 0; None disables. Default 1.0.
         micro_batch_size: sequences per forward/backward; the rollout of prompts x G sequences is split
             and the gradients accumulated, with the loss normalised over the whole rollout. Default None
             (all at once).
