@@ -140,14 +140,19 @@ class GRPOCLI(LightningCLI):
         self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
 
     def before_instantiate_classes(self) -> None:
-        # The option dataclasses check themselves when built: built here first, because jsonargparse reports
-        # a bad `lora` (typed `LoraOptions | None`) as "does not validate against any of the Union subtypes",
-        # with the rule's own message buried among its lines.
+        # An option left out of the config can hold its default dataclass itself, which jsonargparse cannot
+        # instantiate: back to the namespace a YAML gives. The option dataclasses check themselves when
+        # built: built here first, because jsonargparse reports a bad `lora` (typed `LoraOptions | None`) as
+        # "does not validate against any of the Union subtypes", the rule's own message buried in its lines.
         subcommand = self.config.get("subcommand")
         model = (self.config[subcommand] if subcommand else self.config).get("model")
         for key, options in OPTION_CLASSES.items():
-            if isinstance(model.get(key), Namespace):
-                options(**model[key].as_dict())
+            value = plain_options(model.get(key))
+            if isinstance(value, Namespace):
+                value = value.as_dict()
+            if isinstance(value, dict):
+                options(**value)
+                model[key] = Namespace(**value)
 
 
 def _dotted(options: dict, dotted: str) -> object:

@@ -327,15 +327,22 @@ def test_a_broken_checkpoint_is_named_and_unsafe_loading_never_advised(good_chec
         assert "weights_only" not in message and "\n" not in message
 
 
-@pytest.mark.parametrize("subcommand", ["fit", "validate", "export"])
+DAMAGED = "truncated, corrupt or not a PyTorch checkpoint"
+UNSAFE = "it holds Python objects that safe loading refuses"
+NOT_LIGHTNING = "is not a Lightning checkpoint: it has no state_dict"
+
+
 @pytest.mark.parametrize(
-    ("content", "why"),
+    ("subcommand", "content", "why"),
     [
-        (lambda good: good[: len(good) // 2], "truncated, corrupt or not a PyTorch checkpoint"),
-        (lambda good: b"", "truncated, corrupt or not a PyTorch checkpoint"),
-        (lambda good: b"not a checkpoint\n", "truncated, corrupt or not a PyTorch checkpoint"),
-        (lambda good: with_unsafe_global(), "it holds Python objects that safe loading refuses"),
-        (lambda good: tensor_file(), "is not a Lightning checkpoint: it has no state_dict"),
+        pytest.param("fit", lambda good: good[: len(good) // 2], DAMAGED, id="fit-cut-in-half"),
+        pytest.param("fit", lambda good: b"", DAMAGED, id="fit-empty"),
+        pytest.param("fit", lambda good: b"not a checkpoint\n", DAMAGED, id="fit-text"),
+        pytest.param("fit", lambda good: with_unsafe_global(), UNSAFE, id="fit-pickle"),
+        pytest.param("fit", lambda good: tensor_file(), NOT_LIGHTNING, id="fit-tensor"),
+        pytest.param("validate", lambda good: good[:-1], DAMAGED, id="validate-cut"),
+        pytest.param("export", lambda good: good[:-1], DAMAGED, id="export-cut"),
+        pytest.param("export", lambda good: with_unsafe_global(), UNSAFE, id="export-pickle"),
     ],
 )
 def test_a_broken_ckpt_path_is_one_line_before_weights_load(
@@ -360,7 +367,7 @@ def test_export_policy_names_a_truncated_checkpoint(tiny_model_dir, good_checkpo
     assert not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.parametrize("keep", [0.0, 0.5, 0.999])
+@pytest.mark.parametrize("keep", [0.0, 0.999])
 def test_a_truncated_model_safetensors_is_named(tiny_model_dir, tmp_path, capsys, keep):
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -371,7 +378,7 @@ def test_a_truncated_model_safetensors_is_named(tiny_model_dir, tmp_path, capsys
     assert f"error: cannot load the model from '{model_dir}': {weights} is truncated or corrupt" in err
 
 
-@pytest.mark.parametrize("policy", ["checkpoints/typo", "./typo", "../typo", "typo/a/b", "checkpoints/a b"])
+@pytest.mark.parametrize("policy", ["checkpoints/typo", "../typo", "typo/a/b"])
 def test_a_relative_model_path_that_does_not_exist_is_no_such_folder(
     tiny_model_dir, tmp_path, capsys, no_weights, monkeypatch, policy
 ):
