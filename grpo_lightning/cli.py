@@ -12,23 +12,58 @@ class path (`data: {class_path: grpo_lightning.data.PromptDataModule, init_args:
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import os
+import signal
 import sys
+from pathlib import Path
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.callbacks import AuditReport, ValidationResultsWriter, audit_module_rewards
+from grpo_lightning.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import close_process_group
-from grpo_lightning.export import export_policy
+from grpo_lightning.export import export_policy, read_checkpoint
+from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.resume import InterruptCheckpoint
+
+# Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
+# a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
+EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
+EXIT_CTRL_C = 128 + signal.SIGINT  # 130
+# Options that decide the shapes of the checkpoint's weights: never taken from the command line on resume.
+WEIGHT_OPTIONS = ("lora", "model_options")
+OPTION_CLASSES = {"grpo": GRPOConfig, "model_options": ModelOptions, "lora": LoraOptions}  # GRPOModule's
 
 
 class GRPOTrainer(Trainer):
-    """A `Trainer` with `audit` and `export` methods: LightningCLI maps subcommands to Trainer methods."""
+    """A `Trainer` with `audit` and `export` methods: LightningCLI maps subcommands to Trainer methods.
+
+    `fit` and `validate` refuse data that gives them no batch, which Lightning only warns about before
+    returning as if it had run.
+    """
+
+    def fit(self, model: GRPOModule, *args, **kwargs) -> None:
+        super().fit(model, *args, **kwargs)
+        if self.fit_loop.max_batches == 0:
+            raise ValueError(
+                "fit: the training data gives no batch (an empty training split): nothing trained"
+            )
+
+    def validate(self, *args, **kwargs) -> list:
+        results = super().validate(*args, **kwargs)
+        if sum(self.validate_loop.max_batches) == 0:
+            raise ValueError(
+                "validate: the validation data gives no batch (an empty validation split, or "
+                "limit_val_batches 0): nothing evaluated"
+            )
+        return results
 
     def audit(self, model: GRPOModule, datamodule: PromptDataModule, num_rows: int = 300) -> AuditReport:
         """Audit the reward functions on reference solutions and corrupted copies of them.
@@ -69,15 +104,74 @@ class GRPOCLI(LightningCLI):
         # GSM8K's preset when a config names no data class (the configs before TRL-format data existed).
         parser.set_defaults({"data": {"class_path": "grpo_lightning.data.GSM8KDataModule"}})
 
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's own, which lets the checkpoint's hyper-parameters replace whatever the
+        # command line and config set (silently) and shows torch.load's traceback for a broken file. Here:
+        # the file is read once, memory-mapped, with errors naming it; an option left at its default takes
+        # the checkpoint's value; one set to a different value is refused for `fit` (a resumed run continues
+        # the checkpoint's run: same options) and wins for `validate` / `export`, which only read the
+        # weights, except the options that shape them.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return  # none, or a sharded checkpoint's folder (its options come from the config)
+        saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
+        saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
+        given = self.config[subcommand]["model"].as_dict()
+        defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
+        conflicts = [
+            (key, theirs, ours)
+            for key, theirs, ours in option_differences(saved, given)
+            if ours != _dotted(defaults, key)  # an option left at its default takes the checkpoint's value
+        ]
+        refused = [c for c in conflicts if subcommand == "fit" or c[0].startswith(WEIGHT_OPTIONS)]
+        if refused:
+            listed = "; ".join(
+                f"model.{key}: checkpoint {theirs!r}, this run {ours!r}" for key, theirs, ours in refused
+            )
+            raise ValueError(
+                f"--ckpt_path {ckpt_path} was trained with other options ({listed}). A checkpoint's options "
+                f"win on resume, so that it continues the same run (and its weights fit): drop these options "
+                f"or set them to the checkpoint's values; to train with new ones, export the checkpoint "
+                f"(cli.py export) and start a new run from the exported folder"
+            )
+        for key, theirs, ours in conflicts:
+            rank_zero_warn(
+                f"model.{key}={ours!r} from this run's config wins over the checkpoint's {theirs!r}"
+            )
+            _drop_leaf(saved, key)
+        self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+
     def before_instantiate_classes(self) -> None:
-        # With `--ckpt_path`, LightningCLI merges the checkpoint's hyper-parameters into the model's config
-        # (so the model is rebuilt with the LoRA and GRPO options it was trained with); they hold the option
-        # dataclasses themselves, which jsonargparse cannot instantiate: back to the namespaces a YAML gives.
+        # An option left out of the config can hold its default dataclass itself, which jsonargparse cannot
+        # instantiate: back to the namespace a YAML gives. The option dataclasses check themselves when
+        # built: built here first, because jsonargparse reports a bad `lora` (typed `LoraOptions | None`) as
+        # "does not validate against any of the Union subtypes", the rule's own message buried in its lines.
         subcommand = self.config.get("subcommand")
         model = (self.config[subcommand] if subcommand else self.config).get("model")
-        for key, value in vars(model).items():
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                setattr(model, key, Namespace(**dataclasses.asdict(value)))
+        for key, options in OPTION_CLASSES.items():
+            value = plain_options(model.get(key))
+            if isinstance(value, Namespace):
+                value = value.as_dict()
+            if isinstance(value, dict):
+                options(**value)
+                model[key] = Namespace(**value)
+
+
+def _dotted(options: dict, dotted: str) -> object:
+    """The value at "grpo.top_p" in nested option dataclasses or dicts; None where a level is None."""
+    value: object = options
+    for key in dotted.split("."):
+        value = plain_options(value)
+        value = value.get(key) if isinstance(value, dict) else None
+    return plain_options(value)
+
+
+def _drop_leaf(options: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        options = options[key]
+    del options[last]
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
@@ -100,14 +194,21 @@ INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError)
 
 
 def main(args: list[str] | None = None) -> None:
+    """Run the CLI. Exit status: 0 done; 2 bad input (one `error:` line); 143 stopped by SIGTERM and 130 by
+    Ctrl-C, each after writing `interrupted.ckpt`; 1 for a second Ctrl-C (no checkpoint) or a failed audit.
+    """
     try:
-        build_cli(args)
+        cli = build_cli(args)
         close_process_group()
+    except SIGTERMException:  # Lightning's, raised after InterruptCheckpoint wrote the checkpoint
+        raise SystemExit(EXIT_SIGTERM) from None
     except INPUT_ERRORS as err:
         if os.environ.get("GRPO_DEBUG") == "1":
             raise
         print(f"error: {err}\n(GRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    if any(isinstance(c, InterruptCheckpoint) and c.stopped_by == "Ctrl-C" for c in cli.trainer.callbacks):
+        raise SystemExit(EXIT_CTRL_C)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import operator
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
@@ -10,9 +13,121 @@ BASELINES = ("mean", "loo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+# ------------------------------------------------------------------------------------------ option rules
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_KIND_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    list: "a list of names",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one option accepts: its type, bounds such as "> 0, <= 1", or a set of choices.
+
+    Args:
+        kind: int, float (ints accepted, NaN and inf refused), bool, str, or list (a list of strings); a
+            tuple of them for an option of several types.
+        bounds: comma-separated comparisons that the value must pass, e.g. ">= 2" or "> 0, <= 1".
+        choices: the only values allowed.
+        none: None is allowed (it means what the option's docstring says).
+        why: the reason, shown after the rule.
+    """
+
+    kind: type | tuple[type, ...]
+    bounds: str = ""
+    choices: tuple[str, ...] = ()
+    none: bool = False
+    why: str = ""
+
+    def problem(self, value: object) -> str | None:
+        """None when `value` is allowed, else the rule it breaks ("must be > 0 and <= 1 (why)")."""
+        if value is None:
+            return None if self.none else self.expected(type_too=False)
+        if not any(_is_kind(value, kind) for kind in self.kinds):
+            return self.expected(type_too=True)
+        if self.choices and value not in self.choices:
+            return self.expected(type_too=False)
+        for text in filter(None, (b.strip() for b in self.bounds.split(","))):
+            op, bound = text.split()
+            if not _COMPARE[op](value, float(bound)):
+                return self.expected(type_too=False)
+        return None
+
+    @property
+    def kinds(self) -> tuple[type, ...]:
+        return self.kind if isinstance(self.kind, tuple) else (self.kind,)
+
+    def expected(self, type_too: bool) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(self.choices)
+        else:
+            bounds = " and ".join(b.strip() for b in self.bounds.split(",") if b.strip())
+            if bounds and not type_too:
+                text = bounds
+            else:
+                kind = " or ".join(_KIND_WORDS[k] for k in self.kinds)
+                kind = kind.replace("a number", "a finite number")
+                text = f"{kind} {bounds}".rstrip()
+        text = f"must be {text}" + (" or None" if self.none else "")
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _is_kind(value: object, kind: type) -> bool:
+    if kind is float:  # ints are numbers too, booleans are not; NaN and inf pass no bound: refused
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
+    return isinstance(value, kind)
+
+
+def option_error(options: object, option: str, value: object, rule: str) -> ValueError:
+    """The one message format of a bad option: `Class.option=value: rule`."""
+    return ValueError(f"{type(options).__name__}.{option}={value!r}: {rule}")
+
+
+def option_differences(
+    saved: Mapping, current: Mapping, prefix: str = ""
+) -> list[tuple[str, object, object]]:
+    """(dotted name, saved value, current value) for each option of `saved` whose value differs in `current`;
+    option dataclasses and dicts on both sides are compared option by option ("grpo.top_p"). Names starting
+    with "_" are Lightning's bookkeeping (`_instantiator`), not options."""
+    rows = []
+    for key, theirs in saved.items():
+        if key.startswith("_"):
+            continue
+        theirs, ours = plain_options(theirs), plain_options(current.get(key))
+        if isinstance(theirs, dict) and isinstance(ours, dict):
+            rows += option_differences(theirs, ours, f"{prefix}{key}.")
+        elif theirs != ours:
+            rows.append((prefix + key, theirs, ours))
+    return rows
+
+
+def plain_options(value: object) -> object:
+    """An option dataclass as a dict (nested), anything else as it is."""
+    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+
+
+def check_options(options: object, rules: dict[str, Rule]) -> None:
+    """Raise `option_error` for the first option of the dataclass `options` that breaks its rule."""
+    for field in fields(options):
+        value = getattr(options, field.name)
+        problem = rules[field.name].problem(value)
+        if problem is not None:
+            raise option_error(options, field.name, value, problem)
+
+
 @dataclass
 class GRPOConfig:
     """Options of the GRPO algorithm (defaults follow TRL's `GRPOConfig` where both have the option).
+
+    Each option is checked when the config is built, against its rule in `GRPO_RULES`.
 
     Sampling:
         num_generations: completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300,
@@ -24,8 +139,9 @@ class GRPOConfig:
             Default 512.
         truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
             warning) or "error". Default "left".
-        temperature / top_p / top_k: sampling; top_k 0 disables it. Defaults 1.0 / 1.0 / 0. The same
-            temperature scales the logits of the log-probs, as the sampler saw them.
+        temperature / top_p / top_k: sampling (temperature > 0, top_p in (0, 1]); top_k 0 disables it.
+            Defaults 1.0 / 1.0 / 0. The same temperature scales the logits of the log-probs, as the sampler
+            saw them.
         dynamic_sampling: drop the groups whose completions all got the same reward (they carry no
             gradient) and sample the next batches' prompts until an update has one informative group per
             prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer
@@ -76,7 +192,8 @@ class GRPOConfig:
             `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then
             has no KL term. Needs beta > 0. verl pairs it with k1 (`algorithm.kl_penalty: kl`): set
             kl_estimator "k1" to match. Default False.
-        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy. Default 0.0.
+        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty).
+            Default 0.0.
         num_iterations: optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With
             mu > 1 the sampling-time log-probs are kept as the old policy's. Default 1.
         mask_truncated_completions: drop completions that never stopped from the loss (DAPO sec. 3.4).
@@ -86,7 +203,7 @@ class GRPOConfig:
         learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
         weight_decay: AdamW weight decay. Default 0.0.
         warmup_steps: linear warm-up optimizer steps, then constant. Default 0.
-        max_grad_norm: gradient clipping by global norm; None disables. Default 1.0.
+        max_grad_norm: gradient clipping by global norm, > 0; None disables. Default 1.0.
         micro_batch_size: sequences per forward/backward; the rollout of prompts x G sequences is split
             and the gradients accumulated, with the loss normalised over the whole rollout. Default None
             (all at once).
@@ -137,49 +254,54 @@ class GRPOConfig:
     preflight: bool = True
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"GRPOConfig.{option}={value!r}: {rule}")
+        check_options(self, GRPO_RULES)
 
-        choices = {
-            "loss_type": LOSS_TYPES,
-            "scale_rewards": SCALES,
-            "baseline": BASELINES,
-            "kl_estimator": KL_ESTIMATORS,
-            "importance_sampling_level": ("token", "sequence"),
-            "truncate_prompts": ("left", "error"),
-        }
-        for option, allowed in choices.items():
-            if getattr(self, option) not in allowed:
-                raise bad(option, getattr(self, option), f"must be one of {', '.join(allowed)}")
-        if self.num_generations < 2:
-            raise bad("num_generations", self.num_generations, "must be >= 2 (advantages compare a group)")
-        if self.max_completion_length is None or self.max_completion_length <= 0:
-            # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
-            raise bad("max_completion_length", self.max_completion_length, "must be > 0")
-        if not 0 <= self.min_completion_length <= self.max_completion_length:
-            rule = "must be >= 0 and <= max_completion_length"
-            raise bad("min_completion_length", self.min_completion_length, rule)
-        if self.max_prompt_length is not None and self.max_prompt_length <= 0:
-            raise bad("max_prompt_length", self.max_prompt_length, "must be > 0 or None")
-        if self.epsilon <= 0:
-            raise bad("epsilon", self.epsilon, "must be > 0")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise bad("epsilon_high", self.epsilon_high, "must be > 0")
+        def bad(option: str, value: object, rule: str) -> ValueError:
+            return option_error(self, option, value, rule)
+
+        # Rules that relate two options.
+        if self.min_completion_length > self.max_completion_length:
+            raise bad("min_completion_length", self.min_completion_length, "must be <= max_completion_length")
         if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
             raise bad("delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)")
-        if self.beta < 0:
-            raise bad("beta", self.beta, "must be >= 0")
         if self.use_kl_in_reward and self.beta == 0:
             raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
-        if self.dynamic_sampling_max_rounds < 0:
-            raise bad("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, "must be >= 0")
-        if self.step_credit < 0:
-            raise bad("step_credit", self.step_credit, "must be >= 0 (it is subtracted from the advantage)")
-        if self.temperature <= 0:
-            raise bad("temperature", self.temperature, "must be > 0")
-        if self.num_iterations < 1:
-            raise bad("num_iterations", self.num_iterations, "must be >= 1")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise bad("micro_batch_size", self.micro_batch_size, "must be >= 1 or None")
-        if self.max_bad_steps < 1:
-            raise bad("max_bad_steps", self.max_bad_steps, "must be >= 1")
+
+
+GRPO_RULES = {
+    "num_generations": Rule(int, ">= 2", why="advantages compare a group"),
+    # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
+    "max_completion_length": Rule(int, "> 0"),
+    "min_completion_length": Rule(int, ">= 0"),
+    "max_prompt_length": Rule(int, "> 0", none=True),
+    "truncate_prompts": Rule(str, choices=("left", "error")),
+    "temperature": Rule(float, "> 0"),
+    "top_p": Rule(float, "> 0, <= 1"),
+    "top_k": Rule(int, ">= 0", why="0 disables it"),
+    "dynamic_sampling": Rule(bool),
+    "dynamic_sampling_max_rounds": Rule(int, ">= 0"),
+    "dynamic_sampling_metric": Rule(str, none=True),  # a reward function's name: GRPOModule checks it
+    "scale_rewards": Rule(str, choices=SCALES),
+    "baseline": Rule(str, choices=BASELINES),
+    "advantage_clip": Rule(float, "> 0", none=True),
+    "step_credit": Rule(float, ">= 0", why="it is subtracted from the advantage"),
+    "loss_type": Rule(str, choices=LOSS_TYPES),
+    "importance_sampling_level": Rule(str, choices=("token", "sequence")),
+    "epsilon": Rule(float, "> 0"),
+    "epsilon_high": Rule(float, "> 0", none=True),
+    "delta": Rule(float, "> 1", none=True),
+    "beta": Rule(float, ">= 0"),
+    "kl_estimator": Rule(str, choices=KL_ESTIMATORS),
+    "use_kl_in_reward": Rule(bool),
+    "entropy_coef": Rule(float),  # any finite weight: a negative one penalises entropy
+    "num_iterations": Rule(int, ">= 1"),
+    "mask_truncated_completions": Rule(bool),
+    "learning_rate": Rule(float, ">= 0"),
+    "weight_decay": Rule(float, ">= 0"),
+    "warmup_steps": Rule(int, ">= 0"),
+    "max_grad_norm": Rule(float, "> 0", none=True, why="a negative norm would flip the gradient's sign"),
+    "micro_batch_size": Rule(int, ">= 1", none=True),
+    "max_bad_steps": Rule(int, ">= 1"),
+    "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
+    "preflight": Rule(bool),
+}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 
 import torch
 from peft import PeftModel
@@ -17,7 +18,31 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.resume import register_safe_globals
 
-__all__ = ["export_policy", "load_policy_weights"]
+__all__ = ["export_policy", "load_policy_weights", "read_checkpoint"]
+
+
+def read_checkpoint(path: str, **load_kwargs) -> dict:
+    """`torch.load` a Lightning checkpoint file onto the CPU; anything else raises one `ValueError` naming it.
+
+    What `torch.load` raises for a truncated or foreign file (a zip or unpickling error, whose text may
+    advise loading with `weights_only=False`) is replaced: never advise unsafe loading of an unknown file.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", **load_kwargs)
+    except FileNotFoundError:
+        raise  # its message names the file already
+    except Exception as err:  # on damaged bytes torch.load raises zip, pickle, OS, index, ... errors
+        # The library's own text is left out: it may advise weights_only=False, or describe zip internals.
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+            why = "it holds Python objects that safe loading refuses (not a checkpoint grpo-lightning wrote)"
+        else:
+            why = "truncated, corrupt or not a PyTorch checkpoint"
+        raise ValueError(
+            f"checkpoint {path!r} cannot be read: {why} ({type(err).__name__} in torch.load)"
+        ) from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
+    return checkpoint
 
 
 def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
@@ -34,10 +59,10 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
         # weights_only=True: a checkpoint handed to `export` cannot run code. Our option dataclasses in its
         # hyper-parameters are allow-listed, as for resuming.
         register_safe_globals()
-        full = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+        full = read_checkpoint(ckpt_path, weights_only=True)["state_dict"]
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
-        raise KeyError(f"{ckpt_path}: no weights under {prefix!r} in the checkpoint's state_dict")
+        raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
     model.load_state_dict(state, strict=True)
 
 

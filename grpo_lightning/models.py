@@ -6,8 +6,12 @@ GGUF file (dequantised by transformers). Nothing here knows about Lightning.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +21,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from grpo_lightning.config import Rule, check_options
 
 try:  # transformers >= 5.2x keeps GGUF weights in GGUF blocks unless asked to dequantise them
     from transformers import GgufConfig
@@ -48,20 +54,84 @@ class ModelOptions:
     trust_remote_code: bool = False
     load_in_4bit: bool = False
 
+    def __post_init__(self) -> None:
+        check_options(self, MODEL_RULES)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+MODEL_RULES = {
+    "gguf_file": Rule(str, none=True),
+    "dtype": Rule(str, choices=DTYPES),
+    "attn_implementation": Rule(str, none=True),
+    "gradient_checkpointing": Rule(bool),
+    "trust_remote_code": Rule(bool),
+    "load_in_4bit": Rule(bool),
+}
+
+# A hub id: "name" or "org/name" of letters, digits, "-", "_" and ".".
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _looks_like_path(name_or_path: str) -> bool:
+    """Not a possible hub id, or a relative path whose first folder exists here ("models/typo")."""
+    first = name_or_path.split("/", 1)[0]
+    return (
+        name_or_path.startswith((".", "/", "~"))
+        or not _HUB_ID.fullmatch(name_or_path)
+        or ("/" in name_or_path and os.path.isdir(first))
+    )
+
 
 def _check_exists(name_or_path: str) -> None:
-    # A hub id is "name" or "org/name"; anything else that does not exist would otherwise fail later with a
-    # confusing hub lookup error.
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+    # Without this a mistyped folder fails inside transformers as a failed connection to the hub.
+    if _looks_like_path(name_or_path) and not os.path.exists(os.path.expanduser(name_or_path)):
+        where = "" if os.path.isabs(os.path.expanduser(name_or_path)) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist: no such folder{where}")
+
+
+def _unreadable_safetensors(folder: str) -> str | None:
+    """The first `.safetensors` file in `folder` whose header does not cover the file (truncated, corrupt)."""
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except Exception:  # safetensors raises its own SafetensorError, not an OSError
+            return path
+    return None
+
+
+@contextmanager
+def _loading(what: str, name_or_path: str) -> Iterator[None]:
+    """Turn what `from_pretrained` raises into one message naming the folder (or hub id) and the file."""
+    try:
+        yield
+    except OSError as err:
+        if os.path.exists(os.path.expanduser(name_or_path)):
+            raise OSError(f"cannot load the {what} from {name_or_path!r}: {err}") from err
+        raise OSError(
+            f"cannot load the {what} {name_or_path!r}: there is no such folder (relative to {os.getcwd()}), "
+            f"and as a Hugging Face Hub id it failed: {str(err).splitlines()[0]}"
+        ) from err
+    except Exception as err:  # transformers and safetensors raise many types; name the source, keep the text
+        broken = os.path.isdir(name_or_path) and _unreadable_safetensors(name_or_path)
+        if broken:
+            raise ValueError(
+                f"cannot load the {what} from {name_or_path!r}: {broken} is truncated or corrupt "
+                f"({type(err).__name__}: {err}); copy or export it again"
+            ) from err
+        raise ValueError(
+            f"cannot load the {what} from {name_or_path!r}: {type(err).__name__}: {err}"
+        ) from err
 
 
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer ready for batched generation: left padding and a pad token."""
     _check_exists(name_or_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    with _loading("tokenizer", name_or_path):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     return prepare_tokenizer(tokenizer)
 
 
@@ -88,7 +158,8 @@ def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTra
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
     if options.load_in_4bit:
         kwargs["quantization_config"] = _four_bit_config()
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    with _loading("model", name_or_path):
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     if options.load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -134,6 +205,17 @@ class LoraOptions:
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list[str] | str = "all-linear"
+
+    def __post_init__(self) -> None:
+        check_options(self, LORA_RULES)
+
+
+LORA_RULES = {
+    "r": Rule(int, ">= 1"),
+    "alpha": Rule(float, "> 0"),
+    "dropout": Rule(float, ">= 0, < 1"),
+    "target_modules": Rule((str, list)),
+}
 
 
 def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:

@@ -12,11 +12,12 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.callbacks import CollapseMonitor, CompletionsPanel, RolloutRecord, stop_token_ids
-from grpo_lightning.config import GRPOConfig
+from grpo_lightning.config import GRPOConfig, option_differences
 from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_credit_penalties
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
@@ -247,6 +248,13 @@ class GRPOModule(L.LightningModule):
             del state[key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning restores weights and state into this module as built: its options win. Said, not silent.
+        changed = option_differences(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        if changed:
+            listed = "; ".join(
+                f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
+            )
+            rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
         if self.reference is not None and "state_dict" in checkpoint:  # a sharded one was loaded in place
             for key, value in self.reference.state_dict().items():
                 checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)

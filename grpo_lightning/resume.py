@@ -11,11 +11,15 @@ What it lacks for an exact continuation, and what this file adds:
 - `torch.load(weights_only=True)`, the default since PyTorch 2.6, refusing the option dataclasses that
   `save_hyperparameters` pickles (`register_safe_globals`);
 - a checkpoint of the last completed step when the run gets SIGTERM or Ctrl-C, or stops on an error
-  (`InterruptCheckpoint`).
+  (`InterruptCheckpoint`);
+- checkpoint files that appear complete or not at all (`AtomicCheckpointIO`, installed by
+  `InterruptCheckpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import signal
@@ -26,6 +30,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -151,6 +156,45 @@ def register_safe_globals() -> None:
     torch.serialization.add_safe_globals([GRPOConfig, ModelOptions, LoraOptions, ScoredGroups, Rollout])
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` whose checkpoint files appear complete or not at all.
+
+    The checkpoint is written to a temporary file beside the target, flushed to disk, then renamed over it
+    (a rename within one folder is atomic); on any failure the temporary file is removed and the target, if
+    it existed, is left as it was. Lightning's own write goes through the system's temporary folder and
+    `shutil.move`, which copies when that folder is on another filesystem: a full disk then leaves a
+    truncated (or empty) `.ckpt` behind. Remote paths (`s3://...`) keep Lightning's write.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = str(path)
+        if "://" in path or storage_options is not None:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        # Serialised in memory first (as Lightning does): a failed write is then the file's OSError, not
+        # the error torch's zip writer raises when its file stops taking bytes.
+        serialised = io.BytesIO()
+        torch.save(checkpoint, serialised)
+        try:
+            with open(temporary, "wb") as f:
+                f.write(serialised.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        except BaseException as err:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary)
+            if isinstance(err, OSError):
+                message = (
+                    f"could not write the checkpoint {path} ({err.strerror or err}); no partial file left"
+                )
+                raise OSError(err.errno, message) from err
+            raise
+
+
 class InterruptCheckpoint(L.Callback):
     """On SIGTERM or Ctrl-C, finish the current step, write a checkpoint of it and stop; on an error during
     training, write a checkpoint of the last completed step before the error propagates.
@@ -163,13 +207,21 @@ class InterruptCheckpoint(L.Callback):
 
     The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else
     `<default_root_dir>/checkpoints`) as `interrupted.ckpt`; resume with `--ckpt_path <that path>`.
+    `stopped_by` says which signal stopped the run ("SIGTERM", "Ctrl-C"; None otherwise), so that the CLI
+    can exit with a non-zero status. Where the strategy writes checkpoints with Lightning's default
+    `TorchCheckpointIO`, it is replaced by `AtomicCheckpointIO`, for this checkpoint and `ModelCheckpoint`'s.
     """
 
     def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath
         self.saved_path: str | None = None
+        self.stopped_by: str | None = None
         self._ctrl_c = False
         self._previous_sigint = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def path(self, trainer: L.Trainer) -> str:
         dirpath = self.dirpath or getattr(trainer.checkpoint_callback, "dirpath", None)
@@ -177,7 +229,7 @@ class InterruptCheckpoint(L.Callback):
         return os.path.join(dirpath, INTERRUPT_FILENAME)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.saved_path, self._ctrl_c = None, False
+        self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
         current = signal.getsignal(signal.SIGINT)
         # Only outside another program's handler; one left behind by an earlier fit that never reached its
         # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
@@ -203,15 +255,17 @@ class InterruptCheckpoint(L.Callback):
     def _save(self, trainer: L.Trainer, reason: str) -> None:
         if self.saved_path is not None:
             return
-        self.saved_path = self.path(trainer)
-        trainer.save_checkpoint(self.saved_path)
+        path = self.path(trainer)
+        trainer.save_checkpoint(path)
+        self.saved_path = path  # only once written: a failed save is not reported as a checkpoint
         rank_zero_info(
-            f"{reason}: wrote the checkpoint of step {trainer.global_step} to {self.saved_path}; "
-            f"resume with --ckpt_path {self.saved_path}"
+            f"{reason}: wrote the checkpoint of step {trainer.global_step} to {path}; "
+            f"resume with --ckpt_path {path}"
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._ctrl_c:
+            self.stopped_by = "Ctrl-C"
             self._save(trainer, "Ctrl-C")
             trainer.should_stop = True
 
@@ -219,6 +273,7 @@ class InterruptCheckpoint(L.Callback):
         self._restore_sigint()
         if isinstance(exception, SIGTERMException):
             # Lightning raises it once the step in progress (and any validation after it) is over.
+            self.stopped_by = "SIGTERM"
             self._save(trainer, "SIGTERM")
         elif (
             isinstance(exception, Exception)

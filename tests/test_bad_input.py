@@ -1,6 +1,7 @@
 """Bad input ends in one clear message naming the option, file, row or function, before weights load where
 it can, and `cli.py` prints it without a traceback (exit status 2)."""
 
+import io
 import json
 import math
 import os
@@ -10,13 +11,14 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.callbacks import RewardAuditCallback
 from grpo_lightning.cli import main
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
@@ -435,3 +437,116 @@ def test_a_column_only_some_rows_carry_is_named_before_weights_load(
     where = f"{source}:3: has column 'hint'" if preset else f"{source}:2: lacks column 'solution'"
     assert f"error: {where}, unlike the first row ({source}:1, columns [" in err
     assert "every row needs the same columns" in err
+
+
+# ------------------------------------------------------------------------------------------ broken files
+@pytest.fixture(scope="module")
+def good_checkpoint(tiny_model_dir) -> bytes:
+    """A checkpoint file as Lightning writes it (a torch zip of a dict with the policy's state_dict)."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}, buffer)
+    return buffer.getvalue()
+
+
+def with_unsafe_global() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {}, "hook": os.path.join}, buffer)  # a function: what safe loading refuses
+    return buffer.getvalue()
+
+
+def tensor_file() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(torch.ones(3), buffer)
+    return buffer.getvalue()
+
+
+def test_the_whole_checkpoint_reads(good_checkpoint, tmp_path):
+    path = tmp_path / "good.ckpt"
+    path.write_bytes(good_checkpoint)
+    assert read_checkpoint(str(path), weights_only=True, mmap=True)["global_step"] == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_broken_checkpoint_is_named_and_unsafe_loading_never_advised(good_checkpoint, tmp_path, data):
+    content = data.draw(
+        st.integers(0, len(good_checkpoint) - 1).map(lambda n: good_checkpoint[:n])  # cut off anywhere
+        | st.binary(max_size=300)
+        | st.sampled_from([b"", b'{"state_dict": {}}', with_unsafe_global(), tensor_file()])
+    )
+    path = tmp_path / "broken.ckpt"
+    path.write_bytes(content)
+    # Safe loading on any content; unsafe loading (what export used) only on cut checkpoints.
+    unsafe = [{"weights_only": False}] if good_checkpoint.startswith(content) else []
+    for kwargs in [{"weights_only": True, "mmap": True}, {"weights_only": True}, *unsafe]:
+        with pytest.raises(ValueError) as error:
+            read_checkpoint(str(path), **kwargs)
+        message = str(error.value)
+        assert message.startswith(f"checkpoint {str(path)!r} ")
+        assert "weights_only" not in message and "\n" not in message
+
+
+DAMAGED = "truncated, corrupt or not a PyTorch checkpoint"
+UNSAFE = "it holds Python objects that safe loading refuses"
+NOT_LIGHTNING = "is not a Lightning checkpoint: it has no state_dict"
+
+
+@pytest.mark.parametrize(
+    ("subcommand", "content", "why"),
+    [
+        pytest.param("fit", lambda good: good[: len(good) // 2], DAMAGED, id="fit-cut-in-half"),
+        pytest.param("fit", lambda good: b"", DAMAGED, id="fit-empty"),
+        pytest.param("fit", lambda good: b"not a checkpoint\n", DAMAGED, id="fit-text"),
+        pytest.param("fit", lambda good: with_unsafe_global(), UNSAFE, id="fit-pickle"),
+        pytest.param("fit", lambda good: tensor_file(), NOT_LIGHTNING, id="fit-tensor"),
+        pytest.param("validate", lambda good: good[:-1], DAMAGED, id="validate-cut"),
+        pytest.param("export", lambda good: good[:-1], DAMAGED, id="export-cut"),
+        pytest.param("export", lambda good: with_unsafe_global(), UNSAFE, id="export-pickle"),
+    ],
+)
+def test_a_broken_ckpt_path_is_one_line_before_weights_load(
+    tiny_model_dir, good_checkpoint, tmp_path, capsys, no_weights, subcommand, content, why
+):
+    path = tmp_path / "run.ckpt"
+    path.write_bytes(content(good_checkpoint))
+    extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
+    args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
+    err = cli_error(args, capsys)
+    assert f"error: checkpoint {str(path)!r} " in err and why in err
+    assert "weights_only" not in err
+
+
+def test_export_policy_names_a_truncated_checkpoint(tiny_model_dir, good_checkpoint, tmp_path):
+    module = GRPOModule(tiny_model_dir)
+    path = tmp_path / "cut.ckpt"
+    path.write_bytes(good_checkpoint[:-100])
+    with pytest.raises(ValueError, match=f"checkpoint '{path}' cannot be read: truncated") as error:
+        export_policy(module, str(tmp_path / "out"), ckpt_path=str(path))
+    assert "weights_only" not in str(error.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.999])
+def test_a_truncated_model_safetensors_is_named(tiny_model_dir, tmp_path, capsys, keep):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    content = weights.read_bytes()
+    weights.write_bytes(content[: int(len(content) * keep)])
+    err = cli_error(fit_args(str(model_dir), str(tmp_path), 1), capsys)
+    assert f"error: cannot load the model from '{model_dir}': {weights} is truncated or corrupt" in err
+
+
+@pytest.mark.parametrize("policy", ["checkpoints/typo", "../typo", "typo/a/b"])
+def test_a_relative_model_path_that_does_not_exist_is_no_such_folder(
+    tiny_model_dir, tmp_path, capsys, no_weights, monkeypatch, policy
+):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("checkpoints")  # "checkpoints/typo" is a path here, not a hub id "org/name"
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, f"--model.policy={policy}")
+    err = cli_error(args, capsys)
+    assert f"error: model path '{policy}' does not exist: no such folder (relative to {tmp_path})" in err
+    assert "huggingface.co" not in err

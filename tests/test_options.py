@@ -1,0 +1,269 @@
+"""Every option is range-checked where it is declared, and a resumed run never drops an option silently."""
+
+import math
+import os
+from dataclasses import fields
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_lightning.cli import GRPOTrainer, build_cli
+from grpo_lightning.config import GRPO_RULES, GRPOConfig
+from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
+from grpo_lightning.module import GRPOModule
+from tests.conftest import digit_reward, quiet_trainer
+from tests.test_bad_input import cli_error, no_weights  # noqa: F401 (a fixture)
+from tests.test_interrupt import fit_args
+
+NAN_OR_INF = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+def below(limit: float, inclusive: bool) -> st.SearchStrategy:
+    """Finite numbers under `limit` (or equal to it when `inclusive`), and NaN / inf."""
+    return (
+        st.floats(max_value=limit, exclude_max=not inclusive, allow_nan=False, allow_infinity=False)
+        | NAN_OR_INF
+    )
+
+
+def above(limit: float, inclusive: bool) -> st.SearchStrategy:
+    return (
+        st.floats(min_value=limit, exclude_min=not inclusive, allow_nan=False, allow_infinity=False)
+        | NAN_OR_INF
+    )
+
+
+def ints_below(limit: int) -> st.SearchStrategy:
+    return st.integers(max_value=limit - 1)
+
+
+NOT_A_NUMBER = st.sampled_from(["1", True, False, [1], None])
+NOT_A_FLAG = st.sampled_from([0, 1, "true", "yes", None, 1.0])
+
+# Values each option must refuse, written from the docstrings (not from the rules under test).
+REFUSED = {
+    GRPOConfig: {
+        "num_generations": ints_below(2) | NOT_A_NUMBER | st.just(4.0),
+        "max_completion_length": ints_below(1) | st.just(None) | st.just("256"),
+        "min_completion_length": ints_below(0) | st.integers(min_value=257) | st.just(None),
+        "max_prompt_length": ints_below(1) | st.just(1.5),
+        "truncate_prompts": st.sampled_from(["right", "LEFT", "", None]),
+        "temperature": below(0, inclusive=True) | NOT_A_NUMBER,
+        "top_p": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
+        "top_k": ints_below(0) | st.just(None) | st.just(2.5),
+        "dynamic_sampling": NOT_A_FLAG,
+        "dynamic_sampling_max_rounds": ints_below(0) | st.just(None),
+        "dynamic_sampling_metric": st.sampled_from([1, ["accuracy_reward"]]),
+        "scale_rewards": st.sampled_from(["std", "Group", None, True]),
+        "baseline": st.sampled_from(["median", "rloo", None]),
+        "advantage_clip": below(0, inclusive=True),
+        "step_credit": below(0, inclusive=False),
+        "loss_type": st.sampled_from(["ppo", "GRPO", "dapo ", None]),
+        "importance_sampling_level": st.sampled_from(["tokens", "seq", None]),
+        "epsilon": below(0, inclusive=True) | NOT_A_NUMBER,
+        "epsilon_high": below(0, inclusive=True),
+        "delta": below(1, inclusive=True),
+        "beta": below(0, inclusive=False) | NOT_A_NUMBER,
+        "kl_estimator": st.sampled_from(["k4", "kl", None]),
+        "use_kl_in_reward": NOT_A_FLAG,
+        "entropy_coef": NAN_OR_INF | NOT_A_NUMBER,
+        "num_iterations": ints_below(1) | NOT_A_NUMBER,
+        "mask_truncated_completions": NOT_A_FLAG,
+        "learning_rate": below(0, inclusive=False) | NOT_A_NUMBER,
+        "weight_decay": below(0, inclusive=False) | NOT_A_NUMBER,
+        "warmup_steps": ints_below(0) | NOT_A_NUMBER,
+        "max_grad_norm": below(0, inclusive=True) | st.just("1.0"),
+        "micro_batch_size": ints_below(1),
+        "max_bad_steps": ints_below(1) | NOT_A_NUMBER,
+        "log_completions_every": ints_below(0) | NOT_A_NUMBER,
+        "preflight": NOT_A_FLAG,
+    },
+    ModelOptions: {
+        "gguf_file": st.sampled_from([1, True]),
+        "dtype": st.sampled_from(["fp16", "bf16", "float", "int8", "torch.float32", "", None]),
+        "attn_implementation": st.sampled_from([1, ["sdpa"]]),
+        "gradient_checkpointing": NOT_A_FLAG,
+        "trust_remote_code": NOT_A_FLAG,
+        "load_in_4bit": NOT_A_FLAG,
+    },
+    LoraOptions: {
+        "r": ints_below(1) | NOT_A_NUMBER,
+        "alpha": below(0, inclusive=True) | NOT_A_NUMBER,
+        "dropout": below(0, inclusive=False) | above(1, inclusive=True),
+        "target_modules": st.sampled_from([[], None, 1, ["q_proj", 2], [""]]),
+    },
+}
+RULES = {GRPOConfig: GRPO_RULES, ModelOptions: MODEL_RULES, LoraOptions: LORA_RULES}
+
+
+@pytest.mark.parametrize("options", list(RULES), ids=lambda c: c.__name__)
+def test_every_option_has_a_rule_and_refused_values(options):
+    names = {f.name for f in fields(options)}
+    assert set(RULES[options]) == names  # a new option without a rule fails here
+    assert set(REFUSED[options]) == names
+
+
+@pytest.mark.parametrize("options", list(RULES), ids=lambda c: c.__name__)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_refused_value_names_its_option_and_its_rule(options, data):
+    option = data.draw(st.sampled_from(sorted(REFUSED[options])))
+    value = data.draw(REFUSED[options][option])
+    with pytest.raises(ValueError) as error:
+        options(**{option: value})
+    message = str(error.value)
+    assert message.startswith(f"{options.__name__}.{option}={value!r}: must ")
+    assert "\n" not in message
+
+
+# Values each option accepts (beside the default), again from the docstrings.
+ACCEPTED = {
+    "top_p": st.floats(min_value=0, max_value=1, exclude_min=True),
+    "temperature": st.floats(min_value=0, exclude_min=True, allow_infinity=False),
+    "max_grad_norm": st.floats(min_value=0, exclude_min=True, allow_infinity=False) | st.none(),
+    "top_k": st.integers(min_value=0),
+    "epsilon": st.floats(min_value=0, exclude_min=True, allow_infinity=False) | st.integers(min_value=1),
+    "beta": st.floats(min_value=0, allow_infinity=False),
+    "learning_rate": st.floats(min_value=0, allow_infinity=False),
+    "entropy_coef": st.floats(allow_nan=False, allow_infinity=False),
+    "num_generations": st.integers(min_value=2),
+}
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_values_in_range_are_accepted(data):
+    option = data.draw(st.sampled_from(sorted(ACCEPTED)))
+    value = data.draw(ACCEPTED[option])
+    assert getattr(GRPOConfig(**{option: value}), option) == value
+
+
+def test_options_that_depend_on_each_other():
+    with pytest.raises(
+        ValueError, match=r"GRPOConfig.min_completion_length=9: must be <= max_completion_length"
+    ):
+        GRPOConfig(min_completion_length=9, max_completion_length=8)
+    with pytest.raises(ValueError, match=r"GRPOConfig.delta=1.2: must be > 1 \+ epsilon_high"):
+        GRPOConfig(delta=1.2)
+    with pytest.raises(ValueError, match="GRPOConfig.use_kl_in_reward=True: needs beta > 0"):
+        GRPOConfig(use_kl_in_reward=True)
+    assert GRPOConfig(min_completion_length=8, max_completion_length=8, delta=1.5).delta == 1.5
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--model.grpo.top_p=0", "GRPOConfig.top_p=0.0: must be > 0 and <= 1"),
+        ("--model.grpo.top_p=1.5", "GRPOConfig.top_p=1.5: must be > 0 and <= 1"),
+        ("--model.grpo.max_grad_norm=-1", "GRPOConfig.max_grad_norm=-1.0: must be > 0 or None"),
+        ("--model.grpo.temperature=0", "GRPOConfig.temperature=0.0: must be > 0"),
+        ("--model.grpo.top_k=-1", "GRPOConfig.top_k=-1: must be >= 0"),
+        ("--model.grpo.learning_rate=-1e-5", "GRPOConfig.learning_rate=-1e-05: must be >= 0"),
+        ("--model.lora.r=0", "LoraOptions.r=0: must be >= 1"),
+        ("--model.lora.dropout=1", "LoraOptions.dropout=1.0: must be >= 0 and < 1"),
+        ("--model.model_options.dtype=fp16", "ModelOptions.dtype='fp16': must be one of float32, bfloat16"),
+    ],
+)
+@pytest.mark.usefixtures("no_weights")
+def test_the_cli_refuses_a_bad_option_before_weights_load(tiny_model_dir, tmp_path, capsys, option, message):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
+    assert f"error: {message}" in err
+    assert "target_modules" not in err  # lora.r=0 used to be blamed on the target modules
+
+
+# ------------------------------------------------------------------------------------------ resume
+@pytest.fixture(scope="module")
+def one_step_checkpoint(tiny_model_dir, tmp_path_factory) -> tuple[str, str]:
+    """A checkpoint after one step trained with `fit_args` (num_generations 2, greedy evaluation)."""
+    root = str(tmp_path_factory.mktemp("trained"))
+    build_cli(fit_args(tiny_model_dir, root, 1))
+    folder = os.path.join(root, "lightning_logs", "version_0", "checkpoints")
+    (name,) = os.listdir(folder)
+    return root, os.path.join(folder, name)
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_resume_refuses_an_option_that_differs_from_the_checkpoint(
+    tiny_model_dir, one_step_checkpoint, capsys
+):
+    root, ckpt = one_step_checkpoint
+    args = fit_args(tiny_model_dir, root, 2, f"--ckpt_path={ckpt}", "--model.grpo.num_generations=6")
+    err = cli_error([*args, "--model.grpo.top_p=0.9"], capsys)
+    assert "error: --ckpt_path" in err
+    assert "model.grpo.num_generations: checkpoint 2, this run 6" in err
+    assert "model.grpo.top_p: checkpoint 1.0, this run 0.9" in err
+    assert "options win on resume" in err
+
+
+def test_resume_takes_the_options_left_at_their_defaults_from_the_checkpoint(
+    tiny_model_dir, one_step_checkpoint
+):
+    root, ckpt = one_step_checkpoint
+    # Without the grpo options: num_generations is at its default (8) here, 2 in the checkpoint.
+    args = [a for a in fit_args(tiny_model_dir, root, 1, f"--ckpt_path={ckpt}") if "--model.grpo." not in a]
+    cli = build_cli(args)  # max_steps 1: already reached, nothing more is trained
+    assert cli.model.grpo.num_generations == 2
+    assert cli.model.grpo.max_completion_length == 6
+    assert cli.trainer.global_step == 1
+
+
+def test_validate_applies_an_evaluation_option_over_the_checkpoint_and_says_so(
+    tiny_model_dir, one_step_checkpoint
+):
+    root, ckpt = one_step_checkpoint
+    args = ["validate", *fit_args(tiny_model_dir, root, 1)[1:], f"--ckpt_path={ckpt}"]
+    args = [a.replace("--trainer.limit_val_batches=0", "--trainer.limit_val_batches=1") for a in args]
+    with pytest.warns(
+        UserWarning, match=r"model.num_generations_eval=2 from this run's config wins over .* 1"
+    ):
+        cli = build_cli([*args, "--model.num_generations_eval=2"])
+    assert cli.model.num_generations_eval == 2
+    assert cli.model.val_accuracy.k == 2
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_validate_refuses_lora_options_the_checkpoint_was_not_trained_with(
+    tiny_model_dir, one_step_checkpoint, capsys
+):
+    root, ckpt = one_step_checkpoint
+    args = ["validate", *fit_args(tiny_model_dir, root, 1)[1:], f"--ckpt_path={ckpt}", "--model.lora.r=4"]
+    err = cli_error(args, capsys)
+    assert "model.lora: checkpoint None, this run {'r': 4" in err
+
+
+def test_a_module_resumed_from_python_says_its_options_win(tiny_model_dir, one_step_checkpoint):
+    _, ckpt = one_step_checkpoint
+    grpo = GRPOConfig(num_generations=4, max_completion_length=6, preflight=False, top_p=0.9)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(source="arithmetic", system_prompt=None, batch_size=2, val_size=2)
+    with pytest.warns(UserWarning, match="other options, this module's apply") as caught:
+        quiet_trainer(limit_val_batches=1).validate(module, datamodule=data, ckpt_path=ckpt)
+    message = next(str(w.message) for w in caught if "this module's apply" in str(w.message))
+    assert "grpo.num_generations: checkpoint 2, this module 4" in message
+    assert "grpo.top_p: checkpoint 1.0, this module 0.9" in message
+    assert "max_completion_length" not in message  # the same on both sides
+
+
+# ------------------------------------------------------------------------------------------ empty data
+def test_validate_with_an_empty_validation_split_fails(tiny_model_dir, tmp_path, capsys):
+    args = ["validate", *fit_args(tiny_model_dir, str(tmp_path), 1, "--data.val_size=0")[1:]]
+    err = cli_error([a for a in args if "limit_val_batches" not in a], capsys)
+    assert "error: validate: the validation data gives no batch" in err
+
+
+def test_fit_without_a_training_batch_fails(tiny_model_dir, tmp_path):
+    module = GRPOModule(
+        tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=2, preflight=False)
+    )
+    trainer = GRPOTrainer(accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=1)
+    empty = torch.utils.data.DataLoader([], batch_size=1)
+    with pytest.raises(ValueError, match="fit: the training data gives no batch"):
+        trainer.fit(module, train_dataloaders=empty)
+
+
+def test_fit_with_no_training_rows_exits_2(tiny_model_dir, tmp_path, capsys):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, "--data.train_size=0"), capsys)
+    assert "train" in err.splitlines()[0]
