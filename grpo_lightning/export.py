@@ -33,7 +33,7 @@ def read_checkpoint(path: str, **load_kwargs) -> dict:
         raise  # its message names the file already
     except Exception as err:  # on damaged bytes torch.load raises zip, pickle, OS, index, ... errors
         # The library's own text is left out: it may advise weights_only=False, or describe zip internals.
-        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+        if isinstance(err, pickle.UnpicklingError) and "unsupported global" in str(err).lower():
             why = "it holds Python objects that safe loading refuses (not a checkpoint grpo-lightning wrote)"
         else:
             why = "truncated, corrupt or not a PyTorch checkpoint"
