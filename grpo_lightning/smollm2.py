@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
@@ -43,9 +42,7 @@ def export_smollm2(path: str = DEFAULT_DIR) -> str:
     model = load_model(source, ModelOptions(gguf_file=GGUF_FILE))
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # <|im_end|> ends an assistant turn
     # Written beside `path`, then renamed: an interrupted export never leaves a folder that looks complete.
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=f".{FOLDER_NAME}-", dir=parent)
+    partial = f"{os.path.normpath(path)}.partial-{os.getpid()}"
     try:
         tokenizer.save_pretrained(partial)
         model.save_pretrained(partial)
