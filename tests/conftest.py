@@ -7,7 +7,8 @@ import pytest
 from grpo_lightning.rewards import completion_text
 from grpo_lightning.tiny import save_tiny
 
-GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
+# GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gsm8k")
 
 
 def gsm8k_rows(split: str = "train", limit: int | None = None) -> list[dict]:

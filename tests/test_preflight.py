@@ -1,13 +1,22 @@
 """Pre-flight: the block reported before the first step, each check's finding, and no effect on training."""
 
+import dataclasses
+
 import lightning as L
 import pytest
+import torch
 
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule, arithmetic_problems, collate_rows
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.preflight import Preflight, effective_batch, input_gradients_enabled, run_preflight
+from grpo_lightning.preflight import (
+    Preflight,
+    effective_batch,
+    groups_cut_whole,
+    input_gradients_enabled,
+    run_preflight,
+)
 from grpo_lightning.rewards import accuracy_reward, completion_text
 from tests.conftest import quiet_trainer
 from tests.test_bad_input import end_early
@@ -38,20 +47,49 @@ def test_report_of_a_sound_setup(tiny_model_dir):
     assert report.lines["effective batch"].startswith(
         "2 prompts x 4 completions x 1 device(s) x 1 accumulation = 8 completions per step (one micro-batch"
     )
-    assert report.lines["completion length"] == "0 of 8 sampled completions reached max_completion_length=20"
+    assert report.lines["completion length"] == (
+        "0 of 8 sampled completions reached max_completion_length=20; 0 of 2 groups were cut whole"
+    )
     assert report.lines["reward audit"] == "passes on 2 reference solutions"
     assert report.lines["LoRA input grads"].startswith("not needed")
     assert report.problems == []
     assert report.text().splitlines()[0] == "GRPO pre-flight:" and report.text().endswith("all clear")
 
 
-def test_most_completions_cut_off_is_a_problem(tiny_model_dir):
+def test_groups_cut_whole_is_a_problem(tiny_model_dir):
     module = module_for(tiny_model_dir, grpo={"max_completion_length": 3, "min_completion_length": 3})
     report = run_preflight(module, BATCH, samples=2)
-    assert report.lines["completion length"] == "8 of 8 sampled completions reached max_completion_length=3"
+    assert report.lines["completion length"] == (
+        "8 of 8 sampled completions reached max_completion_length=3; 2 of 2 groups were cut whole"
+    )
     assert len(report.problems) == 1
-    assert report.problems[0].startswith("8 of 8 completions sampled before training reached max_completion")
+    assert report.problems[0].startswith("in 2 of 2 groups all completions sampled before training reached")
     assert "raise grpo.max_completion_length" in report.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("truncated", "whole", "problem"),
+    [
+        ([1, 1, 1, 0, 1, 1, 0, 0], 0, False),  # most cut (SmolLM2 at 48 tokens), each group can learn
+        ([1, 1, 1, 1, 1, 1, 0, 1], 1, False),  # half the groups cut whole
+        ([1, 1, 1, 1, 1, 1, 1, 1], 2, True),
+    ],
+)
+def test_cut_completions_are_a_problem_only_when_most_groups_are_cut_whole(
+    tiny_model_dir, monkeypatch, truncated, whole, problem
+):
+    module = module_for(tiny_model_dir)
+    sample = module.sample
+
+    def sample_with_truncation(prompts, num_generations):
+        rollout, rest = sample(prompts, num_generations)
+        return dataclasses.replace(rollout, truncated=torch.tensor(truncated, dtype=torch.bool)), rest
+
+    monkeypatch.setattr(module, "sample", sample_with_truncation)
+    report = run_preflight(module, BATCH, samples=2)
+    assert groups_cut_whole(torch.tensor(truncated, dtype=torch.bool), 4) == whole
+    assert report.lines["completion length"].endswith(f"; {whole} of 2 groups were cut whole")
+    assert bool(report.problems) is problem
 
 
 def test_a_reward_that_ignores_the_answer_fails_the_audit(tiny_model_dir):
