@@ -46,6 +46,7 @@ from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmet
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
 from grpo_lightning.tiny import build_model, build_tokenizer
 
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.
@@ -268,7 +269,7 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
         module = GRPOModule(
             model,
             tokenizer=tokenizer,
-            reward_funcs=[lambda completions, **kw: [len(c) / 10 for c in completions]],
+            reward_funcs=[lambda completions, **kw: [len(completion_text(c)) / 10 for c in completions]],
             grpo=GRPOConfig(
                 num_generations=4,
                 max_completion_length=16,
