@@ -5,7 +5,7 @@ On the first training batch (before its step) `Preflight` reports:
 - the effective batch: prompts x completions per prompt x devices x accumulation;
 - how many of a few completions sampled at the training settings reach `max_completion_length` without
   an EOS (most of them means most answers would be cut off before their `#### N` line);
-- the reward audit (`grpo_lightning.callbacks.audit_module_rewards`) on the first 200 training rows' reference
+- the reward audit (`grpo_lightning.audit.audit_module_rewards`) on the first 200 training rows' reference
   solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from grpo_lightning.callbacks import audit_module_rewards, auditable
+from grpo_lightning.audit import audit_module_rewards, auditable
 from grpo_lightning.resume import preserved_rng
 
 TRUNCATION_WARN_SHARE = 0.5  # above this share of truncated samples, "most answers" are cut off
