@@ -27,10 +27,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from grpo_lightning.callbacks import AuditReport, ValidationResultsWriter, audit_module_rewards
+from grpo_lightning.audit import AuditReport, audit_module_rewards
 from grpo_lightning.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import close_process_group
+from grpo_lightning.evaluation import ValidationResultsWriter
 from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule

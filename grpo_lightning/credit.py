@@ -1,14 +1,8 @@
-"""Credit beyond one outcome reward per completion: which groups carry a signal, which tokens went wrong,
-and what drifting from the reference costs.
+"""Token-level step credit: which tokens went wrong, and not only that the answer did.
 
-- Dynamic sampling (DAPO, Yu et al., arXiv:2503.14476, sec. 3.2): a group whose G completions all get the
-  same reward has zero advantages, so it adds no policy gradient and only dilutes token-mean losses.
-  `GroupBuffer` keeps the informative groups of successive generation rounds until an update has enough.
-- Token-level step credit: `step_credit_penalties` maps the wrong arithmetic steps of each completion
-  (`grpo_lightning.steps`) onto the generated tokens that wrote them, as `[B, T]` penalties that are added
-  to the outcome advantage, so the policy learns which step went wrong and not only that the answer did.
-- KL in the reward (verl's `algorithm.use_kl_in_reward`): `kl_in_reward` charges `beta` times the summed
-  per-token KL estimate to each completion's reward before the advantages are computed.
+`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.steps`) onto the
+generated tokens that wrote them (`token_char_spans`), as `[B, T]` penalties that are added to the outcome
+advantage, so the policy learns which step went wrong.
 
 Pure torch and tokenizer calls: nothing here knows about Lightning.
 """
@@ -16,166 +10,17 @@ Pure torch and tokenizer calls: nothing here knows about Lightning.
 from __future__ import annotations
 
 import os
-import warnings
-from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.loss import kl_penalty
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.deprecation import moved_names
 from grpo_lightning.steps import step_token_penalties, wrong_step_spans
 
-
-# ------------------------------------------------------------------------------------------ dynamic sampling
-def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """`[N]` bool: the groups whose rewards are not all equal. The rule is `group_advantages`' own test
-    for a constant group, so exactly the groups it would give zero advantages are the uninformative ones."""
-    grouped = rewards.view(-1, group_size)  # [N, G]
-    return grouped.amax(dim=1) != grouped.amin(dim=1)  # [N]
+__all__ = ["step_credit_penalties", "token_char_spans"]
 
 
-def _pad_columns(x: Tensor, width: int, value: int, left: bool) -> Tensor:
-    missing = width - x.size(1)
-    return F.pad(x, (missing, 0) if left else (0, missing), value=value)
-
-
-def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts of different widths: prompts left-padded, completions right-padded, masked out.
-
-    Padding changes no log-prob of a real token (the attention mask hides it and RoPE only sees relative
-    positions), so groups of different generation rounds can share one update.
-    """
-    P = max(r.prompt_ids.size(1) for r in rollouts)
-    T = max(r.completion_ids.size(1) for r in rollouts)
-
-    def stacked(name: str, width: int, value: int, left: bool) -> Tensor:
-        return torch.cat([_pad_columns(getattr(r, name), width, value, left) for r in rollouts])
-
-    return Rollout(
-        prompt_ids=stacked("prompt_ids", P, pad_token_id, left=True),  # [sum N*G, P]
-        prompt_mask=stacked("prompt_mask", P, 0, left=True),
-        completion_ids=stacked("completion_ids", T, pad_token_id, left=False),  # [sum N*G, T]
-        completion_mask=stacked("completion_mask", T, 0, left=False),
-        truncated=torch.cat([r.truncated for r in rollouts]),
-    )
-
-
-@dataclass
-class ScoredGroups:
-    """The groups of one generation round (or several, stacked) with their rewards: what an update needs."""
-
-    prompts: list  # N prompts
-    rollout: Rollout  # N*G rows, prompt i's group in rows i*G .. i*G+G-1
-    completions: list[str]  # N*G decoded completions
-    rewards_per_func: Tensor  # [N*G, F]
-    rewards: Tensor  # [N*G] weighted total
-    num_generations: int
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def select(self, groups: Tensor) -> ScoredGroups:
-        """The groups at the indices `groups` (1-D), in that order."""
-        G = self.num_generations
-        groups = groups.to(self.rewards.device)
-        rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [n*G]
-        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[rows] for f in fields(Rollout)})
-        return ScoredGroups(
-            prompts=[self.prompts[i] for i in groups.tolist()],
-            rollout=rollout,
-            completions=[self.completions[i] for i in rows.tolist()],
-            rewards_per_func=self.rewards_per_func[rows],
-            rewards=self.rewards[rows],
-            num_generations=G,
-        )
-
-    @staticmethod
-    def cat(parts: list[ScoredGroups], pad_token_id: int) -> ScoredGroups:
-        parts = [p for p in parts if len(p)] or parts[:1]
-        return ScoredGroups(
-            prompts=[prompt for p in parts for prompt in p.prompts],
-            rollout=cat_rollouts([p.rollout for p in parts], pad_token_id),
-            completions=[text for p in parts for text in p.completions],
-            rewards_per_func=torch.cat([p.rewards_per_func for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            num_generations=parts[0].num_generations,
-        )
-
-
-class GroupBuffer:
-    """Dynamic sampling over successive training batches (DAPO, arXiv:2503.14476, sec. 3.2).
-
-    `add` keeps a round's informative groups; `ready` says when an update can be made: the buffer holds as
-    many informative groups as the first round had prompts, or `max_extra_rounds` rounds beyond the first
-    have run. `pop` then returns the update's groups and empties the buffer. No update happens between
-    rounds, so every buffered group is exactly on-policy. Informative groups beyond the target are dropped
-    rather than kept for the next update, where they would be off-policy (as verl's DAPO recipe does).
-
-    At the cap, instead of stopping as verl does, the update is topped up with the latest round's
-    uninformative groups (zero advantage): it then has the usual size, and every rank the same size.
-
-    `metric` is the column of `rewards_per_func` that decides which groups are informative (DAPO: the
-    accuracy); None uses the weighted total `rewards`.
-    """
-
-    OPTIONS = ("max_extra_rounds", "metric")  # set by the config: not part of a checkpoint's state
-
-    def __init__(self, max_extra_rounds: int, metric: int | None = None) -> None:
-        self.max_extra_rounds = max_extra_rounds
-        self.metric = metric
-        self._reset()
-
-    def _reset(self) -> None:
-        self.kept: list[ScoredGroups] = []
-        self.target = 0  # groups per update: the number of prompts of the first round
-        self.rounds = 0
-        self.generated = 0  # groups sampled over the rounds
-        self.dropped = 0  # of which uninformative
-        self._latest: ScoredGroups | None = None
-        self._latest_uninformative = torch.zeros(0, dtype=torch.long)
-
-    @property
-    def num_kept(self) -> int:
-        return sum(len(groups) for groups in self.kept)
-
-    def add(self, groups: ScoredGroups) -> None:
-        metric = groups.rewards if self.metric is None else groups.rewards_per_func[:, self.metric]  # [N*G]
-        informative = informative_groups(metric.nan_to_num(0.0), groups.num_generations)  # [N]
-        if self.rounds == 0:
-            self.target = len(groups)
-        self.rounds += 1
-        self.generated += len(groups)
-        self.dropped += int((~informative).sum())
-        self.kept.append(groups.select(informative.nonzero()[:, 0]))
-        self._latest, self._latest_uninformative = groups, (~informative).nonzero()[:, 0]
-
-    def ready(self) -> bool:
-        return self.num_kept >= self.target or self.rounds > self.max_extra_rounds
-
-    def pop(self, pad_token_id: int) -> tuple[ScoredGroups, dict[str, float]]:
-        """The update's groups and `{"frac_dropped", "extra_rounds"}` of the rounds that filled it."""
-        if self._latest is None:
-            raise RuntimeError("GroupBuffer.pop before any add")
-        missing = max(0, self.target - self.num_kept)
-        if missing:
-            warnings.warn(
-                f"dynamic sampling: {self.rounds} generation rounds found {self.num_kept} of {self.target} "
-                f"groups with unequal rewards; the update is topped up with groups that carry no signal. The "
-                "task is too hard or too easy for the model, or raise dynamic_sampling_max_rounds",
-                stacklevel=2,
-            )
-        fill = self._latest.select(self._latest_uninformative[:missing])
-        groups = ScoredGroups.cat([*self.kept, fill], pad_token_id)
-        groups = groups.select(torch.arange(min(len(groups), self.target)))  # the oldest first
-        stats = {"frac_dropped": self.dropped / self.generated, "extra_rounds": float(self.rounds - 1)}
-        self._reset()
-        return groups, stats
-
-
-# ------------------------------------------------------------------------------------------ step credit
 def token_char_spans(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) -> list[tuple[int, int]]:
     """Each token's `(start, end)` character span in `text`, the decoding of `ids` (special tokens skipped).
 
@@ -216,27 +61,14 @@ def step_credit_penalties(
     return penalties.to(completion_ids.device)
 
 
-# ------------------------------------------------------------------------------------------ KL in the reward
-def kl_in_reward(
-    rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
-) -> Tensor:
-    """`rewards - beta * sum_t KL_t`: the KL to the reference charged to each completion's reward.
-
-    As verl's `apply_kl_penalty` (`token_level_rewards = token_level_scores - beta * kld`), whose GRPO
-    advantage then sums the token-level rewards over the completion. verl's default estimator there is
-    `kl_penalty: kl`, i.e. k1 = log pi - log pi_ref.
-
-    Args:
-        rewards: `[B]` outcome rewards.
-        logprobs: `[B, T]` log-probs of the completion tokens under the sampling policy.
-        ref_logprobs: `[B, T]` the same under the reference.
-        mask: `[B, T]` non-zero on real completion tokens; padding never counts, even if it holds inf/NaN.
-        beta: the KL coefficient.
-        estimator: "k1", "k2" or "k3" (see `grpo_lightning.loss.kl_penalty`).
-
-    Returns:
-        `[B]` penalised rewards.
-    """
-    kl = kl_penalty(logprobs, ref_logprobs, estimator)  # [B, T]
-    kl = torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # [B, T]
-    return rewards - beta * kl.sum(dim=-1)  # [B]
+# Dynamic sampling and the KL in the reward lived here in 0.1.0: their old paths warn until the next release.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "GroupBuffer": "grpo_lightning.dynamic_sampling",
+        "ScoredGroups": "grpo_lightning.dynamic_sampling",
+        "cat_rollouts": "grpo_lightning.dynamic_sampling",
+        "informative_groups": "grpo_lightning.dynamic_sampling",
+        "kl_in_reward": "grpo_lightning.loss",
+    },
+)

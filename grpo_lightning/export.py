@@ -3,7 +3,8 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. A LoRA policy
 is either merged into its base weights (a plain model) or saved as the adapter alone, which transformers
 loads on top of the base model named in `adapter_config.json`. Any module works: it is only an object
-holding the model and the tokenizer as attributes.
+holding the model and the tokenizer as attributes (`resolve_attr` follows a dotted path to one).
+`ExportBestCallback` exports the best checkpoint's policy this way at the end of `fit`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import copy
 import os
 import pickle
 
+import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.distributed import is_sharded
 from grpo_lightning.resume import register_safe_globals
 
-__all__ = ["export_policy", "load_policy_weights", "read_checkpoint"]
+__all__ = ["ExportBestCallback", "export_policy", "load_policy_weights", "read_checkpoint", "resolve_attr"]
 
 
 def read_checkpoint(path: str, **load_kwargs) -> dict:
@@ -123,3 +127,69 @@ def export_policy(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def resolve_attr(obj: object, path: str) -> object:
+    """`getattr` along a dotted path: `"model.backbone"` -> `obj.model.backbone`."""
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+class ExportBestCallback(L.Callback):
+    """At the end of `fit`, loads the best checkpoint's policy weights into the module (as
+    `trainer.test(ckpt_path="best")` would) and exports them with `export_policy`: `save_pretrained` model and
+    tokenizer in `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained`.
+
+    The best checkpoint is the `best_model_path` of the first `ModelCheckpoint` that monitors a metric (a
+    run may also keep the latest weights with an unmonitored one); without one, or when no validation ran,
+    the final weights are exported, with a warning. A sharded (FSDP) policy is not exported here: the
+    warning gives the `grpo-lightning export` command that reads the checkpoint folder in one process.
+
+    Args:
+        out_dir: where to write. Default `<trainer.log_dir or default_root_dir>/export`.
+        merge_lora: merge a LoRA adapter into the weights (a plain model) or save the adapter alone.
+        model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | None = None,
+        merge_lora: bool = True,
+        model_attr: str = "policy",
+        tokenizer_attr: str = "tokenizer",
+    ) -> None:
+        self.out_dir = out_dir
+        self.merge_lora = merge_lora
+        self.model_attr = model_attr
+        self.tokenizer_attr = tokenizer_attr
+        self.exported_from: str | None = None  # the checkpoint exported, None for the final weights
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
+        best = (monitored[0].best_model_path if monitored else "") or None
+        if best is None:
+            rank_zero_warn(
+                "ExportBestCallback: no best checkpoint (no monitor, or no validation ran): "
+                "exporting the final weights"
+            )
+        out_dir = self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
+        if is_sharded(resolve_attr(pl_module, self.model_attr)):
+            # Each rank holds a shard: the export reads the checkpoint folder in one process instead.
+            rank_zero_warn(
+                "ExportBestCallback: the policy is sharded (FSDP), so nothing was exported; export in one "
+                f"process: grpo-lightning export --config <this run's config> --ckpt_path "
+                f"{best or '<a checkpoint>'} --out {out_dir}"
+            )
+            return
+        if trainer.is_global_zero:
+            export_policy(
+                pl_module,
+                out_dir,
+                ckpt_path=best,
+                merge_lora=self.merge_lora,
+                model_attr=self.model_attr,
+                tokenizer_attr=self.tokenizer_attr,
+            )
+            rank_zero_info(f"exported {'the final weights' if best is None else best} to {out_dir}")
+        self.exported_from = best

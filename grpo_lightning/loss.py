@@ -1,4 +1,4 @@
-"""GRPO advantages, KL penalties and clipped policy-gradient losses.
+"""GRPO advantages, KL penalties (in the loss, or charged to the reward) and clipped policy-gradient losses.
 
 Pure tensor maths (only ``torch``): nothing here knows about models, tokenizers or Lightning. The numbers
 match TRL 1.16's ``GRPOTrainer`` for a single process without gradient accumulation, with two additions:
@@ -13,6 +13,7 @@ References:
     - CISPO (clipped, detached importance weights): MiniMax-M1, arXiv:2506.13585.
     - Two-sided clipping ``delta``: INTELLECT-2, arXiv:2505.07291.
     - KL estimators k1/k2/k3: J. Schulman, "Approximating KL divergence", 2020.
+    - KL in the reward (``kl_in_reward``): verl's ``algorithm.use_kl_in_reward`` (``apply_kl_penalty``).
     - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
 """
 
@@ -115,6 +116,31 @@ def kl_penalty(
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def kl_in_reward(
+    rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
+) -> Tensor:
+    """`rewards - beta * sum_t KL_t`: the KL to the reference charged to each completion's reward.
+
+    As verl's `apply_kl_penalty` (`token_level_rewards = token_level_scores - beta * kld`), whose GRPO
+    advantage then sums the token-level rewards over the completion. verl's default estimator there is
+    `kl_penalty: kl`, i.e. k1 = log pi - log pi_ref.
+
+    Args:
+        rewards: `[B]` outcome rewards.
+        logprobs: `[B, T]` log-probs of the completion tokens under the sampling policy.
+        ref_logprobs: `[B, T]` the same under the reference.
+        mask: `[B, T]` non-zero on real completion tokens; padding never counts, even if it holds inf/NaN.
+        beta: the KL coefficient.
+        estimator: "k1", "k2" or "k3" (see `kl_penalty`).
+
+    Returns:
+        `[B]` penalised rewards.
+    """
+    kl = kl_penalty(logprobs, ref_logprobs, estimator)  # [B, T]
+    kl = torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # [B, T]
+    return rewards - beta * kl.sum(dim=-1)  # [B]
+
+
 def _masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of ``values`` where ``mask`` is true; padding never contributes, even if it holds inf/NaN."""
     masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
@@ -171,7 +197,7 @@ def grpo_loss(
 
     The KL term uses ``k2`` or ``k3``: ``k1 = log pi - log pi_ref`` has the gradient ``grad log pi``, whose
     mean under pi is 0, so in the loss it regularises nothing (``k2``'s gradient, ``(log pi - log pi_ref)
-    grad log pi``, is the KL's own). ``k1`` belongs in the reward (``credit.kl_in_reward``), as verl uses it.
+    grad log pi``, is the KL's own). ``k1`` belongs in the reward (``kl_in_reward``), as verl uses it.
 
     Aggregation over the masked tokens:
         - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).

@@ -16,9 +16,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.callbacks import CollapseMonitor, CompletionsPanel, RolloutRecord, stop_token_ids
 from grpo_lightning.config import GRPOConfig, option_differences
-from grpo_lightning.credit import GroupBuffer, ScoredGroups, kl_in_reward, step_credit_penalties
+from grpo_lightning.credit import step_credit_penalties
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
     call_in_root_forward,
@@ -28,7 +27,8 @@ from grpo_lightning.distributed import (
     mixed_precision_policy,
     shard_model,
 )
-from grpo_lightning.loss import group_advantages, grpo_loss
+from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups
+from grpo_lightning.loss import group_advantages, grpo_loss, kl_in_reward
 from grpo_lightning.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.models import (
     LoraOptions,
@@ -38,6 +38,7 @@ from grpo_lightning.models import (
     load_tokenizer,
     prepare_tokenizer,
 )
+from grpo_lightning.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
 from grpo_lightning.preflight import Preflight
 from grpo_lightning.resume import (
     InterruptCheckpoint,
@@ -47,7 +48,7 @@ from grpo_lightning.resume import (
     state_of_rank,
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
-from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions
+from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, stop_token_ids
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
 
 REFERENCE_PREFIX = "reference."

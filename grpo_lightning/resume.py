@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.credit import ScoredGroups
+from grpo_lightning.dynamic_sampling import ScoredGroups
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.sampling import Rollout
 
@@ -154,6 +154,8 @@ def register_safe_globals() -> None:
     PyTorch 2.6: without this, our own checkpoints would not load for resuming.
     """
     torch.serialization.add_safe_globals([GRPOConfig, ModelOptions, LoraOptions, ScoredGroups, Rollout])
+    # Checkpoints written before dynamic sampling moved out of `credit.py` name the class by its old path.
+    torch.serialization.add_safe_globals([(ScoredGroups, "grpo_lightning.credit.ScoredGroups")])
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

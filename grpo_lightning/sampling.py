@@ -18,6 +18,7 @@ from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -102,6 +103,14 @@ def raw_policy_generation(
         yield
     finally:
         inner.generation_config = saved
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's EOS plus every EOS of the model's generation config (chat models often have two)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = model.generation_config.eos_token_id
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    return sorted(i for i in ids if i is not None)
 
 
 @torch.no_grad()

@@ -17,17 +17,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, GenerationConfig
 
-from grpo_lightning.callbacks import (
-    CollapseMonitor,
-    GSM8KAccuracyCallback,
-    RewardAuditCallback,
-    RolloutRecord,
-    audit_reward_funcs,
-    completions_table,
-)
+from grpo_lightning.audit import RewardAuditCallback, audit_reward_funcs
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.monitoring import CollapseMonitor, RolloutRecord, completions_table
 from grpo_lightning.rewards import accuracy_reward, completion_text, format_reward, reference_answer
 
 VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")

@@ -35,7 +35,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from grpo_lightning.callbacks import ExportBestCallback, GSM8KAccuracyCallback
 from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule, collate_rows
@@ -47,7 +46,8 @@ from grpo_lightning.distributed import (
     is_sharded,
     shard_model,
 )
-from grpo_lightning.export import export_policy
+from grpo_lightning.evaluation import GSM8KAccuracyCallback
+from grpo_lightning.export import ExportBestCallback, export_policy
 from grpo_lightning.loss import group_advantages
 from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.credit import GroupBuffer, ScoredGroups, cat_rollouts
 from grpo_lightning.data import collate_rows
+from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups, cat_rollouts
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import Rollout, completion_logprobs
 from grpo_lightning.tiny import build_model

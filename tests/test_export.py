@@ -13,11 +13,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_lightning.callbacks import ExportBestCallback
 from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.export import export_policy
+from grpo_lightning.export import ExportBestCallback, export_policy
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text

@@ -9,8 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_lightning.module
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.credit import kl_in_reward
-from grpo_lightning.loss import group_advantages
+from grpo_lightning.loss import group_advantages, kl_in_reward
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import completion_logprobs
 from tests.test_dynamic_sampling import G, StepSpy, fit_on_rows, rows

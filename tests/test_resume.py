@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.credit import ScoredGroups
 from grpo_lightning.data import GSM8KDataModule
+from grpo_lightning.dynamic_sampling import ScoredGroups
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.resume import (

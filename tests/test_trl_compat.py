@@ -18,11 +18,11 @@ from trl.rewards import (
     think_format_reward,
 )
 
-from grpo_lightning.callbacks import completions_table
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.metrics import RewardAccuracy
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.monitoring import completions_table
 from grpo_lightning.rewards import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.rewards import format_reward
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions

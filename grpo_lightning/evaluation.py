@@ -1,0 +1,220 @@
+"""Evaluating a policy on GSM8K: answers generated for evaluation, accuracy during training, and the
+per-completion results of a validation run.
+
+- `generate_answers`: decoded completions of chat prompts, greedy or sampled, for any Hugging Face causal LM.
+- `GSM8KAccuracyCallback`: GSM8K accuracy every N training steps, for any LightningModule holding a Hugging
+  Face causal LM and its tokenizer (the attribute names are options).
+- `ValidationResultsWriter`: one JSON line per validation completion (question, completion, extracted
+  answer, reference, correct), for `python cli.py validate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
+from grpo_lightning.distributed import gathered_for_generation
+from grpo_lightning.export import resolve_attr
+from grpo_lightning.metrics import GSM8KAccuracy
+from grpo_lightning.monitoring import logging_step
+from grpo_lightning.resume import preserved_rng
+from grpo_lightning.rewards import extract_answer, reference_answer
+from grpo_lightning.sampling import generate_completions, stop_token_ids
+
+__all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]
+
+
+@contextmanager
+def _left_padded(tokenizer: PreTrainedTokenizerBase):
+    """Left padding and a pad token for batched generation, restoring the caller's settings afterwards
+    (another module may well train with right padding)."""
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.padding_side = side
+        if pad is None:
+            tokenizer.pad_token = pad
+
+
+@torch.no_grad()
+def generate_answers(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[dict[str, str]]],
+    *,
+    num_generations: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+) -> list[str]:
+    """Decoded completions of chat `prompts`, `num_generations` per prompt (greedy when 1), grouped."""
+    if not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template, and the GSM8K prompts are chat messages")
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    device = next(model.parameters()).device
+    with _left_padded(tokenizer):
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        rollout = generate_completions(
+            model,
+            enc["input_ids"].to(device),  # [N, P]
+            enc["attention_mask"].to(device),  # [N, P]
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=stop_token_ids(model, tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            do_sample=num_generations > 1,
+        )
+    return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+
+
+class GSM8KAccuracyCallback(L.Callback):
+    """GSM8K accuracy of the model on a fixed held-out subset after every `every_n_steps` training steps.
+
+    Works with any LightningModule that holds a Hugging Face causal LM (or a PEFT wrapper of one) and its
+    tokenizer, found at `model_attr` / `tokenizer_attr` (dotted paths allowed). The problems are those
+    `GSM8KDataModule(source, val_split=split, val_size=num_problems)` validates on; under DDP each rank
+    evaluates a shard and `GSM8KAccuracy` sums the counts over ranks. Results go to every logger as
+    `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass@k`, `{prefix}maj@k`, ... at the current
+    step, and into `trainer.callback_metrics`, so `EarlyStopping` / `ModelCheckpoint` can monitor them.
+
+    Args:
+        source: GSM8K folder (with `test.jsonl`), a `.jsonl` file, "arithmetic" or a hub dataset name.
+        split: "test" (the test split) or "holdout" (rows held out of the train split).
+        num_problems: size of the fixed subset. Default 64.
+        every_n_steps: training steps (batches) between evaluations. Default 100.
+        batch_size: prompts per `generate` call. Default 16.
+        num_generations: samples per problem; 1 decodes greedily. Default 1.
+        max_new_tokens: completion budget. Default 256.
+        temperature: sampling temperature when `num_generations > 1`. Default 1.0.
+        system_prompt: the system message asking for `#### N`.
+        model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
+        prefix: metric name prefix. Default "gsm8k/".
+    """
+
+    def __init__(
+        self,
+        source: str = "openai/gsm8k",
+        split: str = "test",
+        num_problems: int = 64,
+        every_n_steps: int = 100,
+        batch_size: int = 16,
+        num_generations: int = 1,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        model_attr: str = "policy",
+        tokenizer_attr: str = "tokenizer",
+        prefix: str = "gsm8k/",
+    ) -> None:
+        if every_n_steps < 1 or num_problems < 1 or batch_size < 1 or num_generations < 1:
+            raise ValueError("every_n_steps, num_problems, batch_size and num_generations must be >= 1")
+        self.data = GSM8KDataModule(source, system_prompt, val_split=split, val_size=num_problems)
+        self.every_n_steps = every_n_steps
+        self.batch_size = batch_size
+        self.num_generations = num_generations
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.model_attr = model_attr
+        self.tokenizer_attr = tokenizer_attr
+        self.prefix = prefix
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.data.setup()  # reads the rows once; a no-op on later calls
+
+    def evaluate(self, pl_module: L.LightningModule, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+        """Score this rank's shard of the subset; the returned metrics are global when DDP is running."""
+        model = resolve_attr(pl_module, self.model_attr)
+        tokenizer = resolve_attr(pl_module, self.tokenizer_attr)
+        rows = self.data.val_rows[rank::world_size]
+        metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
+        system_prompt = self.data.hparams.system_prompt
+        # Sharded (FSDP2): full weights once for the whole shard, as in training, so that `generate` needs
+        # no collective: ranks may stop at different lengths, and make different numbers of calls.
+        with gathered_for_generation(model):
+            for start in range(0, len(rows), self.batch_size):
+                batch = collate_rows(rows[start : start + self.batch_size], system_prompt)
+                completions = generate_answers(
+                    model,
+                    tokenizer,
+                    batch["prompt"],
+                    num_generations=self.num_generations,
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                )
+                metric.update(completions, batch["answer"])
+        return metric.compute()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+        step = logging_step(trainer)
+        if (step + 1) % self.every_n_steps:
+            return
+        # Sampled evaluations must not move the training stream: with or without this callback (or in a run
+        # resumed from a checkpoint), training then draws the same completions.
+        with preserved_rng():
+            results = self.evaluate(pl_module, trainer.global_rank, trainer.world_size)
+        metrics = {f"{self.prefix}{key}": value for key, value in results.items()}
+        # Straight to the loggers: `self.log` from a batch hook only reaches them on `log_every_n_steps`.
+        for logger in trainer.loggers:
+            logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        for name, value in metrics.items():
+            pl_module.log(name, value, logger=False, prog_bar=name == f"{self.prefix}accuracy")
+
+
+class ValidationResultsWriter(L.Callback):
+    """Writes every validation completion of the last validation run to a JSON-lines file.
+
+    One line per completion: `question`, `sample` (index among the problem's samples), `completion`,
+    `extracted` (the lenient answer, as `val/accuracy` reads it, or null), `answer` (the reference number)
+    and `correct`. Needs a `validation_step` that returns `{"completions": [...]}` with the `k` samples
+    of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing; under DDP rank r > 0
+    writes `<path>.rank<r>`.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._records: list[dict] = []
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._records = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.path is None:
+            return
+        completions, answers = outputs["completions"], batch["answer"]
+        k = len(completions) // len(answers)
+        for i, completion in enumerate(completions):
+            question, answer = batch["question"][i // k], reference_answer(answers[i // k])
+            extracted = extract_answer(completion)
+            self._records.append(
+                {
+                    "question": question,
+                    "sample": i % k,
+                    "completion": completion,
+                    "extracted": extracted,
+                    "answer": answer,
+                    "correct": extracted == answer,
+                }
+            )
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.path is None or trainer.sanity_checking:
+            return
+        path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            for record in self._records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        correct = sum(r["correct"] for r in self._records)
+        rank_zero_info(f"{len(self._records)} validation completions ({correct} correct) written to {path}")
