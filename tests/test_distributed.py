@@ -595,7 +595,8 @@ def test_gpu_check_script_runs_on_cpu():
     assert set(rows) == {"fsdp2-bf16", "lora-bf16"}
     for values in rows.values():
         params, generate, reference, rest, step, *_ = values
-        assert params > 0 and generate > 0 and reference > 0 and rest > 0
+        # Seconds printed to 2 decimals: the tiny model's reference pass can round to 0.00 on a quiet CPU.
+        assert params > 0 and generate > 0 and reference >= 0 and rest > 0
         assert abs(generate + reference + rest - step) < 0.02 + 1e-3 * step
 
 
