@@ -216,7 +216,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
     L.seed_everything(0, verbose=False)
     if args.demo_config:  # the config's own model, data and options; only the step count and logging change
         overrides = [
-            f"--model.grpo.share_prompt={share_prompt}",
+            f"--model.grpo.share_prompt={str(share_prompt).lower()}",
             f"--trainer.max_steps={args.warmup + args.steps}",
         ]
         overrides += [
