@@ -489,8 +489,13 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = [round(step["seconds"], 2) for step in grid[G, L][fw][-1]["steps"]]
                 print(f"repeat {repeat} G={G} L={L} {fw}: {seconds} s", file=sys.stderr, flush=True)
     print(
-        f"model {model_path}, prompts/step={args.prompts}, beta={args.beta}, loss={args.loss_type}, "
-        f"threads={args.threads}, {args.repeats}x{args.steps} timed steps after {args.warmup} warm-up; "
+        f"model {model_path}, "
+        + (
+            ""
+            if args.demo_config
+            else f"prompts/step={args.prompts}, beta={args.beta}, loss={args.loss_type}, "
+        )
+        + f"threads={args.threads}, {args.repeats}x{args.steps} timed steps after {args.warmup} warm-up; "
         f"total {time.perf_counter() - start:.0f} s"
     )
     for (G, L), results in grid.items():
