@@ -58,7 +58,7 @@ class _SharedPrefix(DynamicLayer):
 
 
 def cache_argument(model: nn.Module) -> str | None:
-    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in transformers 5.x,
+    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in recent transformers,
     `past_key_values` before; None if its forward takes neither."""
     parameters = inspect.signature(model.get_decoder().forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
