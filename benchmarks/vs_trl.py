@@ -487,7 +487,8 @@ def main(argv: list[str] | None = None) -> None:
             for fw in args.frameworks:
                 grid[G, L].setdefault(fw, []).append(run_child(fw, point_args, model_path))
                 seconds = [round(step["seconds"], 2) for step in grid[G, L][fw][-1]["steps"]]
-                print(f"repeat {repeat} G={G} L={L} {fw}: {seconds} s", file=sys.stderr, flush=True)
+                point = args.demo_config or f"G={G} L={L}"
+                print(f"repeat {repeat} {point} {fw}: {seconds} s", file=sys.stderr, flush=True)
     print(
         f"model {model_path}, "
         + (
