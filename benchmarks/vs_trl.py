@@ -1,9 +1,11 @@
 """One GRPO optimizer step on CPU: TRL's `GRPOTrainer` vs our `GRPOModule` vs the floor, side by side.
 
-All three run the same model (fp32), the same chat prompts, G completions per prompt of exactly L tokens
+All of them run the same model (fp32), the same chat prompts, G completions per prompt of exactly L tokens
 (`min_new_tokens = max_new_tokens`), the same loss type and beta, the same reward function and the same
-number of torch threads. Each framework runs in its own subprocess, so that its peak RSS is its own; the
-order cycles TRL, ours, floor, TRL, ours, floor, ... and the figures are medians over every timed step.
+number of torch threads. Our module runs twice: `shared` encodes each prompt once per group
+(`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`). Each framework runs in
+its own subprocess, so that its peak RSS is its own; the order cycles through `--frameworks` (TRL, unshared,
+shared, floor, TRL, ...) and the figures are medians over every timed step.
 
 The floor is the least work a step can do: one plain `model.generate` for the same shapes, one no-grad
 reference forward (when beta > 0) and one policy forward + backward over the same sequences. Each
@@ -12,11 +14,13 @@ the floor takes the cheaper of the two.
 
     python benchmarks/vs_trl.py --model tiny                              # random 150k-vocab Llama
     python benchmarks/vs_trl.py --model models/smollm2-135m-instruct
+    python benchmarks/vs_trl.py --model models/smollm2-135m-instruct --frameworks unshared,shared,floor
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -32,8 +36,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TRAIN = os.path.join(REPO, "data", "gsm8k", "train.jsonl")
-FRAMEWORKS = ("trl", "ours", "floor")
-REFERENCES = ("trl", "floor")  # what our step time is compared with
+FRAMEWORKS = ("trl", "unshared", "shared", "floor")
+REFERENCES = ("trl", "floor", "unshared")  # what each step time is compared with, where it ran
 RESULT_PREFIX = "RESULT "
 
 
@@ -52,6 +56,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
     parser.add_argument("--repeats", type=int, default=2, help="processes per framework, in alternation")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, the same for all")
+    parser.add_argument(
+        "--frameworks",
+        default=",".join(FRAMEWORKS),
+        type=lambda text: text.split(","),
+        help=f"comma-separated, in the order they alternate; of {','.join(FRAMEWORKS)}",
+    )
+    parser.add_argument(
+        "--grid",
+        type=lambda text: [tuple(int(v) for v in point.split(":")) for point in text.split(",")],
+        help="G:L points, e.g. 4:64,8:64,16:64; replaces --num-generations and --length",
+    )
+    parser.add_argument(
+        "--demo-config",
+        help="time our module (unshared, shared) on this LightningCLI config instead, e.g. "
+        "configs/demo_arithmetic.yaml: its model, data, G and lengths (completions end at EOS)",
+    )
     parser.add_argument("--only", choices=FRAMEWORKS, help="run one framework in this process (internal)")
     return parser.parse_args(argv)
 
@@ -157,27 +177,59 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     return timer.steps
 
 
-def run_ours(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
+def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> list[dict[str, float]]:
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from grpo_lightning.cli import build_cli
     from grpo_lightning.config import GRPOConfig
     from grpo_lightning.module import GRPOModule
 
     class StepTimer(L.Callback):
+        """Wall and CPU seconds of each step, and of the generation inside it."""
+
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
-            self.clock = Clock()
+            self.clock, self.generate_clock = Clock(), Clock()
 
         def on_train_batch_start(self, *unused) -> None:
             self.clock.start()
 
         def on_train_batch_end(self, trainer, *unused) -> None:
             wall, cpu = self.clock.read()
-            generate = float(trainer.callback_metrics["train/generate_seconds"])
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu, "generate": generate})
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.generate})
 
+        def time_sampling(self, module: GRPOModule) -> None:
+            sample = module.sample
+
+            def timed(*sample_args, **kwargs):
+                self.generate_clock.start()
+                out = sample(*sample_args, **kwargs)
+                self.generate = dict(
+                    zip(("generate", "generate_cpu"), self.generate_clock.read(), strict=True)
+                )
+                return out
+
+            module.sample = timed
+
+    timer = StepTimer()
     L.seed_everything(0, verbose=False)
+    if args.demo_config:  # the config's own model, data and options; only the step count and logging change
+        overrides = [
+            f"--model.grpo.share_prompt={str(share_prompt).lower()}",
+            f"--trainer.max_steps={args.warmup + args.steps}",
+        ]
+        overrides += [
+            "--trainer.logger=false",
+            "--trainer.limit_val_batches=0",
+            "--model.grpo.preflight=false",
+        ]
+        overrides += ["--trainer.enable_progress_bar=false", "--model.grpo.log_completions_every=0"]
+        cli = build_cli(["--config", args.demo_config, *overrides], run=False)
+        timer.time_sampling(cli.model)
+        cli.trainer.callbacks.append(timer)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        return timer.steps
     module = GRPOModule(
         args.model_path,
         reward_funcs=[random_reward],
@@ -190,14 +242,16 @@ def run_ours(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
             loss_type=args.loss_type,
             learning_rate=args.lr,
             log_completions_every=0,
+            preflight=False,
+            share_prompt=share_prompt,
         ),
     )
+    timer.time_sampling(module)
     loader = DataLoader(
         [{"prompt": p} for p in prompts],
         batch_size=args.prompts,
         collate_fn=lambda rows: {"prompt": [r["prompt"] for r in rows]},
     )
-    timer = StepTimer()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -285,7 +339,12 @@ def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]
 def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts * (args.warmup + args.steps))
-    runner = {"trl": run_trl, "ours": run_ours, "floor": run_floor}[args.only]
+    runner = {
+        "trl": run_trl,
+        "unshared": functools.partial(run_ours, share_prompt=False),
+        "shared": functools.partial(run_ours, share_prompt=True),
+        "floor": run_floor,
+    }[args.only]
     result = {
         "steps": runner(args, prompts)[args.warmup :],
         "peak_rss_mib": peak_rss_mib(),
@@ -308,6 +367,8 @@ def run_child(framework: str, args: argparse.Namespace, model_path: str) -> dict
         "threads",
     )
     argv = [item for key in options for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    if args.demo_config:
+        argv += ["--demo-config", os.path.abspath(args.demo_config)]
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only", framework, "--model", model_path]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
@@ -317,36 +378,78 @@ def run_child(framework: str, args: argparse.Namespace, model_path: str) -> dict
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
+def median(runs: list[dict], key: str = "seconds") -> float:
+    return statistics.median(step[key] for run in runs for step in run["steps"])
+
+
 def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
     """A markdown table of medians over every timed step (and peak RSS over processes), then the parts."""
-
-    def median(fw: str, key: str = "seconds", runs: list[dict] | None = None) -> float:
-        return statistics.median(step[key] for run in runs or results[fw] for step in run["steps"])
-
-    tokens = args.num_generations * args.prompts * args.length
+    tokens = (
+        None if args.demo_config else args.num_generations * args.prompts * args.length
+    )  # else EOS decides
     names = {
         "trl": f"TRL {_version('trl')} GRPOTrainer",
-        "ours": "grpo-lightning GRPOModule",
+        "unshared": "grpo-lightning, share_prompt: false",
+        "shared": "grpo-lightning, share_prompt: true",
         "floor": "floor",
     }
-    lines = [
-        "| | wall s / step | per-process wall medians | CPU s / step | completion tok/s (wall) "
-        "| peak RSS MiB | vs TRL wall / CPU | vs floor wall / CPU |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    references = [ref for ref in REFERENCES if ref in results]
+    header = ["wall s / step", "per-process wall medians", "CPU s / step", "completion tok/s (wall)"]
+    header += ["peak RSS MiB"] + [f"vs {ref} wall / CPU" for ref in references]
+    lines = ["| | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for fw, runs in results.items():
-        wall, cpu = median(fw), median(fw, "cpu_seconds")
-        per_process = ", ".join(f"{median(fw, runs=[run]):.2f}" for run in runs)
+        wall, cpu = median(runs), median(runs, "cpu_seconds")
+        per_process = ", ".join(f"{median([run]):.2f}" for run in runs)
         rss = statistics.median(run["peak_rss_mib"] for run in runs)
-        ratios = [f"{wall / median(ref):.2f} / {cpu / median(ref, 'cpu_seconds'):.2f}" for ref in REFERENCES]
-        cells = [names[fw], f"{wall:.2f}", per_process, f"{cpu:.2f}", f"{tokens / wall:.0f}", f"{rss:.0f}"]
-        cells += ratios
-        lines.append("| " + " | ".join(cells) + " |")
-    for fw in ("ours", "floor"):
-        parts = [key for key in results[fw][0]["steps"][0] if key not in ("seconds", "cpu_seconds")]
-        lines.append(f"\n{fw} parts, median s: " + ", ".join(f"{key} {median(fw, key):.3f}" for key in parts))
+        ratios = [
+            f"{wall / median(results[ref]):.2f} / {cpu / median(results[ref], 'cpu_seconds'):.2f}"
+            for ref in references
+        ]
+        cells = [
+            names[fw],
+            f"{wall:.2f}",
+            per_process,
+            f"{cpu:.2f}",
+            f"{tokens / wall:.0f}" if tokens else "-",
+            f"{rss:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells + ratios) + " |")
+    for fw in ("unshared", "shared", "floor"):
+        if fw in results:
+            parts = [key for key in results[fw][0]["steps"][0] if key not in ("seconds", "cpu_seconds")]
+            values = ", ".join(f"{key} {median(results[fw], key):.3f}" for key in parts)
+            lines.append(f"\n{fw} parts, median s: {values}")
     threads = {fw: sorted({run["threads"] for run in runs}) for fw, runs in results.items()}
     lines.append(f"\ntorch threads seen: {threads}")
+    return "\n".join(lines)
+
+
+def summary(grid: dict[tuple[int, int], dict[str, list[dict]]]) -> str:
+    """One row per (G, L): median wall and CPU seconds of each framework, and the shared run's ratios."""
+    frameworks = [fw for fw in FRAMEWORKS if any(fw in results for results in grid.values())]
+    header = ["G", "L"] + [f"{fw} s (CPU s)" for fw in frameworks]
+    header += [f"shared / {ref} wall (CPU)" for ref in ("unshared", "floor", "trl") if ref in frameworks]
+    header += ["peak RSS MiB shared / unshared"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for (G, L), results in grid.items():
+        cells = [str(G), str(L)]
+        for fw in frameworks:
+            runs = results.get(fw)
+            cells.append(f"{median(runs):.2f} ({median(runs, 'cpu_seconds'):.2f})" if runs else "-")
+        for ref in ("unshared", "floor", "trl"):
+            if ref in frameworks:
+                runs, shared = results.get(ref), results.get("shared")
+                if runs and shared:
+                    wall = median(shared) / median(runs)
+                    cpu = median(shared, "cpu_seconds") / median(runs, "cpu_seconds")
+                    cells.append(f"{wall:.2f} ({cpu:.2f})")
+                else:
+                    cells.append("-")
+        rss = {fw: statistics.median(run["peak_rss_mib"] for run in results.get(fw, [])) for fw in results}
+        cells.append(
+            f"{rss['shared']:.0f} / {rss['unshared']:.0f}" if {"shared", "unshared"} <= rss.keys() else "-"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -362,21 +465,46 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = args.model
         child(args)
         return
-    model_path = build_tiny(args.tiny_dir) if args.model == "tiny" else os.path.abspath(args.model)
-    results: dict[str, list[dict]] = {fw: [] for fw in FRAMEWORKS}
+    unknown = set(args.frameworks) - set(FRAMEWORKS)
+    if unknown:
+        raise SystemExit(
+            f"error: --frameworks: unknown {sorted(unknown)}; choose from {', '.join(FRAMEWORKS)}"
+        )
+    points = args.grid or [(args.num_generations, args.length)]
+    if args.demo_config:
+        model_path = f"of {args.demo_config}"
+    elif args.model == "tiny":
+        model_path = build_tiny(args.tiny_dir)
+    else:
+        model_path = os.path.abspath(args.model)
+    grid: dict[tuple[int, int], dict[str, list[dict]]] = {point: {} for point in points}
     start = time.perf_counter()
+    # Interleaved: every repeat runs every grid point and framework once, so that a change in the machine's
+    # load spreads over all of them instead of landing on one.
     for repeat in range(args.repeats):
-        for fw in FRAMEWORKS:
-            results[fw].append(run_child(fw, args, model_path))
-            seconds = [round(step["seconds"], 2) for step in results[fw][-1]["steps"]]
-            print(f"repeat {repeat} {fw}: {seconds} s", file=sys.stderr, flush=True)
+        for G, L in points:
+            point_args = argparse.Namespace(**{**vars(args), "num_generations": G, "length": L})
+            for fw in args.frameworks:
+                grid[G, L].setdefault(fw, []).append(run_child(fw, point_args, model_path))
+                seconds = [round(step["seconds"], 2) for step in grid[G, L][fw][-1]["steps"]]
+                point = args.demo_config or f"G={G} L={L}"
+                print(f"repeat {repeat} {point} {fw}: {seconds} s", file=sys.stderr, flush=True)
     print(
-        f"model {model_path}, G={args.num_generations}, prompts/step={args.prompts}, L={args.length}, "
-        f"beta={args.beta}, loss={args.loss_type}, threads={args.threads}, "
-        f"{args.repeats}x{args.steps} timed steps after {args.warmup} warm-up; "
+        f"model {model_path}, "
+        + (
+            ""
+            if args.demo_config
+            else f"prompts/step={args.prompts}, beta={args.beta}, loss={args.loss_type}, "
+        )
+        + f"threads={args.threads}, {args.repeats}x{args.steps} timed steps after {args.warmup} warm-up; "
         f"total {time.perf_counter() - start:.0f} s"
     )
-    print(report(args, results))
+    for (G, L), results in grid.items():
+        point_args = argparse.Namespace(**{**vars(args), "num_generations": G, "length": L})
+        title = f"{args.demo_config} (its own G, L)" if args.demo_config else f"G={G}, L={L}"
+        print(f"\n### {title}\n\n{report(point_args, results)}")
+    if len(grid) > 1:
+        print(f"\n### Summary\n\n{summary(grid)}")
 
 
 if __name__ == "__main__":

@@ -199,6 +199,15 @@ class GRPOConfig:
         mask_truncated_completions: drop completions that never stopped from the loss (DAPO sec. 3.4).
             Default False.
 
+    Speed:
+        share_prompt: encode each prompt once per group instead of once per completion, in generation
+            (one prefill per prompt, its KV cache repeated to the G rows) and in the reference, old-policy
+            and policy passes (the G completions attend to one prompt pass, whose gradient sums theirs);
+            Prefix Grouper, arXiv:2506.05433. Same log-probs and gradients up to rounding
+            (tests/test_share_prompt.py). A model that cannot share (attention without a KV cache,
+            sliding-window layers, gradient checkpointing in transformers < 5) keeps the unshared path,
+            with a warning. Default True.
+
     Optimisation:
         learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
         weight_decay: AdamW weight decay. Default 0.0.
@@ -250,6 +259,7 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = None
     max_bad_steps: int = 3
+    share_prompt: bool = True
     log_completions_every: int = 50
     preflight: bool = True
 

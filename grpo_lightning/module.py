@@ -50,6 +50,12 @@ from grpo_lightning.resume import (
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, stop_token_ids
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.shared_prompt import (
+    group_completion_logprobs,
+    prefill_groups,
+    rows_share_prompts,
+    sharing_unsupported,
+)
 
 REFERENCE_PREFIX = "reference."
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
@@ -143,6 +149,7 @@ class GRPOModule(L.LightningModule):
         )
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
+        self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
 
     def _dynamic_sampling_metric_column(self) -> int | None:
         metric = self.grpo.dynamic_sampling_metric
@@ -313,6 +320,15 @@ class GRPOModule(L.LightningModule):
     def eos_token_ids(self) -> list[int]:
         return stop_token_ids(self.policy, self.tokenizer)
 
+    def shares_prompt(self) -> bool:
+        """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
+        if self._share_prompt is None:
+            reason = sharing_unsupported(self.policy) if self.grpo.share_prompt else None
+            if reason is not None:
+                warnings.warn(f"grpo.share_prompt: {reason}; every prompt is encoded G times", stacklevel=2)
+            self._share_prompt = self.grpo.share_prompt and reason is None
+        return self._share_prompt
+
     def sample(
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
@@ -320,6 +336,9 @@ class GRPOModule(L.LightningModule):
         cfg = self.grpo
         ids, mask = self.encode_prompts(prompts)
         with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
+            prefill = (
+                prefill_groups(self.policy, ids, mask, num_generations) if self.shares_prompt() else None
+            )
             rollout = generate_completions(
                 self.policy,
                 ids,
@@ -333,18 +352,22 @@ class GRPOModule(L.LightningModule):
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
                 do_sample=do_sample,
+                prompt_cache=prefill,
             )
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return rollout, completions
 
     def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
+        if self.shares_prompt() and rows_share_prompts(rollout, self.grpo.num_generations):
+            scorer, inputs = group_completion_logprobs, (rollout, rows, self.grpo.num_generations)
+        else:
+            inputs = (rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.size(1))
+            scorer = completion_logprobs
         return call_in_root_forward(  # sharded: the root's FSDP hooks gather the embeddings and LM head
             model,
-            completion_logprobs,
+            scorer,
             model,
-            rollout.input_ids[rows],
-            rollout.attention_mask[rows],
-            rollout.completion_ids.size(1),
+            *inputs,
             temperature=self.grpo.temperature,
             with_entropy=with_entropy,
             entropy_grad=with_entropy and self.grpo.entropy_coef != 0,

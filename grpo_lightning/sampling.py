@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import (
+    Cache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -128,6 +129,7 @@ def generate_completions(
     top_k: int = 0,
     min_new_tokens: int = 0,
     do_sample: bool = True,
+    prompt_cache: dict[str, Cache] | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
 
@@ -135,6 +137,8 @@ def generate_completions(
     `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
     changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
     only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
+    `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
+    token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes.
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
@@ -160,6 +164,7 @@ def generate_completions(
                 # all-reduce per token, and a hang when ranks make different numbers of calls); our callers
                 # gather sharded weights first (`distributed.gathered_for_generation`), so no rank waits.
                 synced_gpus=False,
+                **(prompt_cache or {}),
             )
     finally:
         model.train(was_training)
@@ -167,6 +172,15 @@ def generate_completions(
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated)
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions `[B, L]` that count real tokens only, as `generate` numbers them.
+
+    With left padding, arange positions would shift a shorter prompt's tokens: rotary models do not mind,
+    models with absolute position embeddings (GPT-2, OPT) would score completions they never sampled.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
 
 
 def _entropy(logits: Tensor, log_z: Tensor) -> Tensor:
@@ -306,16 +320,34 @@ def completion_logprobs(
     Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
     """
     T = num_completion_tokens
-    # Positions count real tokens only, as `generate` numbers them. With left padding, arange positions would
-    # shift a shorter prompt's tokens: rotary models do not mind, models with absolute position embeddings
-    # (GPT-2, OPT) would score completions they never sampled.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # [B, L]
     decoder = model.get_decoder()
     hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
     ).last_hidden_state  # [B, L, H]
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
-    targets = input_ids[:, -T:]  # [B, T]
+    return head_logprobs(
+        model,
+        hidden,
+        input_ids[:, -T:],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        max_logits_elements=max_logits_elements,
+    )
+
+
+def head_logprobs(
+    model: PreTrainedModel,
+    hidden: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    max_logits_elements: int = 2**26,
+) -> tuple[Tensor, Tensor]:
+    """The LM head part of `completion_logprobs`: log-probs (and entropies) of `targets` `[B, T]` from the
+    decoder's final hidden states `hidden` `[B, T, H]` that predict them, chunked, in float32."""
     head = model.get_output_embeddings()
     transform = head_logit_transform(model)
     rows = hidden.reshape(-1, hidden.size(-1))  # [B*T, H]

@@ -370,7 +370,7 @@ def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
 
 def table(rows: list[dict]) -> str:
     headers = list(rows[0])
-    cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]

@@ -173,6 +173,7 @@ def worker(cfg: dict) -> None:
             loss_type="dapo",
             max_grad_norm=None,
             preflight=False,
+            share_prompt=cfg.get("share_prompt", True),
         ),
     )
     module.record = {}
@@ -427,6 +428,7 @@ def single_run(tiny_model_dir, tmp_path_factory) -> str:
             "lr": 0.05,
             "model": tiny_model_dir,
             "out": out,
+            "share_prompt": False,  # the DDP and FSDP2 runs share each group's prompt: same update
         }
     )  # one process: no launch needed
     return out

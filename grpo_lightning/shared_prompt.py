@@ -1,0 +1,229 @@
+"""Each prompt through the decoder once per group, not G times (Prefix Grouper, arXiv:2506.05433).
+
+The G completions of a group share their prompt, so the prompt's keys and values are the same in all G
+rows. Here the prompt runs once per group, its per-layer keys and values are repeated to the group's rows,
+and the completions run on top of them as a KV cache:
+
+- scoring (`group_completion_logprobs`, with or without gradient): a forward of the distinct prompts that
+  captures every layer's keys and values, then a forward of the completions that attends to them. The
+  repeat is an index into the prompt tensors, so backward sums the G rows' gradients into the one prompt
+  pass, which is exactly the gradient of G separate prompt passes. The log-probs equal
+  `sampling.completion_logprobs` on the concatenated rows up to rounding.
+- generation (`prefill_groups`): one forward of the distinct prompts but their last token into a
+  `DynamicCache`, repeated to G rows; `generate` continues from it (vLLM's prefix caching does the same).
+
+`sharing_unsupported` says when a model cannot share this way; the module then keeps the unshared path.
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from grpo_lightning.sampling import Rollout, head_logprobs, position_ids
+
+
+class _CapturedPrompt(DynamicLayer):
+    """A cache layer that the prompt pass writes its keys and values into; attention sees them unchanged.
+
+    It overwrites instead of appending: under gradient checkpointing, backward replays the layer and
+    writes the same keys again (the prompt pass reads nothing back, so it never sees a stale entry).
+    """
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.keys, self.values, self.is_initialized = key_states, value_states, True  # [n, heads, P, d]
+        return key_states, value_states
+
+
+class _SharedPrefix(DynamicLayer):
+    """A read-only cache layer: the completions' keys and values are appended to the prompt's in the
+    attention call only, never stored, so that a checkpointed layer's replay sees the same prefix."""
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True  # [b, heads, P, d]
+        self.read = False
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.read = True
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def cache_argument(model: nn.Module) -> str | None:
+    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in recent transformers,
+    `past_key_values` before; None if its forward takes neither."""
+    parameters = inspect.signature(model.get_decoder().forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def sharing_unsupported(model: nn.Module) -> str | None:
+    """Why `model` cannot encode a group's prompt once, or None when it can."""
+    if cache_argument(model) is None:
+        return f"{type(model.get_decoder()).__name__}.forward takes no KV cache"
+    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+    checkpointed = any(layer.gradient_checkpointing for layer in _checkpointable_layers(model.get_decoder()))
+    if checkpointed and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        # Older transformers drop the cache inside a checkpointed layer: completions would not see the prompt.
+        return "this transformers version drops the KV cache under gradient checkpointing"
+    return None
+
+
+def _checkpointable_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:
+    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@contextmanager
+def _cache_kept_under_checkpointing(decoder: nn.Module) -> Iterator[None]:
+    """Let checkpointed decoder layers keep our caches, which are safe to replay (see the layer classes);
+    transformers drops any cache inside a checkpointed layer otherwise."""
+    layers = _checkpointable_layers(decoder)
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True  # an instance attribute over the class's False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def _check_cache_used(model: nn.Module, used: bool) -> None:
+    # A model that drops the cache somewhere (GPT-2 does under gradient checkpointing) would score the
+    # completions without their prompt: stop rather than train on that.
+    if not used:
+        raise RuntimeError(
+            f"{type(model.get_decoder()).__name__} ignored the KV cache of the shared prompt (gradient "
+            "checkpointing?): set grpo.share_prompt=false for this model"
+        )
+
+
+def shared_prompt_hidden(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+) -> Tensor:
+    """The decoder's final hidden states `[b, T, H]` that predict each completion token, with each of the
+    `n` distinct prompts `[n, P]` (left-padded) encoded once; row r's prompt is `prompt_ids[group[r]]`.
+
+    Position t of row r equals position P - 1 + t of the unshared row prompt + completion: the same
+    attention mask (left padding, and zeros after the completion's EOS) and the same position ids.
+    """
+    decoder = model.get_decoder()
+    cache_kwarg = cache_argument(model)
+    P, T = prompt_ids.size(1), completion_ids.size(1)
+    prompt_cache = Cache(layers=[_CapturedPrompt() for _ in range(model.config.num_hidden_layers)])
+    with _cache_kept_under_checkpointing(decoder):
+        prompt_hidden = decoder(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=position_ids(prompt_mask),
+            **{cache_kwarg: prompt_cache},
+        ).last_hidden_state  # [n, P, H]
+        _check_cache_used(model, all(layer.is_initialized for layer in prompt_cache.layers))
+        hidden = prompt_hidden[group, -1:]  # [b, 1, H] the last prompt token predicts completion token 0
+        if T == 1:
+            return hidden
+        # Indexing repeats each prompt's keys and values to its rows; backward sums the rows' gradients.
+        layers = [_SharedPrefix(layer.keys[group], layer.values[group]) for layer in prompt_cache.layers]
+        prefix = Cache(layers=layers)
+        mask = torch.cat([prompt_mask[group], completion_mask], dim=1)[:, :-1]  # [b, P+T-1]
+        completion_hidden = decoder(
+            input_ids=completion_ids[:, :-1],  # the last completion token predicts nothing that is scored
+            attention_mask=mask,
+            position_ids=position_ids(mask)[:, P:],
+            **{cache_kwarg: prefix},
+        ).last_hidden_state  # [b, T-1, H]
+        _check_cache_used(model, all(layer.read for layer in layers))
+    return torch.cat([hidden, completion_hidden], dim=1)  # [b, T, H]
+
+
+def rows_share_prompts(rollout: Rollout, num_generations: int) -> bool:
+    """Whether every run of `num_generations` rows of `rollout` holds one prompt, as sampled groups do."""
+    ids, G = rollout.prompt_ids, num_generations  # [B, P]
+    if ids.size(0) % G:
+        return False
+    groups = ids.view(-1, G, ids.size(1))  # [N, G, P]
+    return torch.equal(groups, groups[:, :1].expand_as(groups))
+
+
+def group_completion_logprobs(
+    model: PreTrainedModel,
+    rollout: Rollout,
+    rows: slice,
+    num_generations: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    max_logits_elements: int = 2**26,
+) -> tuple[Tensor, Tensor]:
+    """`sampling.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
+
+    `rows` may cut groups (a micro-batch smaller than G, or not a multiple of it): every group it touches
+    gets one prompt pass. Returns `(logprobs, entropies)`, each `[b, T]` float32, as `completion_logprobs`.
+    """
+    G = num_generations
+    start, stop, step = rows.indices(rollout.completion_ids.size(0))
+    if step != 1 or stop <= start:
+        raise ValueError(f"rows must be a non-empty contiguous slice, got {rows}")
+    first = start // G
+    row_group = torch.arange(start, stop, device=rollout.prompt_ids.device) // G - first  # [b]
+    prompt_ids = rollout.prompt_ids[first * G : stop : G]  # [n, P] the first row of each group
+    prompt_mask = rollout.prompt_mask[first * G : stop : G]  # [n, P]
+    if not torch.equal(prompt_ids[row_group], rollout.prompt_ids[rows]):
+        raise ValueError(f"the rows of a group of {G} do not share their prompt: is num_generations right?")
+    completion_ids = rollout.completion_ids[rows]  # [b, T]
+    hidden = shared_prompt_hidden(
+        model, prompt_ids, prompt_mask, row_group, completion_ids, rollout.completion_mask[rows]
+    )  # [b, T, H]
+    return head_logprobs(
+        model,
+        hidden,
+        completion_ids,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        max_logits_elements=max_logits_elements,
+    )
+
+
+@torch.no_grad()
+def prefill_groups(
+    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int
+) -> dict[str, Cache] | None:
+    """`generate`'s cache keyword argument for the prompts `[N, P]` repeated `num_generations` times each:
+    the keys and values of every prompt but its last token, computed once per prompt and then repeated.
+
+    `generate` runs the last prompt token itself (it needs at least one uncached token) and samples on
+    from there, the same logits as from a prefill of every row. None when the prompts are one token long.
+    """
+    if prompt_ids.size(1) < 2:
+        return None
+    cache = DynamicCache(config=model.config)
+    was_training = model.training
+    model.eval()  # as generate_completions: no dropout
+    try:
+        model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=position_ids(prompt_mask[:, :-1]),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument(model): cache},
+        )
+    finally:
+        model.train(was_training)
+    cache.batch_repeat_interleave(num_generations)
+    return {cache_argument(model): cache}
