@@ -314,4 +314,5 @@ GRPO_RULES = {
     "max_bad_steps": Rule(int, ">= 1"),
     "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
     "preflight": Rule(bool),
+    "share_prompt": Rule(bool),
 }

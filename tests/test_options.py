@@ -80,6 +80,7 @@ REFUSED = {
         "max_bad_steps": ints_below(1) | NOT_A_NUMBER,
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
+        "share_prompt": NOT_A_FLAG,
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),

@@ -23,6 +23,7 @@ from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, position_ids
 from grpo_lightning.shared_prompt import (
+from grpo_lightning.rewards import completion_text
     group_completion_logprobs,
     prefill_groups,
     rows_share_prompts,
@@ -303,7 +304,7 @@ def one_step(model_dir: str, share: bool) -> GRPOModule:
     L.seed_everything(0, verbose=False)
     module = PlainSGD(
         model_dir,
-        reward_funcs=[lambda completions, **kw: [float(len(c) % 3) for c in completions]],
+        reward_funcs=[lambda completions, **kw: [float(len(completion_text(c)) % 3) for c in completions]],
         grpo=GRPOConfig(
             num_generations=3,
             max_completion_length=5,
