@@ -21,9 +21,9 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, position_ids
 from grpo_lightning.shared_prompt import (
-from grpo_lightning.rewards import completion_text
     group_completion_logprobs,
     prefill_groups,
     rows_share_prompts,
