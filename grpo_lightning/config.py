@@ -184,9 +184,9 @@ class GRPOConfig:
         beta: weight of the KL penalty to the frozen reference; 0 loads no reference at all. Default 0.0
             (as TRL and DAPO; DeepSeekMath used 0.04).
         kl_estimator: "k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). Default "k3".
-            In the loss (beta > 0 without use_kl_in_reward) k1 is refused at the first step: its gradient,
-            grad log pi, has mean zero under the policy, so it regularises nothing; k2's gradient is the
-            KL's own, k3's the reverse KL's. k1 is for use_kl_in_reward.
+            In the loss (beta > 0 without use_kl_in_reward) k1 is refused when the config is built: its
+            gradient, grad log pi, has mean zero under the policy, so it regularises nothing; k2's gradient
+            is the KL's own, k3's the reverse KL's. k1 is for use_kl_in_reward.
         use_kl_in_reward: put the KL in the reward instead of the loss, as verl's
             `algorithm.use_kl_in_reward`: reward_i -= beta * sum over the completion's tokens of the
             `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then
@@ -276,6 +276,13 @@ class GRPOConfig:
             raise bad("delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)")
         if self.use_kl_in_reward and self.beta == 0:
             raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
+        if self.kl_estimator == "k1" and self.beta > 0 and not self.use_kl_in_reward:
+            raise bad(
+                "kl_estimator",
+                "k1",
+                "in the loss (beta > 0 without use_kl_in_reward) its gradient has mean zero and regularises "
+                "nothing: use 'k2' or 'k3', or use_kl_in_reward: true",
+            )
 
 
 GRPO_RULES = {

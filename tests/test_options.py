@@ -270,3 +270,10 @@ def test_fit_without_a_training_batch_fails(tiny_model_dir, tmp_path):
 def test_fit_with_no_training_rows_exits_2(tiny_model_dir, tmp_path, capsys):
     err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, "--data.train_size=0"), capsys)
     assert "train" in err.splitlines()[0]
+
+
+def test_k1_in_the_loss_is_refused_when_the_config_is_built():
+    with pytest.raises(ValueError, match="kl_estimator='k1'.*regularises nothing"):
+        GRPOConfig(beta=0.04, kl_estimator="k1")
+    GRPOConfig(beta=0.04, kl_estimator="k1", use_kl_in_reward=True)  # k1 belongs in the reward
+    GRPOConfig(beta=0.0, kl_estimator="k1")  # no KL term at all
