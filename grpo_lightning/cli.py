@@ -55,6 +55,7 @@ class GRPOTrainer(Trainer):
     """
 
     def fit(self, model: GRPOModule, *args, **kwargs) -> None:
+        kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
         super().fit(model, *args, **kwargs)
         if self.fit_loop.max_batches == 0:
             raise ValueError(
@@ -62,6 +63,7 @@ class GRPOTrainer(Trainer):
             )
 
     def validate(self, *args, **kwargs) -> list:
+        kwargs.setdefault("weights_only", True)
         results = super().validate(*args, **kwargs)
         if sum(self.validate_loop.max_batches) == 0:
             raise ValueError(
