@@ -1,5 +1,5 @@
 """The old import paths of names that moved out of `grpo_lightning.callbacks` and `grpo_lightning.credit`:
-they resolve to the very same objects, with a `DeprecationWarning` naming the new path, for one release.
+they resolve to the very same objects, with a `FutureWarning` naming the new path, for one release.
 Class paths in YAML configs are public API, and checkpoints pickle the class path of dynamic sampling's
 buffered groups."""
 
@@ -57,7 +57,7 @@ def test_old_path_resolves_to_the_moved_object_with_a_warning(old, name, new):
     old_module = importlib.import_module(f"grpo_lightning.{old}")
     moved = getattr(importlib.import_module(f"grpo_lightning.{new}"), name)
     with pytest.warns(
-        DeprecationWarning, match=rf"grpo_lightning\.{old}\.{name} moved to grpo_lightning\.{new}\.{name}"
+        FutureWarning, match=rf"grpo_lightning\.{old}\.{name} moved to grpo_lightning\.{new}\.{name}"
     ):
         assert getattr(old_module, name) is moved
 
@@ -78,7 +78,7 @@ def test_old_class_path_in_a_yaml_config_still_builds_the_callback(tmp_path):
     parser = ArgumentParser()
     parser.add_argument("--callback", type=L.Callback)
     config = {"class_path": "grpo_lightning.callbacks.ExportBestCallback", "init_args": {"merge_lora": False}}
-    with pytest.warns(DeprecationWarning, match="grpo_lightning.export.ExportBestCallback"):
+    with pytest.warns(FutureWarning, match="grpo_lightning.export.ExportBestCallback"):
         callback = parser.instantiate_classes(parser.parse_object({"callback": config})).callback
     assert type(callback) is ExportBestCallback and callback.merge_lora is False
 
@@ -91,7 +91,7 @@ def test_checkpoint_with_groups_pickled_under_the_old_path_loads_weights_only(tm
     )
     groups = ScoredGroups([["p"]], rollout, ["a", "b"], torch.ones(2, 1), torch.tensor([0.0, 1.0]), 2)
     monkeypatch.setattr(ScoredGroups, "__module__", "grpo_lightning.credit")  # as the old release pickled it
-    with pytest.warns(DeprecationWarning):  # pickle checks the old path leads back to the class
+    with pytest.warns(FutureWarning):  # pickle checks the old path leads back to the class
         torch.save({"group_buffer": {"kept": [groups]}}, tmp_path / "old.ckpt")
     monkeypatch.undo()
     assert ScoredGroups.__module__ == dynamic_sampling.__name__
