@@ -134,7 +134,9 @@ class GRPOConfig:
             sec. 4.1.2). Default 8. Must be >= 2: advantages are relative to the group.
         max_completion_length: new tokens per completion. Default 256.
         min_completion_length: EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`);
-            equal to `max_completion_length` it fixes the length, as benchmarks need. Default 0.
+            equal to `max_completion_length` it fixes the length, as benchmarks need. Default 0. Above 0
+            the first tokens are drawn without EOS while the loss scores them under the raw policy, so the
+            importance ratio there is off-policy by the EOS probability: keep 0 for training runs.
         max_prompt_length: prompt tokens kept; longer prompts are cut from the left. None keeps all.
             Default 512.
         truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
