@@ -481,20 +481,15 @@ class GRPOModule(L.LightningModule):
         """What the reward functions get for the rollout's completions of `batch`'s prompts: the prompts and
         every other column repeated for each prompt's group, as TRL repeats them, the completions' token ids
         (end-of-sequence token included, padding left out) and the trainer's state."""
-        k = len(completions) // len(batch["prompt"])
         completion_ids = [
             ids[m.bool()].tolist()
             for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
         ]
-        columns = {
-            key: [v for v in values for _ in range(k)] for key, values in batch.items() if key != "prompt"
-        }
-        prompts = [p for p in batch["prompt"] for _ in range(k)]
         trainer = self.trainer
         batches = trainer.num_training_batches
         epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
         state = trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
-        return RewardInputs(prompts, completions, completion_ids, columns, state)
+        return RewardInputs.of_groups(batch, completions, completion_ids, state)
 
     def _advantages(self, outcome: Tensor) -> Tensor:
         """Group-relative advantages of this rank's `[B]` rewards. With `scale_rewards="batch"` the std is

@@ -64,6 +64,23 @@ class RewardInputs:
             if len(values) != len(self.completions):
                 raise ValueError(f"{name} has {len(values)} values for {len(self.completions)} completions")
 
+    @classmethod
+    def of_groups(
+        cls,
+        batch: dict[str, list],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        state: TrainerState,
+    ) -> RewardInputs:
+        """The inputs for `batch`'s groups of completions (prompt-major, G per prompt): each prompt and every
+        other data column repeated G times, as TRL repeats them."""
+        k = len(completions) // len(batch["prompt"])
+        columns = {
+            key: [v for v in values for _ in range(k)] for key, values in batch.items() if key != "prompt"
+        }
+        prompts = [p for p in batch["prompt"] for _ in range(k)]
+        return cls(prompts, completions, completion_ids, columns, state)
+
     @property
     def conversational(self) -> bool:
         return bool(self.prompts) and isinstance(self.prompts[0], list)

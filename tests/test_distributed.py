@@ -1,5 +1,5 @@
-"""DDP and FSDP2 on CPU with 2 processes (gloo): no hang, global loss normalisation, sharded checkpoints,
-per-rank data and exact resume.
+"""DDP and FSDP2 on CPU with 2 processes (gloo): no hang, global loss normalisation, sharded checkpoints.
+Per-rank data and exact resume on the real data module: `tests/test_distributed_resume.py`.
 
 Each run is this file executed as a script (`python tests/test_distributed.py '<json>'`), which Lightning
 re-launches once per rank. The test starts it in its own process group and kills the whole group on a
@@ -9,9 +9,6 @@ timeout, so that a hung rank-1 child never outlives the test.
 rewards a function of the prompt only) on a hand-sharded loader, so a 1-process run over 4 prompts and a
 2-process run over 2 + 2 prompts see the same global batch and must make the same update. Later steps
 sample for real, with a different completion length on each rank.
-
-`data_worker` trains as a user would, on `GSM8KDataModule` with Lightning's default distributed sampling,
-and compares a run stopped and resumed with one that went straight through, on every rank.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule, collate_rows
+from grpo_lightning.data import collate_rows
 from grpo_lightning.distributed import (
     call_in_root_forward,
     close_process_group,
@@ -46,9 +43,7 @@ from grpo_lightning.distributed import (
     is_sharded,
     shard_model,
 )
-from grpo_lightning.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.export import ExportBestCallback, export_policy
-from grpo_lightning.loss import group_advantages
 from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text
@@ -202,128 +197,6 @@ def worker(cfg: dict) -> None:
     close_process_group()
 
 
-# ----------------------------------------------------------------------------------------- data worker
-TRAIN_ROWS = 9  # 4 per rank and one that sits each epoch out: 2 batches of 2 per rank and epoch
-
-
-def parity_reward(completions: list[str], **kwargs) -> list[float]:
-    """1 for an odd number of characters: with 2 completions a group, about half the groups have no signal."""
-    return [float(len(completion_text(c)) % 2) for c in completions]
-
-
-class RecordingModule(GRPOModule):
-    """Seeds each rank's generators differently when training starts (so that a rank restoring another's
-    states would sample otherwise) and records every batch: its questions, epoch, completions, rewards and
-    advantages (none while dynamic sampling waits)."""
-
-    def __init__(self, *args, seed: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.rank_seed, self.batches = seed, []
-
-    def on_train_start(self) -> None:
-        torch.manual_seed(self.rank_seed + self.global_rank)  # then the checkpoint's states, if resuming
-        super().on_train_start()
-
-    def sample(self, prompts, num_generations, do_sample=True):
-        rollout, completions = super().sample(prompts, num_generations, do_sample)
-        if self.training:
-            self.batches.append({"epoch": self.current_epoch, "completions": completions})
-        return rollout, completions
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        record, rollout = self.batches[-1], self.last_rollout
-        record.update(questions=batch["question"], waiting=self.group_buffer.rounds > 0)
-        if rollout is not None and not record["waiting"]:
-            record.update(rewards=rollout.rewards.tolist(), advantages=rollout.advantages.tolist())
-
-
-class SaveAndStop(L.Callback):
-    """After `after` batches, at the first batch where dynamic sampling holds no update back (`waiting`
-    False) or holds one (True), write a checkpoint and stop, as `InterruptCheckpoint` does on Ctrl-C."""
-
-    def __init__(self, after: int, waiting: bool, path: str) -> None:
-        self.after, self.waiting, self.path = after, waiting, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        waiting = pl_module.group_buffer.rounds > 0  # the same on every rank: they update together
-        if len(pl_module.batches) >= self.after and waiting == self.waiting and not trainer.should_stop:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
-
-
-def data_worker(cfg: dict) -> None:
-    """Each scenario ("plain", or "dynamic" for dynamic sampling) three times over in the same 2 processes,
-    on `GSM8KDataModule`'s arithmetic task: straight through `steps` steps; stopped with a checkpoint after
-    `stop_after` batches; resumed from it under another seed. Writes each run's batches per rank
-    (`<scenario>/<run>.rank<r>.json`) and its final weights (`<scenario>/<run>.pt`)."""
-    for scenario in cfg["scenarios"]:
-        out = os.path.join(cfg["out"], scenario)
-        os.makedirs(out, exist_ok=True)
-        data_scenario(cfg, out, dynamic=scenario == "dynamic")
-    close_process_group()
-
-
-def data_scenario(cfg: dict, out: str, dynamic: bool) -> None:
-    ckpt = os.path.join(out, "stopped.ckpt")
-
-    def run(name: str, seed: int, ckpt_path: str | None = None, callbacks: tuple = ()) -> None:
-        module = RecordingModule(
-            cfg["model"],
-            reward_funcs=[parity_reward] if dynamic else [fixed_reward],
-            grpo=GRPOConfig(
-                num_generations=2,
-                max_completion_length=4,
-                beta=0.0,
-                learning_rate=1e-2,
-                scale_rewards="group" if dynamic else "batch",
-                dynamic_sampling=dynamic,
-                dynamic_sampling_metric="parity_reward" if dynamic else None,
-                preflight=False,
-                log_completions_every=0,
-            ),
-            seed=seed,
-        )
-        data = GSM8KDataModule(
-            source="arithmetic",
-            system_prompt=None,
-            arithmetic_size=20,
-            train_size=TRAIN_ROWS,
-            batch_size=2,
-            val_size=2,
-        )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=cfg["devices"],
-            strategy=strategy_for(cfg),  # use_distributed_sampler left at its default, True
-            max_steps=cfg["steps"],
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=list(callbacks),
-        )
-        trainer.fit(module, data, ckpt_path=ckpt_path)
-        weights = full_weights(module)
-        rank = trainer.global_rank
-        if rank == 0:
-            torch.save(weights, os.path.join(out, f"{name}.pt"))
-        with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
-            json.dump(module.batches, f)
-        evaluated = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gsm8k/")}
-        if evaluated and rank == 0:
-            with open(os.path.join(out, f"{name}.evaluated.json"), "w") as f:
-                json.dump(evaluated, f)
-
-    evaluate = GSM8KAccuracyCallback(
-        "arithmetic", "holdout", num_problems=3, every_n_steps=2, batch_size=1, max_new_tokens=4
-    )  # 2 problems on rank 0, 1 on rank 1: one generate call more on rank 0
-    run("straight", seed=0, callbacks=(evaluate,) if cfg.get("evaluate") else ())
-    run("stopped", seed=0, callbacks=(SaveAndStop(cfg["stop_after"], dynamic, ckpt),))
-    run("resumed", seed=1234, ckpt_path=ckpt)
-
-
 # ----------------------------------------------------------------------------------------- tests
 @pytest.fixture
 def one_process_group(tmp_path):
@@ -392,12 +265,14 @@ def test_export_best_names_the_command_for_a_sharded_policy(one_process_group, t
     assert not os.path.exists(tmp_path / "export"), "no half-written export of one shard"
 
 
-def launch(cfg: dict, timeout: float = 120) -> list[dict]:
-    """Run the worker in its own process group; kill the group (every rank) if it does not finish."""
+def launch(cfg: dict, timeout: float = 120, script: str = __file__) -> None:
+    """Run `script`'s worker in its own process group; kill the group (every rank) if it does not finish."""
     os.makedirs(cfg["out"], exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `tests.` imports in the workers
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     proc = subprocess.Popen(
-        [sys.executable, __file__, json.dumps(cfg)],
+        [sys.executable, script, json.dumps(cfg)],
         start_new_session=True,
         env=env,
         stdout=subprocess.PIPE,
@@ -411,8 +286,11 @@ def launch(cfg: dict, timeout: float = 120) -> list[dict]:
         output, _ = proc.communicate()
         pytest.fail(f"{cfg['strategy']} run hung for {timeout} s (process group killed):\n{output[-3000:]}")
     assert proc.returncode == 0, output[-5000:]
-    if cfg.get("data"):
-        return []  # data_worker writes one file per run and rank, read by `data_runs`
+
+
+def run_ranks(cfg: dict) -> list[dict]:
+    """Launch `worker` and return what it wrote, per rank."""
+    launch(cfg)
     return [json.load(open(os.path.join(cfg["out"], f"rank{r}.json"))) for r in range(cfg["devices"])]
 
 
@@ -462,7 +340,7 @@ def two_ranks(strategy: str, model: str, out: str, **extra) -> dict:
 
 def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tiny_model_dir, tmp_path):
     out = str(tmp_path)
-    records = launch(two_ranks("ddp", tiny_model_dir, out))
+    records = run_ranks(two_ranks("ddp", tiny_model_dir, out))
     assert len(records[0]["losses"]) == len(records[1]["losses"]) == 2
     assert_ranks_differ(records)
     assert_same_update(single_run, out)
@@ -470,7 +348,7 @@ def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tin
 
 def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_dir, tmp_path):
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt")
-    records = launch(two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt))
+    records = run_ranks(two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt))
     assert len(records[0]["losses"]) == 2
     assert_ranks_differ(records)
     assert_same_update(single_run, out)
@@ -478,7 +356,7 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_
 
     # Resume: the sharded checkpoint loads into freshly sharded models, weights and step included.
     resumed_out = str(tmp_path / "resumed")
-    records = launch(two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt))
+    records = run_ranks(two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt))
     assert [r["start_step"] for r in records] == [2, 2]
     assert len(records[0]["losses"]) == 1
     saved = torch.load(os.path.join(out, "final.pt"))
@@ -502,90 +380,6 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_
     assert not torch.equal(untouched.lm_head.weight, model.lm_head.weight), "export wrote the untrained model"
 
 
-def data_runs(out: str) -> dict[str, list[list[dict]]]:
-    """The batches of each run (straight, stopped, resumed), per rank."""
-    runs = ("straight", "stopped", "resumed")
-    return {
-        run: [json.load(open(os.path.join(out, f"{run}.rank{r}.json"))) for r in range(2)] for run in runs
-    }
-
-
-def assert_resume_continues_the_straight_run(out: str) -> dict[str, list[list[dict]]]:
-    """Every rank: the stopped run is the straight run's start, the resumed run its rest (the same prompts,
-    completions, rewards and advantages), and the final weights are the straight run's."""
-    runs = data_runs(out)
-    for rank in range(2):
-        straight, stopped, resumed = (runs[run][rank] for run in ("straight", "stopped", "resumed"))
-        assert 0 < len(stopped) < len(straight)
-        assert stopped == straight[: len(stopped)], f"rank {rank}: the same seed, the same start"
-        assert resumed == straight[len(stopped) :], f"rank {rank}: the resumed run left the straight one"
-    expected, got = (torch.load(os.path.join(out, f"{run}.pt")) for run in ("straight", "resumed"))
-    stopped = torch.load(os.path.join(out, "stopped.pt"))
-    assert any(not torch.equal(expected[k], stopped[k]) for k in expected), "no training after the stop"
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
-    return runs
-
-
-def assert_ranks_share_no_prompt_and_epochs_differ(batches_per_rank: list[list[dict]]) -> None:
-    epochs = [{} for _ in batches_per_rank]  # per rank: epoch -> questions in order
-    for rank, batches in enumerate(batches_per_rank):
-        for batch in batches:
-            epochs[rank].setdefault(batch["epoch"], []).extend(batch["questions"])
-    assert sorted(epochs[0]) == sorted(epochs[1]) == [0, 1]
-    for epoch in (0, 1):
-        mine, theirs = epochs[0][epoch], epochs[1][epoch]
-        assert len(mine) == len(theirs) == TRAIN_ROWS // 2, "2 batches of 2 prompts per rank and epoch"
-        assert not set(mine) & set(theirs), f"epoch {epoch}: the ranks shared a prompt"
-    for rank in (0, 1):
-        assert epochs[rank][1] != epochs[rank][0], f"rank {rank}: the second epoch repeated the first's order"
-
-
-def data_config(strategy: str, model: str, out: str, scenarios: list[str], **extra) -> dict:
-    """The 2-process config, for `data_worker`: 4 steps (2 epochs) straight, stopped after one batch."""
-    return two_ranks(strategy, model, out, data=True, scenarios=scenarios, steps=4, stop_after=1, **extra)
-
-
-def test_ddp_resume_continues_every_rank_exactly(tiny_model_dir, tmp_path):
-    """Also: disjoint shares, a new order per epoch, the batch std over both ranks, and dynamic sampling
-    resumed with groups waiting."""
-    launch(data_config("ddp", tiny_model_dir, str(tmp_path), ["plain", "dynamic"]), timeout=300)
-    runs = assert_resume_continues_the_straight_run(str(tmp_path / "plain"))
-    straight = runs["straight"]
-    assert_ranks_share_no_prompt_and_epochs_differ(straight)
-
-    # scale_rewards="batch": advantages over the whole batch of both ranks, as TRL computes them.
-    local_std_differs = False
-    for batch0, batch1 in zip(*straight, strict=True):
-        rewards = torch.tensor(batch0["rewards"] + batch1["rewards"])
-        expected = group_advantages(rewards, 2, "batch").tolist()
-        assert batch0["advantages"] + batch1["advantages"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-        own = group_advantages(torch.tensor(batch0["rewards"]), 2, "batch").tolist()
-        local_std_differs |= own != pytest.approx(batch0["advantages"], rel=1e-5, abs=1e-6)
-    assert local_std_differs, "the two ranks' reward spreads never differed: the check would be empty"
-
-    dynamic = str(tmp_path / "dynamic")
-    saved = torch.load(os.path.join(dynamic, "stopped.ckpt"), weights_only=True)
-    per_rank = saved["grpo_state"]["per_rank"]
-    assert [own["group_buffer"]["rounds"] > 0 for own in per_rank] == [True, True], "groups waiting"
-    prompts = [{p[-1]["content"] for g in own["group_buffer"]["kept"] for p in g.prompts} for own in per_rank]
-    assert not prompts[0] & prompts[1], "each rank's own waiting groups"
-    runs = assert_resume_continues_the_straight_run(dynamic)
-    assert runs["stopped"][0][-1]["waiting"] and not runs["resumed"][0][-1]["waiting"]
-
-
-def test_fsdp_resume_continues_every_rank_exactly_and_evaluates_sharded(tiny_model_dir, tmp_path):
-    """A sharded checkpoint folder; the straight run also evaluates with `GSM8KAccuracyCallback`, on 2
-    problems on rank 0 and 1 on rank 1, which hangs unless generation runs on gathered weights."""
-    out = str(tmp_path)
-    launch(data_config("fsdp", tiny_model_dir, out, ["plain"], evaluate=True), timeout=300)
-    assert os.path.isdir(os.path.join(out, "plain", "stopped.ckpt")), "a sharded checkpoint folder"
-    evaluated = json.load(open(os.path.join(out, "plain", "straight.evaluated.json")))
-    assert 0 <= evaluated["gsm8k/accuracy"] <= 1
-    runs = assert_resume_continues_the_straight_run(os.path.join(out, "plain"))
-    assert_ranks_share_no_prompt_and_epochs_differ(runs["straight"])
-
-
 def test_gpu_check_script_runs_on_cpu():
     """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
@@ -603,5 +397,4 @@ def test_gpu_check_script_runs_on_cpu():
 
 
 if __name__ == "__main__":
-    config = json.loads(sys.argv[1])
-    (data_worker if config.get("data") else worker)(config)
+    worker(json.loads(sys.argv[1]))

@@ -25,7 +25,7 @@ from grpo_lightning.module import GRPOModule
 from grpo_lightning.monitoring import completions_table
 from grpo_lightning.rewards import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.rewards import format_reward
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
+from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from tests.conftest import quiet_trainer
 
 G, MAX_TOKENS, STEPS = 2, 6, 2
@@ -368,3 +368,11 @@ def test_cli_trains_on_trl_data_with_trl_rewards(tiny_model_dir, tmp_path):
     assert cli.datamodule.train_rows[0]["prompt"][0]["role"] == "user"
     for name in ("think_format_reward", "accuracy_reward"):
         assert f"train/rewards/{name}" in cli.trainer.callback_metrics
+
+
+def test_group_inputs_repeat_each_prompt_and_column_for_its_group_as_trl_does():
+    batch = {"prompt": ["p0", "p1"], "answer": ["4", "9"], "source": ["a", "b"]}
+    inputs = RewardInputs.of_groups(batch, list("wxyzWXYZ"[:6]), [[1]] * 6, trainer_state(3, 10, 0.5))
+    assert inputs.prompts == ["p0"] * 3 + ["p1"] * 3
+    assert inputs.columns == {"answer": ["4"] * 3 + ["9"] * 3, "source": ["a"] * 3 + ["b"] * 3}
+    assert "prompt" not in inputs.columns and inputs.state.global_step == 3
