@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 
 import lightning as L
 import torch
@@ -27,25 +26,10 @@ from grpo_lightning.metrics import GSM8KAccuracy
 from grpo_lightning.monitoring import logging_step
 from grpo_lightning.resume import preserved_rng
 from grpo_lightning.rewards import extract_answer, reference_answer
-from grpo_lightning.sampling import generate_completions, stop_token_ids
+from grpo_lightning.rollout import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
+from grpo_lightning.sampling import stop_token_ids
 
 __all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]
-
-
-@contextmanager
-def _left_padded(tokenizer: PreTrainedTokenizerBase):
-    """Left padding and a pad token for batched generation, restoring the caller's settings afterwards
-    (another module may well train with right padding)."""
-    side, pad = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"
-    if pad is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        yield tokenizer
-    finally:
-        tokenizer.padding_side = side
-        if pad is None:
-            tokenizer.pad_token = pad
 
 
 @torch.no_grad()
@@ -59,24 +43,15 @@ def generate_answers(
     temperature: float = 1.0,
 ) -> list[str]:
     """Decoded completions of chat `prompts`, `num_generations` per prompt (greedy when 1), grouped."""
-    if not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template, and the GSM8K prompts are chat messages")
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    device = next(model.parameters()).device
-    with _left_padded(tokenizer):
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        rollout = generate_completions(
-            model,
-            enc["input_ids"].to(device),  # [N, P]
-            enc["attention_mask"].to(device),  # [N, P]
-            num_generations=num_generations,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=stop_token_ids(model, tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=temperature,
-            do_sample=num_generations > 1,
-        )
-    return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    settings = SamplingSettings(
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=tuple(stop_token_ids(model, tokenizer)),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token is not None else tokenizer.eos_token_id,
+        temperature=temperature,
+    )
+    sampler = PromptSampler(PromptEncoder(tokenizer), EagerEngine(settings))
+    _, completions = sampler.sample(model, prompts, num_generations, do_sample=num_generations > 1)
+    return completions
 
 
 class GSM8KAccuracyCallback(L.Callback):

@@ -17,10 +17,8 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.config import GRPOConfig, option_differences
-from grpo_lightning.credit import step_credit_penalties
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
-    call_in_root_forward,
     gather_per_rank,
     gathered_for_generation,
     is_sharded,
@@ -28,7 +26,6 @@ from grpo_lightning.distributed import (
     shard_model,
 )
 from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups
-from grpo_lightning.loss import group_advantages, grpo_loss, kl_in_reward
 from grpo_lightning.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.models import (
     LoraOptions,
@@ -45,19 +42,26 @@ from grpo_lightning.resume import (
     capture_rng_states,
     register_safe_globals,
     restore_rng_states,
-    state_of_rank,
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
-from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, stop_token_ids
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
-from grpo_lightning.shared_prompt import (
-    group_completion_logprobs,
-    prefill_groups,
-    rows_share_prompts,
-    sharing_unsupported,
+from grpo_lightning.rollout import (
+    EagerEngine,
+    LogProbScorer,
+    PromptEncoder,
+    PromptSampler,
+    RolloutEngine,
+    SamplingSettings,
+    check_chat_template,
+    micro_batches,
 )
+from grpo_lightning.sampling import Rollout, stop_token_ids
+from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.shared_prompt import sharing_unsupported
+from grpo_lightning.step_metrics import training_step_metrics
+from grpo_lightning.training_state import drop_reference, load_grpo_state, restore_reference, save_grpo_state
+from grpo_lightning.trajectory import Trajectory, build_trajectory
+from grpo_lightning.update import MicroBatchSums, StepGuard, micro_batch_loss
 
-REFERENCE_PREFIX = "reference."
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
 
@@ -142,7 +146,7 @@ class GRPOModule(L.LightningModule):
             else RewardAccuracy(k=num_generations_eval)
         )
         self.automatic_optimization = False
-        self._bad_steps = 0
+        self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
         self.group_buffer = GroupBuffer(  # dynamic sampling's waiting groups
             grpo.dynamic_sampling_max_rounds, self._dynamic_sampling_metric_column()
@@ -150,6 +154,7 @@ class GRPOModule(L.LightningModule):
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
+        self._rollout_engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
 
     def _dynamic_sampling_metric_column(self) -> int | None:
         metric = self.grpo.dynamic_sampling_metric
@@ -236,24 +241,11 @@ class GRPOModule(L.LightningModule):
         return [c for c in defaults if type(c) not in configured]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # What Lightning does not store, for an exact resume: the generators that sampling draws from, the
-        # count of consecutive non-finite steps and dynamic sampling's waiting groups (not its options).
-        # The data position is the data module's state. The generators and the waiting groups are each
-        # rank's own (each samples its own prompts): all ranks' go into the checkpoint, on the CPU.
         # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
-        buffer = {k: v for k, v in vars(self.group_buffer).items() if k not in GroupBuffer.OPTIONS}
-        own = {
-            "rng": self._rng_outside_validation or capture_rng_states(),
-            "group_buffer": move_data_to_device(buffer, "cpu"),
-        }
-        checkpoint["grpo_state"] = {"bad_steps": self._bad_steps, "per_rank": gather_per_rank(own)}
-        # The reference never changes: it is rebuilt from the policy's source, not stored a second time.
-        # Sharded checkpoints keep it: the strategy loads them in place and checks every key.
-        if is_sharded(self.policy):
-            return
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith(REFERENCE_PREFIX)]:
-            del state[key]
+        rng = self._rng_outside_validation or capture_rng_states()
+        save_grpo_state(checkpoint, self.step_guard.bad_steps, rng, self.group_buffer)
+        if not is_sharded(self.policy):
+            drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores weights and state into this module as built: its options win. Said, not silent.
@@ -263,16 +255,14 @@ class GRPOModule(L.LightningModule):
                 f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
             )
             rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
-        if self.reference is not None and "state_dict" in checkpoint:  # a sharded one was loaded in place
-            for key, value in self.reference.state_dict().items():
-                checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)
-        if "grpo_state" in checkpoint:
-            state = checkpoint["grpo_state"]
-            self._bad_steps = state["bad_steps"]
-            world = self.trainer.world_size if self._trainer is not None else 1
-            own = state_of_rank(state["per_rank"], self.global_rank, world)
-            self._rng_to_restore = own["rng"]
-            vars(self.group_buffer).update(own["group_buffer"])
+        if self.reference is not None:
+            restore_reference(checkpoint, self.reference)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        own = load_grpo_state(checkpoint, self.global_rank, world)
+        if own is not None:
+            self.step_guard.bad_steps = own.bad_steps
+            self._rng_to_restore = own.rng
+            vars(self.group_buffer).update(own.group_buffer)
 
     def on_train_start(self) -> None:
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
@@ -284,41 +274,7 @@ class GRPOModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- rollout
     def check_chat_template(self) -> None:
-        if not self.tokenizer.chat_template:
-            raise ValueError(
-                "the tokenizer has no chat template but the prompts are chat messages: set "
-                "`tokenizer.chat_template` (e.g. copy the instruct model's), or use plain-text prompts"
-            )
-
-    def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
-        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
-        tok = self.tokenizer
-        conversational = isinstance(prompts[0], list)
-        if conversational:
-            self.check_chat_template()
-        texts = (
-            [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-            if conversational
-            else list(prompts)
-        )
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not conversational)
-        ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-        limit = self.grpo.max_prompt_length
-        if limit is not None and ids.size(1) > limit:
-            longest = int(mask.sum(1).max())
-            if self.grpo.truncate_prompts == "error":
-                raise ValueError(f"a prompt has {longest} tokens, over max_prompt_length={limit}")
-            warnings.warn(
-                f"prompt of {longest} tokens cut from the left to max_prompt_length={limit}", stacklevel=2
-            )
-            ids, mask = (
-                ids[:, -limit:],
-                mask[:, -limit:],
-            )  # left padding: the last `limit` columns hold the ends
-        return ids, mask
-
-    def eos_token_ids(self) -> list[int]:
-        return stop_token_ids(self.policy, self.tokenizer)
+        check_chat_template(self.tokenizer)
 
     def shares_prompt(self) -> bool:
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
@@ -329,151 +285,164 @@ class GRPOModule(L.LightningModule):
             self._share_prompt = self.grpo.share_prompt and reason is None
         return self._share_prompt
 
+    def build_rollout_engine(self) -> RolloutEngine:
+        """The engine that generates the rollouts, built once the policy is loaded."""
+        cfg = self.grpo
+        settings = SamplingSettings(
+            max_new_tokens=cfg.max_completion_length,
+            min_new_tokens=cfg.min_completion_length,
+            eos_token_ids=tuple(stop_token_ids(self.policy, self.tokenizer)),
+            pad_token_id=self.tokenizer.pad_token_id,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            share_prompt=self.shares_prompt(),
+        )
+        return EagerEngine(settings)
+
+    @property
+    def rollout_engine(self) -> RolloutEngine:
+        if self._rollout_engine is None:
+            self._rollout_engine = self.build_rollout_engine()
+        return self._rollout_engine
+
+    @property
+    def prompt_encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.tokenizer, self.grpo.max_prompt_length, self.grpo.truncate_prompts)
+
+    @property
+    def scorer(self) -> LogProbScorer:
+        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes."""
+        cfg = self.grpo
+        return LogProbScorer(
+            cfg.num_generations, cfg.temperature, self.shares_prompt(), cfg.entropy_coef != 0
+        )
+
+    def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
+        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
+        return self.prompt_encoder.encode(prompts, self.device)
+
     def sample(
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
-        cfg = self.grpo
-        ids, mask = self.encode_prompts(prompts)
+        sampler = PromptSampler(self.prompt_encoder, self.rollout_engine)
         with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
-            prefill = (
-                prefill_groups(self.policy, ids, mask, num_generations) if self.shares_prompt() else None
+            return sampler.sample(
+                self.policy, prompts, num_generations, do_sample=do_sample, device=self.device
             )
-            rollout = generate_completions(
-                self.policy,
-                ids,
-                mask,
-                num_generations=num_generations,
-                max_new_tokens=cfg.max_completion_length,
-                min_new_tokens=cfg.min_completion_length,
-                eos_token_ids=self.eos_token_ids(),
-                pad_token_id=self.tokenizer.pad_token_id,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                do_sample=do_sample,
-                prompt_cache=prefill,
-            )
-        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        return rollout, completions
 
     def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
-        if self.shares_prompt() and rows_share_prompts(rollout, self.grpo.num_generations):
-            scorer, inputs = group_completion_logprobs, (rollout, rows, self.grpo.num_generations)
-        else:
-            inputs = (rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.size(1))
-            scorer = completion_logprobs
-        return call_in_root_forward(  # sharded: the root's FSDP hooks gather the embeddings and LM head
-            model,
-            scorer,
-            model,
-            *inputs,
-            temperature=self.grpo.temperature,
-            with_entropy=with_entropy,
-            entropy_grad=with_entropy and self.grpo.entropy_coef != 0,
-        )
-
-    def _micro_batches(self, size: int) -> list[slice]:
-        step = self.grpo.micro_batch_size or size
-        return [slice(i, min(i + step, size)) for i in range(0, size, step)]
+        """`(logprobs, entropies)` `[b, T]` of `rollout`'s `rows` under `model`."""
+        return self.scorer(model, rollout, rows, with_entropy)
 
     @torch.no_grad()
     def _frozen_logprobs(self, rollout: Rollout, model: PreTrainedModel) -> Tensor:
-        rows = self._micro_batches(rollout.completion_ids.size(0))
+        rows = micro_batches(rollout.completion_ids.size(0), self.grpo.micro_batch_size)
         return torch.cat([self.logprobs(model, rollout, r)[0] for r in rows])  # [B, T]
+
+    def _weights_updated(self) -> None:
+        engine = self.rollout_engine
+        # The eager engine reads the live weights; another one may copy them, whole.
+        gathered = nullcontext() if isinstance(engine, EagerEngine) else gathered_for_generation(self.policy)
+        with gathered:
+            engine.weights_updated(self.policy)
 
     # ----------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
-        cfg, G = self.grpo, self.grpo.num_generations
+        cfg = self.grpo
         start = time.perf_counter()
-        rollout, completions = self.sample(batch["prompt"], G)
+        rollout, completions = self.sample(batch["prompt"], cfg.num_generations)
         generate_seconds = time.perf_counter() - start
         self._check_rollout(rollout, completions)
-
         scores = score_completions(
             self.reward_funcs, self.reward_inputs(batch, rollout, completions, batch_idx)
         )
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
-        prompts, extra = batch["prompt"], {}  # extra: metrics of the options below, logged with the loss's
-        logged_columns = scores.extra  # log_extra's columns, for the completions panel
+        scored = ScoredGroups(
+            batch["prompt"], rollout, completions, rewards_per_func, rewards, cfg.num_generations
+        )
+        logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:
-            scored = ScoredGroups(prompts, rollout, completions, rewards_per_func, rewards, G)
             filled = self._dynamic_sampling(scored)
             if filled is None:
                 self.last_rollout = None  # no update on this batch: nothing new for the callbacks
                 return None
-            groups, extra = filled
-            logged_columns = {}  # they belong to this round's completions, not to the buffered groups
-            prompts, rollout, completions = groups.prompts, groups.rollout, groups.completions
-            rewards_per_func, rewards = groups.rewards_per_func, groups.rewards
+            (scored, stats), logged_columns = filled, {}  # the columns belong to this round, not the update's
 
-        mask = rollout.completion_mask.float()  # [B, T]
-        if cfg.mask_truncated_completions:
-            mask = mask * (~rollout.truncated).float()[:, None]
+        trajectory = self._trajectory(scored, stats)
+        stats, grad_norm = self._update(trajectory)
+        step_seconds = time.perf_counter() - start
+        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
+        metrics = training_step_metrics(
+            trajectory,
+            stats,
+            grad_norm,
+            self.reward_names,
+            learning_rate=self.optimizers().param_groups[0]["lr"],
+            skipped_steps=self.step_guard.bad_steps,
+            generate_seconds=generate_seconds,
+            step_seconds=step_seconds,
+        )
+        metrics = {k: v.to(self.device) for k, v in metrics.items()}
+        batch_size = trajectory.rewards.numel()
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+        self.last_rollout = RolloutRecord.of(
+            trajectory, self.reward_names, float(stats["entropy"]), logged_columns
+        )
+        return stats["loss"]
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [reward_name(fn) for fn in self.reward_funcs]
+
+    def _trajectory(self, scored: ScoredGroups, stats: dict[str, Tensor]) -> Trajectory:
+        """The reference and old-policy passes over `scored`'s rollout, then `build_trajectory`."""
+        cfg = self.grpo
         ref_logprobs = None
         if cfg.beta > 0:
             with self.reference_context():
-                ref_logprobs = self._frozen_logprobs(rollout, self.reference or self.policy)  # [B, T]
+                ref_logprobs = self._frozen_logprobs(scored.rollout, self.reference or self.policy)  # [B, T]
         # With one pass per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
         # The KL in the reward needs the sampling policy's log-probs before any update all the same.
         sampling_logprobs_needed = cfg.num_iterations > 1 or cfg.use_kl_in_reward
-        old_logprobs = self._frozen_logprobs(rollout, self.policy) if sampling_logprobs_needed else None
-        outcome = rewards  # [B] what the reward functions gave, logged as train/reward
-        if cfg.use_kl_in_reward:
-            outcome = kl_in_reward(
-                rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.beta, cfg.kl_estimator
-            )  # [B]
-            extra["kl_reward_penalty"] = (rewards - outcome).mean()
-        advantages = self._advantages(outcome)  # [B]
-        token_advantages = advantages  # [B], or [B, T] with step credit
-        if cfg.step_credit > 0:
-            penalties = step_credit_penalties(
-                self.tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.step_credit
-            )  # [B, T]
-            token_advantages = advantages[:, None] + penalties  # [B, T]
-            extra["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
+        old_logprobs = (
+            self._frozen_logprobs(scored.rollout, self.policy) if sampling_logprobs_needed else None
+        )
+        batch_std_over_ranks = cfg.scale_rewards == "batch" and self.trainer.world_size > 1
+        return build_trajectory(
+            scored,
+            cfg,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            tokenizer=self.tokenizer,
+            gather=self._everyones_rewards if batch_std_over_ranks else None,
+            stats=stats,
+        )
 
+    def _everyones_rewards(self, rewards: Tensor) -> tuple[Tensor, int]:
+        """The `[B]` rewards of every rank, in rank order, and where this rank's start."""
+        # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
+        per_rank = gather_per_rank(rewards.tolist())
+        everyone = torch.tensor(sum(per_rank, []), dtype=rewards.dtype, device=rewards.device)  # [sum of B]
+        return everyone, sum(len(r) for r in per_rank[: self.global_rank])
+
+    def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
+        """`num_iterations` optimizer steps on `trajectory`: the last one's statistics and gradient norm."""
         # Normalise over the whole rollout on every rank, not per micro-batch; DDP then averages gradients
         # over ranks, hence the division by the world size.
-        world = self.trainer.world_size
-        total_tokens = self.trainer.strategy.reduce(mask.sum(), reduce_op="sum") / world
+        mask = trajectory.loss_mask
+        total_tokens = self.trainer.strategy.reduce(mask.sum(), reduce_op="sum") / self.trainer.world_size
         total_sequences = torch.tensor(float(mask.size(0)), device=self.device)
-
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        for _ in range(cfg.num_iterations):
-            stats, grad_norm = self._optimizer_step(
-                optimizer,
-                rollout,
-                token_advantages,
-                mask,
-                old_logprobs,
-                ref_logprobs,
-                total_tokens,
-                total_sequences,
-            )
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        for _ in range(self.grpo.num_iterations):
+            stats, grad_norm = self._optimizer_step(optimizer, trajectory, total_tokens, total_sequences)
             if grad_norm is not None:
                 scheduler.step()
-        step_seconds = time.perf_counter() - start
-        stats = {**stats, **extra, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
-        self._log_step(
-            rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds
-        )
-        self.last_rollout = RolloutRecord(
-            prompts=prompts,
-            completions=completions,
-            reward_names=[reward_name(fn) for fn in self.reward_funcs],
-            rewards_per_func=rewards_per_func.cpu(),
-            rewards=rewards.cpu(),
-            advantages=advantages.cpu(),
-            completion_lengths=rollout.completion_mask.sum(dim=1).cpu(),
-            truncated=rollout.truncated.cpu(),
-            num_generations=G,
-            entropy=float(stats["entropy"]),
-            extra=logged_columns,
-        )
-        return stats["loss"]
+                self._weights_updated()
+        return stats, grad_norm
 
     def reward_inputs(
         self, batch: dict[str, list], rollout: Rollout, completions: list[str], batch_idx: int
@@ -491,19 +460,6 @@ class GRPOModule(L.LightningModule):
         state = trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
         return RewardInputs.of_groups(batch, completions, completion_ids, state)
 
-    def _advantages(self, outcome: Tensor) -> Tensor:
-        """Group-relative advantages of this rank's `[B]` rewards. With `scale_rewards="batch"` the std is
-        that of the whole batch over all ranks, as TRL computes it."""
-        cfg = self.grpo
-        args = (cfg.num_generations, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)
-        if cfg.scale_rewards != "batch" or self.trainer.world_size == 1:
-            return group_advantages(outcome, *args)  # [B]
-        # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
-        per_rank = gather_per_rank(outcome.tolist())
-        everyone = torch.tensor(sum(per_rank, []), dtype=outcome.dtype, device=outcome.device)  # [sum of B]
-        start = sum(len(rewards) for rewards in per_rank[: self.global_rank])
-        return group_advantages(everyone, *args)[start : start + outcome.numel()]  # [B]
-
     def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
         """Buffer this round's informative groups; the update's groups once there are enough, else None."""
         self.group_buffer.add(groups)
@@ -517,9 +473,10 @@ class GRPOModule(L.LightningModule):
     def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
         """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
         if not any(text.strip() for text in completions):
+            eos = stop_token_ids(self.policy, self.tokenizer)
             warnings.warn(
                 f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
-                f"the chat template and the end-of-sequence ids {self.eos_token_ids()}",
+                f"the chat template and the end-of-sequence ids {eos}",
                 stacklevel=2,
             )
         elif bool(rollout.truncated.all()):
@@ -531,95 +488,28 @@ class GRPOModule(L.LightningModule):
             )
 
     def _optimizer_step(
-        self, optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, total_tokens, total_sequences
+        self, optimizer, trajectory: Trajectory, total_tokens: Tensor, total_sequences: Tensor
     ) -> tuple[dict[str, Tensor], Tensor | None]:
-        cfg = self.grpo
+        """One optimizer step on `trajectory`, micro-batch by micro-batch: its statistics, and the gradient
+        norm if the step was taken (None when the step guard skipped it)."""
+        cfg, mask = self.grpo, trajectory.loss_mask
         optimizer.zero_grad()
-        sums: dict[str, Tensor] = {}
-        for rows in self._micro_batches(mask.size(0)):
-            logprobs, entropies = self.logprobs(self.policy, rollout, rows, with_entropy=True)
-            loss, stats = grpo_loss(
-                logprobs,
-                advantages[rows],
-                mask[rows],
-                old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                loss_type=cfg.loss_type,
-                importance_sampling_level=cfg.importance_sampling_level,
-                epsilon=cfg.epsilon,
-                epsilon_high=cfg.epsilon_high,
-                delta=cfg.delta,
-                beta=0.0 if cfg.use_kl_in_reward else cfg.beta,  # else the KL is in the rewards already
-                kl_estimator=cfg.kl_estimator,
-                max_completion_length=cfg.max_completion_length,
-                entropies=entropies,
-                entropy_coef=cfg.entropy_coef,
-                total_tokens=total_tokens,
-                total_sequences=total_sequences,
+        sums = MicroBatchSums()
+        for rows in micro_batches(mask.size(0), cfg.micro_batch_size):
+            logprobs, entropies = self.logprobs(self.policy, trajectory.rollout, rows, with_entropy=True)
+            loss, stats = micro_batch_loss(
+                trajectory, rows, logprobs, entropies, cfg, total_tokens, total_sequences
             )
             self.manual_backward(loss)
-            weight = mask[rows].sum() / mask.sum().clamp(min=1)  # token share of this micro-batch
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
-            for key, value in stats.items():
-                # The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add
-                # up. The other stats are micro-batch means, weighted by their token share.
-                sums[key] = sums.get(key, 0.0) + (value if key == "policy_loss" else value * weight)
+            sums.add(loss, stats, token_share=mask[rows].sum() / mask.sum().clamp(min=1))
         params = [p for p in self.policy.parameters() if p.requires_grad]
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
             scaler.unscale_(optimizer.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if scaler is not None and torch.isfinite(sums["loss"]) and not torch.isfinite(grad_norm):
-            optimizer.step()  # the scaler sees the overflow: it skips the update and lowers the loss scale
-            warnings.warn(f"step {self.global_step}: fp16 gradients overflowed, update skipped", stacklevel=2)
-            return sums, None
-        if not (torch.isfinite(sums["loss"]) and torch.isfinite(grad_norm)):
-            optimizer.zero_grad()
-            self._bad_steps += 1
-            warnings.warn(
-                f"step {self.global_step}: loss or gradient not finite, update skipped", stacklevel=2
-            )
-            if self._bad_steps >= cfg.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self._bad_steps} consecutive steps with a non-finite loss or gradient (max_bad_steps="
-                    f"{cfg.max_bad_steps}): lower the learning rate, or check the rewards and the model's "
-                    "dtype"
-                )
-            return sums, None
-        self._bad_steps = 0
-        optimizer.step()
-        return sums, grad_norm
-
-    def _log_step(
-        self, rewards, rewards_per_func, rollout, mask, stats, grad_norm, generate_seconds, step_seconds
-    ):
-        G = self.grpo.num_generations
-        lengths = rollout.completion_mask.sum(dim=1).float()  # [B]
-        grouped = rewards.view(-1, G)  # [N, G]
-        metrics = {
-            "train/reward": rewards.mean(),
-            "train/reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
-            "train/frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean(),
-            "train/completion_length": lengths.mean(),
-            "train/completion_length_min": lengths.min(),
-            "train/completion_length_max": lengths.max(),
-            "train/frac_truncated": rollout.truncated.float().mean(),
-            "train/tokens_per_second": torch.tensor(lengths.sum().item() / step_seconds),
-            "train/generate_seconds": torch.tensor(generate_seconds),
-            "train/step_seconds": torch.tensor(step_seconds),
-            "train/learning_rate": torch.tensor(self.optimizers().param_groups[0]["lr"]),
-            "train/skipped_steps": torch.tensor(float(self._bad_steps)),
-        }
-        if grad_norm is not None:
-            metrics["train/grad_norm"] = grad_norm
-        for i, fn in enumerate(self.reward_funcs):
-            metrics[f"train/rewards/{reward_name(fn)}"] = rewards_per_func[:, i].nanmean()
-        for key, value in stats.items():
-            metrics[f"train/{key}"] = value
-        metrics = {k: v.detach().float().to(self.device) for k, v in metrics.items()}
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rewards.numel())
-        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rewards.numel())
+        taken = self.step_guard.step(optimizer, sums.loss, grad_norm, scaler is not None, self.global_step)
+        return sums.values, grad_norm if taken else None
 
     # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:

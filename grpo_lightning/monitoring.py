@@ -18,6 +18,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from grpo_lightning.trajectory import Trajectory
+
 __all__ = [
     "CollapseMonitor",
     "CompletionsPanel",
@@ -55,6 +57,26 @@ class RolloutRecord:
     num_generations: int
     entropy: float  # mean token entropy of the policy on the completions
     extra: dict[str, list] = field(default_factory=dict)  # reward functions' `log_extra` columns, [N*G] each
+
+    @classmethod
+    def of(
+        cls, trajectory: Trajectory, reward_names: list[str], entropy: float, extra: dict[str, list]
+    ) -> RolloutRecord:
+        """The record of a training step's trajectory, on the CPU."""
+        rollout = trajectory.rollout
+        return cls(
+            prompts=trajectory.prompts,
+            completions=trajectory.completions,
+            reward_names=reward_names,
+            rewards_per_func=trajectory.rewards_per_func.cpu(),
+            rewards=trajectory.rewards.cpu(),
+            advantages=trajectory.advantages.cpu(),
+            completion_lengths=rollout.completion_mask.sum(dim=1).cpu(),
+            truncated=rollout.truncated.cpu(),
+            num_generations=trajectory.num_generations,
+            entropy=entropy,
+            extra=extra,
+        )
 
 
 def prompt_text(prompt: list[dict[str, str]] | str) -> str:

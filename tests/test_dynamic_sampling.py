@@ -54,18 +54,18 @@ class StepSpy:
         self.calls: list[SimpleNamespace] = []
         original = module._optimizer_step
 
-        def spy(optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, *rest):
-            extra = hook(rollout, mask) if hook is not None else None
+        def spy(optimizer, trajectory, *rest):
+            extra = hook(trajectory.rollout, trajectory.loss_mask) if hook is not None else None
             self.calls.append(
                 SimpleNamespace(
-                    rollout=rollout,
-                    advantages=advantages.detach().clone(),
-                    mask=mask,
-                    ref_logprobs=ref_logprobs,
+                    rollout=trajectory.rollout,
+                    advantages=trajectory.token_advantages.detach().clone(),
+                    mask=trajectory.loss_mask,
+                    ref_logprobs=trajectory.ref_logprobs,
                     extra=extra,
                 )
             )
-            return original(optimizer, rollout, advantages, mask, old_logprobs, ref_logprobs, *rest)
+            return original(optimizer, trajectory, *rest)
 
         module._optimizer_step = spy
 

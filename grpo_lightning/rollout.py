@@ -1,0 +1,253 @@
+"""The rollout seam: prompts in, sampled completions and their log-probs out.
+
+- `SamplingSettings`: what every sampled token obeys (length bounds, stop ids, temperature, top-p/k).
+- `RolloutEngine`: how completions are generated from token ids (`EagerEngine`: Hugging Face `generate`
+  with a dynamic KV cache). An engine that keeps its own inference copy of the weights (a static cache
+  compiled for a GPU) refreshes it in `weights_updated`, which the trainer calls after every optimizer
+  step that changed the weights.
+- `PromptSampler`: text or chat prompts -> token ids (`PromptEncoder`: chat template, `max_prompt_length`)
+  -> the engine -> the `Rollout` and its decoded completions. Training, validation and
+  `evaluation.generate_answers` all sample through it.
+- `LogProbScorer`: the per-token log-probs (and entropies) of a rollout's completions under a model, each
+  group's prompt encoded once when the policy can share it, inside the root's FSDP hooks when sharded.
+
+No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one), a tokenizer and tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning.distributed import call_in_root_forward
+from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions
+from grpo_lightning.shared_prompt import group_completion_logprobs, prefill_groups, rows_share_prompts
+
+Prompt = str | list[dict[str, str]]  # plain text, or chat messages
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """What every sampled completion obeys (see `GRPOConfig` for the options they come from)."""
+
+    max_new_tokens: int  # completion budget, `GRPOConfig.max_completion_length`
+    min_new_tokens: int = 0  # EOS suppressed until this many new tokens
+    eos_token_ids: tuple[int, ...]  # any of them ends a completion (`stop_token_ids`)
+    pad_token_id: int  # fills the completions after their end
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
+
+
+class RolloutEngine(Protocol):
+    """Generates completion groups from left-padded prompt ids; the trainer tells it when weights change."""
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+    ) -> Rollout:
+        """`num_generations` completions for each prompt of `prompt_ids` `[N, P]` (left-padded): a `Rollout`
+        of `N * num_generations` rows, prompt i's group in rows i*G .. i*G+G-1; greedy unless `do_sample`."""
+        ...
+
+    def weights_updated(self, model: PreTrainedModel) -> None:
+        """Called after every optimizer step that changed `model`'s weights (with full weights when
+        sharded), before the next `generate`."""
+        ...
+
+
+class EagerEngine:
+    """`generate` with a dynamic KV cache on the live model: nothing to refresh when the weights change.
+
+    Samples the raw policy (`sampling.generate_completions`); with `settings.share_prompt` each distinct
+    prompt is prefilled once and its cache repeated to the group (`shared_prompt.prefill_groups`).
+    """
+
+    def __init__(self, settings: SamplingSettings) -> None:
+        self.settings = settings
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+    ) -> Rollout:
+        s = self.settings
+        prefill = prefill_groups(model, prompt_ids, prompt_mask, num_generations) if s.share_prompt else None
+        return generate_completions(
+            model,
+            prompt_ids,  # [N, P]
+            prompt_mask,  # [N, P]
+            num_generations=num_generations,
+            max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
+            eos_token_ids=list(s.eos_token_ids),
+            pad_token_id=s.pad_token_id,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            do_sample=do_sample,
+            prompt_cache=prefill,
+        )
+
+    def weights_updated(self, model: PreTrainedModel) -> None:
+        """Nothing to do: `generate` reads the live weights."""
+
+
+@contextmanager
+def left_padded(tokenizer: PreTrainedTokenizerBase) -> Iterator[PreTrainedTokenizerBase]:
+    """Left padding and a pad token for batched generation, restoring the caller's settings afterwards
+    (another module may well train with right padding)."""
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if pad is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.padding_side = side
+        if pad is None:
+            tokenizer.pad_token = pad
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Chat prompts need a template: one clear error instead of a failure inside `apply_chat_template`."""
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the tokenizer has no chat template but the prompts are chat messages: set "
+            "`tokenizer.chat_template` (e.g. copy the instruct model's), or use plain-text prompts"
+        )
+
+
+@dataclass
+class PromptEncoder:
+    """Prompts (text or chat messages) -> left-padded token ids, and completion ids -> text.
+
+    Args:
+        tokenizer: applies the chat template, tokenizes and decodes.
+        max_prompt_length: prompt tokens kept; None keeps all.
+        truncate_prompts: "left" cuts a longer prompt's start (with a warning), "error" refuses it.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    max_prompt_length: int | None = None
+    truncate_prompts: str = "left"
+
+    def encode(self, prompts: Sequence[Prompt], device: torch.device | str) -> tuple[Tensor, Tensor]:
+        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
+        tok = self.tokenizer
+        conversational = isinstance(prompts[0], list)
+        if conversational:
+            check_chat_template(tok)
+        texts = (
+            [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+            if conversational
+            else list(prompts)
+        )
+        with left_padded(tok):
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not conversational)
+        ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [N, P]
+        limit = self.max_prompt_length
+        if limit is not None and ids.size(1) > limit:
+            longest = int(mask.sum(1).max())
+            if self.truncate_prompts == "error":
+                raise ValueError(f"a prompt has {longest} tokens, over max_prompt_length={limit}")
+            warnings.warn(
+                f"prompt of {longest} tokens cut from the left to max_prompt_length={limit}", stacklevel=2
+            )
+            ids, mask = (
+                ids[:, -limit:],
+                mask[:, -limit:],
+            )  # left padding: the last `limit` columns hold the ends
+        return ids, mask
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        """The completions' text, special tokens skipped."""
+        return self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+
+
+@dataclass
+class PromptSampler:
+    """Prompts -> `encoder` -> `engine` -> (`Rollout`, decoded completions): the one sampling path of
+    training, validation and `evaluation.generate_answers`."""
+
+    encoder: PromptEncoder
+    engine: RolloutEngine
+
+    def sample(
+        self,
+        model: PreTrainedModel,
+        prompts: Sequence[Prompt],
+        num_generations: int,
+        *,
+        do_sample: bool = True,
+        device: torch.device | str | None = None,
+    ) -> tuple[Rollout, list[str]]:
+        """`num_generations` completions per prompt (greedy unless `do_sample`), and their text.
+        `device`: where the prompt ids go; default the model's."""
+        ids, mask = self.encoder.encode(
+            prompts, device if device is not None else next(model.parameters()).device
+        )
+        rollout = self.engine.generate(model, ids, mask, num_generations=num_generations, do_sample=do_sample)
+        return rollout, self.encoder.decode(rollout)
+
+
+@dataclass
+class LogProbScorer:
+    """Per-token log-probs (and entropies) of a rollout's completions under a model, float32 `[b, T]`.
+
+    Args:
+        num_generations: the group size G of the rollouts it scores.
+        temperature: scales the logits as the sampler saw them.
+        share_prompt: encode each group's prompt once (`shared_prompt.group_completion_logprobs`) when the
+            scored rows hold whole groups of one prompt.
+        entropy_grad: let the gradient flow through the entropies (an entropy bonus in the loss).
+    """
+
+    num_generations: int
+    temperature: float = 1.0
+    share_prompt: bool = False
+    entropy_grad: bool = False
+
+    def __call__(
+        self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """`(logprobs, entropies)` of `rollout`'s `rows`, each `[b, T]`; entropies are zeros unless asked."""
+        G = self.num_generations
+        if self.share_prompt and rows_share_prompts(rollout, G):
+            scorer, inputs = group_completion_logprobs, (rollout, rows, G)
+        else:
+            inputs = (rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.size(1))
+            scorer = completion_logprobs
+        return call_in_root_forward(  # sharded: the root's FSDP hooks gather the embeddings and LM head
+            model,
+            scorer,
+            model,
+            *inputs,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=with_entropy and self.entropy_grad,
+        )
+
+
+def micro_batches(size: int, micro_batch_size: int | None) -> list[slice]:
+    """Row slices of at most `micro_batch_size` rows covering `size` rows (one slice when None)."""
+    step = micro_batch_size or size
+    return [slice(i, min(i + step, size)) for i in range(0, size, step)]

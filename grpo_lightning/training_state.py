@@ -1,0 +1,61 @@
+"""What a GRPO checkpoint holds beyond Lightning's own state, for an exact resume.
+
+The generators that sampling draws from, the count of consecutive non-finite steps and dynamic sampling's
+waiting groups (not its options); the data position is the data module's state. The generators and the
+waiting groups are each rank's own (each samples its own prompts): all ranks' go into the checkpoint, on the
+CPU. The frozen reference never changes: it is rebuilt from the policy's source, not stored a second time
+(sharded checkpoints keep it: the strategy loads them in place and checks every key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+
+from grpo_lightning.distributed import gather_per_rank
+from grpo_lightning.dynamic_sampling import GroupBuffer
+from grpo_lightning.resume import state_of_rank
+
+STATE_KEY = "grpo_state"
+REFERENCE_PREFIX = "reference."
+
+
+@dataclass
+class RankState:
+    """One rank's part of a checkpoint's GRPO state."""
+
+    bad_steps: int
+    rng: dict
+    group_buffer: dict  # the buffer's state, without its options
+
+
+def save_grpo_state(checkpoint: dict, bad_steps: int, rng: dict, group_buffer: GroupBuffer) -> None:
+    """Store the GRPO state of every rank (a collective under several processes: every rank calls it)."""
+    buffer = {k: v for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
+    own = {"rng": rng, "group_buffer": move_data_to_device(buffer, "cpu")}
+    checkpoint[STATE_KEY] = {"bad_steps": bad_steps, "per_rank": gather_per_rank(own)}
+
+
+def load_grpo_state(checkpoint: dict, rank: int, world_size: int) -> RankState | None:
+    """This rank's GRPO state from `checkpoint`, or None for a checkpoint without one."""
+    if STATE_KEY not in checkpoint:
+        return None
+    state = checkpoint[STATE_KEY]
+    own = state_of_rank(state["per_rank"], rank, world_size)
+    return RankState(state["bad_steps"], own["rng"], own["group_buffer"])
+
+
+def drop_reference(checkpoint: dict) -> None:
+    """Remove the frozen reference's weights from an unsharded checkpoint's state dict."""
+    state = checkpoint["state_dict"]
+    for key in [k for k in state if k.startswith(REFERENCE_PREFIX)]:
+        del state[key]
+
+
+def restore_reference(checkpoint: dict, reference: nn.Module) -> None:
+    """Put the reference's own weights back into a checkpoint that `drop_reference` left without them."""
+    if "state_dict" in checkpoint:  # a sharded one was loaded in place
+        for key, value in reference.state_dict().items():
+            checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)

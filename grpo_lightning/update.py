@@ -1,0 +1,107 @@
+"""One optimizer update on a `Trajectory`, in pieces that need no Lightning.
+
+- `micro_batch_loss`: the GRPO loss (`loss.grpo_loss`) of some rows of a trajectory, with the whole
+  rollout's denominators, so that the micro-batch losses add up to the rollout's.
+- `MicroBatchSums`: the statistics of an update's micro-batches, weighted by their token share.
+- `StepGuard`: the optimizer step, skipped when the loss or the gradient is not finite (a run stops after
+  `max_bad_steps` such steps in a row) or when fp16 gradients overflowed (the loss scaler lowers its scale).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.loss import grpo_loss
+from grpo_lightning.trajectory import Trajectory
+
+
+def micro_batch_loss(
+    trajectory: Trajectory,
+    rows: slice,
+    logprobs: Tensor,
+    entropies: Tensor,
+    cfg: GRPOConfig,
+    total_tokens: Tensor,
+    total_sequences: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there."""
+    t = trajectory
+    return grpo_loss(
+        logprobs,
+        t.token_advantages[rows],
+        t.loss_mask[rows],
+        old_logprobs=None if t.old_logprobs is None else t.old_logprobs[rows],
+        ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[rows],
+        loss_type=cfg.loss_type,
+        importance_sampling_level=cfg.importance_sampling_level,
+        epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        delta=cfg.delta,
+        beta=0.0 if cfg.use_kl_in_reward else cfg.beta,  # else the KL is in the rewards already
+        kl_estimator=cfg.kl_estimator,
+        max_completion_length=cfg.max_completion_length,
+        entropies=entropies,
+        entropy_coef=cfg.entropy_coef,
+        total_tokens=total_tokens,
+        total_sequences=total_sequences,
+    )
+
+
+class MicroBatchSums:
+    """An update's loss and statistics over its micro-batches.
+
+    The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add up, as does
+    `policy_loss`. The other statistics are micro-batch means, weighted by the micro-batch's token share.
+    """
+
+    ADDED = ("policy_loss",)
+
+    def __init__(self) -> None:
+        self.values: dict[str, Tensor] = {}
+
+    def add(self, loss: Tensor, stats: dict[str, Tensor], token_share: Tensor) -> None:
+        self.values["loss"] = self.values.get("loss", 0.0) + loss.detach()
+        for key, value in stats.items():
+            self.values[key] = self.values.get(key, 0.0) + (
+                value if key in self.ADDED else value * token_share
+            )
+
+    @property
+    def loss(self) -> Tensor:
+        return self.values["loss"]
+
+
+class StepGuard:
+    """Takes the optimizer step unless the update is not finite; counts consecutive skipped steps."""
+
+    def __init__(self, max_bad_steps: int) -> None:
+        self.max_bad_steps = max_bad_steps
+        self.bad_steps = 0  # consecutive non-finite steps, kept in checkpoints
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, loss: Tensor, grad_norm: Tensor, scaled: bool, step: int
+    ) -> bool:
+        """Step `optimizer` (whose gradients were clipped to `grad_norm`) when the update is finite; True
+        when the weights changed. `scaled`: a 16-mixed loss scaler wraps the optimizer."""
+        if scaled and torch.isfinite(loss) and not torch.isfinite(grad_norm):
+            optimizer.step()  # the scaler sees the overflow: it skips the update and lowers the loss scale
+            warnings.warn(f"step {step}: fp16 gradients overflowed, update skipped", stacklevel=3)
+            return False
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            optimizer.zero_grad()
+            self.bad_steps += 1
+            warnings.warn(f"step {step}: loss or gradient not finite, update skipped", stacklevel=3)
+            if self.bad_steps >= self.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self.bad_steps} consecutive steps with a non-finite loss or gradient (max_bad_steps="
+                    f"{self.max_bad_steps}): lower the learning rate, or check the rewards and the model's "
+                    "dtype"
+                )
+            return False
+        self.bad_steps = 0
+        optimizer.step()
+        return True
