@@ -22,7 +22,7 @@ from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 from tests.test_interrupt import fit_args
 
 ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
@@ -157,7 +157,8 @@ def none_reward(completions, **kwargs) -> list[None]:
     return [None] * len(completions)
 
 
-def digit_reward(completions, **kwargs) -> list[float]:
+def digit_count_reward(completions, **kwargs) -> list[float]:
+    """The number of digit characters of each completion (`helpers.digit_reward` is their share)."""
     return [float(sum(ch.isdigit() for ch in completion_text(c))) for c in completions]
 
 
@@ -209,7 +210,7 @@ def test_bad_reward_values_name_the_function(tiny_model_dir, tmp_path, no_audit,
 
 def test_a_reward_that_is_none_everywhere_beside_a_working_one_only_warns(tiny_model_dir, tmp_path, no_audit):
     with pytest.warns(UserWarning, match="reward function 'none_reward' returned None for every completion"):
-        trainer = train(tiny_model_dir, tmp_path, [digit_reward, none_reward])
+        trainer = train(tiny_model_dir, tmp_path, [digit_count_reward, none_reward])
     assert trainer.global_step == 1
 
 
@@ -257,7 +258,7 @@ def test_every_completion_empty_warns(tiny_model_dir, tmp_path):
 def test_every_completion_truncated_warns(tiny_model_dir, tmp_path, no_audit):
     # EOS suppressed for all 4 tokens: every completion runs into the limit.
     with pytest.warns(UserWarning, match="all 4 completions of this step reached max_completion_length=4 "):
-        trainer = train(tiny_model_dir, tmp_path, [digit_reward], min_completion_length=4)
+        trainer = train(tiny_model_dir, tmp_path, [digit_count_reward], min_completion_length=4)
     assert trainer.global_step == 1  # a warning, not a stop
     assert float(trainer.callback_metrics["train/frac_truncated"]) == 1.0
 

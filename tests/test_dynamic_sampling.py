@@ -15,7 +15,8 @@ from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups, cat_rollo
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.sampling import Rollout, completion_logprobs
 from grpo_lightning.tiny import build_model
-from tests.conftest import quiet_trainer
+from tests import helpers
+from tests.helpers import quiet_trainer
 
 G = 4
 
@@ -71,14 +72,9 @@ class StepSpy:
 
 
 def tiny_module(model_dir: str, reward_funcs=(split_reward,), **grpo) -> GRPOModule:
-    options = dict(
-        num_generations=G,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        log_completions_every=0,
-        preflight=False,
-    )
-    return GRPOModule(model_dir, reward_funcs=list(reward_funcs), grpo=GRPOConfig(**{**options, **grpo}))
+    """`helpers.tiny_module` with groups of G, `split_reward` and a learning rate that moves the weights."""
+    options = dict(num_generations=G, max_completion_length=6, learning_rate=1e-3) | grpo
+    return helpers.tiny_module(model_dir, reward_funcs=reward_funcs, **options)
 
 
 def fit_on_rows(module: GRPOModule, data: list[dict], max_steps: int, batch_size: int = 2) -> Recorder:

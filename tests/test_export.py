@@ -8,29 +8,22 @@ import os
 import lightning as L
 import pytest
 import torch
-from conftest import GSM8K_DIR
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.export import ExportBestCallback, export_policy
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
 from grpo_lightning.sampling import generate_completions
+from tests.helpers import GSM8K_DIR, length_reward, tiny_module
 
 PROMPTS = [
     [{"role": "user", "content": "Tom has 3 apples and gets 4 more. How many?"}],
     [{"role": "user", "content": "A robe takes 2 bolts of blue fiber. How many in total?"}],
 ]
-
-
-def length_reward(completions: list[str], **kwargs) -> list[float]:
-    """Differs within a group even for a random model, so every step has non-zero advantages."""
-    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class ScriptedAccuracy(GRPOModule):
@@ -46,17 +39,6 @@ class ScriptedAccuracy(GRPOModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val/accuracy", (0.2, 0.6, 0.4)[self.validations])
         self.validations += 1
-
-
-def tiny_module(path: str, cls: type[GRPOModule] = GRPOModule, **kwargs) -> GRPOModule:
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        preflight=False,
-        log_completions_every=0,
-    )
-    return cls(path, reward_funcs=[length_reward], grpo=grpo, **kwargs)
 
 
 def fit(module: GRPOModule, root, steps: int, callbacks: list, validate: bool = True) -> L.Trainer:
@@ -115,7 +97,7 @@ def best_run(tiny_model_dir: str, tmp_path_factory):
     )
     latest = ModelCheckpoint(root / "ckpt", save_on_train_epoch_end=False, filename="latest-{step}")
     export = ExportBestCallback(out_dir=str(root / "export"))
-    module = tiny_module(tiny_model_dir, ScriptedAccuracy)
+    module = tiny_module(tiny_model_dir, ScriptedAccuracy, [length_reward], learning_rate=1e-2)
     fit(module, root, 3, [latest, best, export])
     return module, root, export
 
@@ -153,7 +135,12 @@ def test_export_from_a_checkpoint(best_run, tiny_model_dir: str, tmp_path) -> No
 
 
 def test_lora_exports_merged_or_as_adapter(tiny_model_dir: str, tmp_path) -> None:
-    module = tiny_module(tiny_model_dir, lora=LoraOptions(r=4, alpha=8))
+    module = tiny_module(
+        tiny_model_dir,
+        reward_funcs=[length_reward],
+        module_options={"lora": LoraOptions(r=4, alpha=8)},
+        learning_rate=1e-2,
+    )
     fit(module, tmp_path, 1, [ModelCheckpoint(tmp_path / "ckpt", filename="lora")], validate=False)
     assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
     rollout, _ = module.sample(PROMPTS, 1, do_sample=False)

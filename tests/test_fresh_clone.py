@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from grpo_lightning import cli, smollm2
-from tests.conftest import GSM8K_DIR
+from tests.helpers import GSM8K_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,7 +20,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.resume import ResumableSampler
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def fit_args(model_dir: str, root: str, max_steps: int, *extra: str) -> list[str
     return [
         "fit",
         f"--model.policy={model_dir}",
-        "--model.reward_funcs=[tests.conftest.digit_reward]",
+        "--model.reward_funcs=[tests.helpers.digit_reward]",
         "--model.grpo.num_generations=2",
         "--model.grpo.max_completion_length=6",
         "--model.grpo.preflight=false",

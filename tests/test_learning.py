@@ -13,7 +13,7 @@ from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmet
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import format_reward, reference_answer
 from grpo_lightning.tiny import build_model, build_tokenizer
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 
 def warm_start(model, tokenizer, rows, steps: int = 120, hash_share: float = 0.3) -> None:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning.cli import build_cli
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.module import GRPOModule
-from tests.conftest import GSM8K_DIR, quiet_trainer
+from tests.helpers import GSM8K_DIR, quiet_trainer
 
 EXPECTED_SCALARS = [
     "train/reward",
@@ -44,7 +44,7 @@ def fit_args(model_dir: str, root: str, *extra: str) -> list[str]:
         "fit",
         f"--model.policy={model_dir}",
         "--model.reward_funcs=[grpo_lightning.rewards.accuracy_reward, grpo_lightning.rewards.format_reward, "
-        "tests.conftest.digit_reward]",
+        "tests.helpers.digit_reward]",
         "--model.grpo.num_generations=4",
         "--model.grpo.max_completion_length=12",
         "--model.grpo.beta=0.04",

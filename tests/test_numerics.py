@@ -15,12 +15,7 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.loss import grpo_loss
 from grpo_lightning.models import ModelOptions
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
-from tests.conftest import quiet_trainer
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    return [len(completion_text(c)) / 10 for c in completions]
+from tests.helpers import length_reward, quiet_trainer
 
 
 class Poisoned(GRPOModule):

@@ -17,15 +17,11 @@ from grpo_lightning.preflight import (
     input_gradients_enabled,
     run_preflight,
 )
-from grpo_lightning.rewards import accuracy_reward, completion_text
-from tests.conftest import quiet_trainer
+from grpo_lightning.rewards import accuracy_reward
+from tests.helpers import length_reward, quiet_trainer
 from tests.test_bad_input import end_early
 
 BATCH = collate_rows(arithmetic_problems(2, seed=3), system_prompt=None)
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    return [len(completion_text(c)) / 100 for c in completions]
 
 
 def module_for(model_dir: str, grpo: dict | None = None, reward_funcs=(accuracy_reward,), **kwargs):

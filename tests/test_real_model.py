@@ -10,7 +10,7 @@ from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.smollm2 import DEFAULT_DIR, export_smollm2
-from tests.conftest import GSM8K_DIR, quiet_trainer
+from tests.helpers import GSM8K_DIR, quiet_trainer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

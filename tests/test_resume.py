@@ -23,15 +23,10 @@ from grpo_lightning.resume import (
     capture_rng_states,
     restore_rng_states,
 )
-from grpo_lightning.rewards import completion_text
+from tests.helpers import length_reward
 
 M = 2  # steps after the resume
 BATCHES_PER_EPOCH = 3  # train_size=6, batch_size=2: the resumed steps reach into the next epoch
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    """A reward that varies within every group, so that each step really changes the weights."""
-    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class Recorder(L.Callback):

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.sagemaker import METRIC_DEFINITIONS, cli_args, cluster_env, hyperparameters, main
-from tests.conftest import gsm8k_rows
+from tests.helpers import gsm8k_rows
 
 SM_ENV = {
     "SM_MODEL_DIR": "/opt/ml/model",

@@ -30,7 +30,7 @@ from grpo_lightning.shared_prompt import (
     shared_prompt_hidden,
     sharing_unsupported,
 )
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 PROMPTS = ["Natalia sold 48 clips in April and", "Weng", "How many clips did she sell in May?"]
 

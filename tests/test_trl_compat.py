@@ -26,7 +26,7 @@ from grpo_lightning.monitoring import completions_table
 from grpo_lightning.rewards import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.rewards import format_reward
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 G, MAX_TOKENS, STEPS = 2, 6, 2
 PROBLEMS = [

@@ -7,13 +7,13 @@ import os
 
 import pytest
 import yaml
-from conftest import GSM8K_DIR, gsm8k_rows
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from grpo_lightning.export import ExportBestCallback
 from grpo_lightning.rewards import extract_answer, reference_answer
+from tests.helpers import GSM8K_DIR, gsm8k_rows
 
 QWEN_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gsm8k_qwen2.5_0.5b.yaml")
 

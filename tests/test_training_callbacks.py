@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from conftest import GSM8K_DIR, gsm8k_rows, quiet_trainer
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,13 +23,9 @@ from grpo_lightning.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.monitoring import CollapseMonitor, RolloutRecord, completions_table
 from grpo_lightning.rewards import accuracy_reward, completion_text, format_reward, reference_answer
+from tests.helpers import GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 
 VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
-
-
-def tiny_module(path: str, **grpo) -> GRPOModule:
-    options = dict(num_generations=2, max_completion_length=8, preflight=False, log_completions_every=1)
-    return GRPOModule(path, grpo=GRPOConfig(**{**options, **grpo}))
 
 
 def tiny_data(**kwargs) -> GSM8KDataModule:
@@ -55,7 +50,7 @@ def trainer(tmp_path, max_steps: int, callbacks: list, logger=False) -> L.Traine
 
 
 def test_fit_logs_validation_metrics_panel_and_monitor(tiny_model_dir: str, tmp_path) -> None:
-    module = tiny_module(tiny_model_dir)
+    module = tiny_module(tiny_model_dir, log_completions_every=1)
     # The callback's subset is the data module's validation rows, so at step 2 it must score exactly what
     # the validation right after it does: same weights, same greedy decoding.
     held_out = GSM8KAccuracyCallback(
@@ -103,7 +98,7 @@ def test_fit_logs_validation_metrics_panel_and_monitor(tiny_model_dir: str, tmp_
 def test_sampled_evaluations_leave_training_draws_alone(tiny_model_dir: str) -> None:
     def train(callbacks: list) -> tuple[list[str], dict[str, torch.Tensor]]:
         L.seed_everything(0)
-        module = tiny_module(tiny_model_dir, learning_rate=1e-2)
+        module = tiny_module(tiny_model_dir, learning_rate=1e-2, log_completions_every=1)
         quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=callbacks).fit(module, tiny_data())
         return module.last_rollout.completions, {k: v.clone() for k, v in module.policy.state_dict().items()}
 

@@ -21,8 +21,7 @@ from grpo_lightning.distributed import close_process_group
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.preflight import share_of_weights_updated
-from grpo_lightning.rewards import completion_text
-from tests.conftest import quiet_trainer
+from tests.helpers import length_reward, quiet_trainer
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
 SMALL = {  # the rollout's size only: everything that decides the update's precision is the config's
@@ -33,11 +32,6 @@ SMALL = {  # the rollout's size only: everything that decides the update's preci
     "log_completions_every": 0,
     "preflight": False,
 }
-
-
-def length_reward(completions: list[str], **kwargs) -> list[float]:
-    """Dense: a random model's completions differ in length within every group, so every group teaches."""
-    return [len(completion_text(c)) / 10 for c in completions]
 
 
 class TrainableWeights(L.Callback):

@@ -1,0 +1,55 @@
+"""What several test files share: the GSM8K rows, dense rewards for random-weight models, a quiet CPU
+Trainer and a small GRPO module on the tiny model."""
+
+import json
+import os
+
+import lightning as L
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import completion_text
+
+# GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gsm8k")
+
+
+def gsm8k_rows(split: str = "train", limit: int | None = None) -> list[dict]:
+    with open(os.path.join(GSM8K_DIR, f"{split}.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return rows[:limit]
+
+
+def digit_reward(completions: list, **kwargs) -> list[float]:
+    """A dense reward for random-weight models (which never solve anything): the share of digit characters."""
+    texts = map(completion_text, completions)  # chat data: TRL's `[{"role": "assistant", "content": ...}]`
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in texts]
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    """Dense: a random model's completions differ in length within every group, so every group teaches and
+    every step really changes the weights."""
+    return [len(completion_text(c)) / 10 for c in completions]
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer that logs, checkpoints and prints nothing unless the test asks for it."""
+    quiet = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**quiet, **kwargs})
+
+
+def tiny_module(
+    path: str, cls: type[GRPOModule] = GRPOModule, reward_funcs=None, module_options=None, **grpo
+) -> GRPOModule:
+    """A `cls` on the tiny model: groups of 2, 8 new tokens, no pre-flight, no completion panels, unless
+    `grpo` says otherwise; `module_options` go to the module (e.g. `lora`)."""
+    options = dict(num_generations=2, max_completion_length=8, preflight=False, log_completions_every=0)
+    grpo_config = GRPOConfig(**{**options, **grpo})
+    funcs = None if reward_funcs is None else list(reward_funcs)
+    return cls(path, reward_funcs=funcs, grpo=grpo_config, **(module_options or {}))

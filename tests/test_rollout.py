@@ -1,0 +1,78 @@
+"""The rollout seam: one sampling path for training and `generate_answers`, and an engine that the module
+tells about every weight update."""
+
+import torch
+
+from grpo_lightning.config import GRPOConfig
+from grpo_lightning.evaluation import generate_answers
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.rollout import EagerEngine, LogProbScorer, RolloutEngine
+from grpo_lightning.sampling import Rollout
+from tests.helpers import length_reward, quiet_trainer
+
+PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Name 7 + 1."}]]
+
+
+def test_generate_answers_samples_as_the_module(tiny_model_dir):
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_completion_length=8, share_prompt=False))
+    module.configure_model()
+    _, greedy = module.sample(PROMPTS, 1, do_sample=False)
+    assert greedy == generate_answers(module.policy, module.tokenizer, PROMPTS, max_new_tokens=8)
+    torch.manual_seed(3)
+    _, sampled = module.sample(PROMPTS, 3)
+    torch.manual_seed(3)
+    assert sampled == generate_answers(
+        module.policy, module.tokenizer, PROMPTS, num_generations=3, max_new_tokens=8
+    )
+
+
+def test_scorer_shares_the_prompt_with_the_same_logprobs(tiny_model_dir):
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=6))
+    module.configure_model()
+    torch.manual_seed(0)
+    rollout, _ = module.sample(PROMPTS, 2)
+    shared = LogProbScorer(2, share_prompt=True)(module.policy, rollout, slice(None))[0]  # [4, T]
+    unshared = LogProbScorer(2, share_prompt=False)(module.policy, rollout, slice(None))[0]
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(shared[mask], unshared[mask], atol=1e-5, rtol=1e-5)
+
+
+class CountingEngine(EagerEngine):
+    """The eager engine, counting `generate` calls and the weight updates it is told of, with the weights it
+    saw then (a static engine would copy them there)."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.generated, self.updates = 0, []
+
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True) -> Rollout:
+        self.generated += 1
+        return super().generate(
+            model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample
+        )
+
+    def weights_updated(self, model) -> None:
+        self.updates.append(next(model.parameters()).detach().clone())
+
+
+class CountingModule(GRPOModule):
+    def build_rollout_engine(self) -> RolloutEngine:
+        self.engine = CountingEngine(super().build_rollout_engine().settings)
+        return self.engine
+
+
+def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
+    from grpo_lightning.data import GSM8KDataModule
+
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, num_iterations=2, learning_rate=1e-2, preflight=False
+    )
+    module = CountingModule(tiny_model_dir, reward_funcs=[length_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=4, limit_val_batches=0).fit(module, data)  # 2 batches x 2 optimizer steps
+    engine = module.engine
+    assert engine.generated >= 2 and len(engine.updates) == 4
+    assert all(not torch.equal(a, b) for a, b in zip(engine.updates, engine.updates[1:], strict=False))
+    assert torch.equal(engine.updates[-1], next(module.policy.parameters()).detach())
