@@ -2,125 +2,28 @@
 
 from __future__ import annotations
 
-import math
-import operator
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
-SCALES = ("group", "batch", "none")
-BASELINES = ("mean", "loo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from grpo_lightning.loss import (
+    BASELINES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    K1_IN_LOSS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SCALES,
+)
+from grpo_lightning.options import Rule, check_options, option_differences, option_error, plain_options
 
-
-# ------------------------------------------------------------------------------------------ option rules
-_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-_KIND_WORDS = {
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    str: "a string",
-    list: "a list of names",
-}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one option accepts: its type, bounds such as "> 0, <= 1", or a set of choices.
-
-    Args:
-        kind: int, float (ints accepted, NaN and inf refused), bool, str, or list (a list of strings); a
-            tuple of them for an option of several types.
-        bounds: comma-separated comparisons that the value must pass, e.g. ">= 2" or "> 0, <= 1".
-        choices: the only values allowed.
-        none: None is allowed (it means what the option's docstring says).
-        why: the reason, shown after the rule.
-    """
-
-    kind: type | tuple[type, ...]
-    bounds: str = ""
-    choices: tuple[str, ...] = ()
-    none: bool = False
-    why: str = ""
-
-    def problem(self, value: object) -> str | None:
-        """None when `value` is allowed, else the rule it breaks ("must be > 0 and <= 1 (why)")."""
-        if value is None:
-            return None if self.none else self.expected(type_too=False)
-        if not any(_is_kind(value, kind) for kind in self.kinds):
-            return self.expected(type_too=True)
-        if self.choices and value not in self.choices:
-            return self.expected(type_too=False)
-        for text in filter(None, (b.strip() for b in self.bounds.split(","))):
-            op, bound = text.split()
-            if not _COMPARE[op](value, float(bound)):
-                return self.expected(type_too=False)
-        return None
-
-    @property
-    def kinds(self) -> tuple[type, ...]:
-        return self.kind if isinstance(self.kind, tuple) else (self.kind,)
-
-    def expected(self, type_too: bool) -> str:
-        if self.choices:
-            text = "one of " + ", ".join(self.choices)
-        else:
-            bounds = " and ".join(b.strip() for b in self.bounds.split(",") if b.strip())
-            if bounds and not type_too:
-                text = bounds
-            else:
-                kind = " or ".join(_KIND_WORDS[k] for k in self.kinds)
-                kind = kind.replace("a number", "a finite number")
-                text = f"{kind} {bounds}".rstrip()
-        text = f"must be {text}" + (" or None" if self.none else "")
-        return f"{text} ({self.why})" if self.why else text
-
-
-def _is_kind(value: object, kind: type) -> bool:
-    if kind is float:  # ints are numbers too, booleans are not; NaN and inf pass no bound: refused
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is list:
-        return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
-    return isinstance(value, kind)
-
-
-def option_error(options: object, option: str, value: object, rule: str) -> ValueError:
-    """The one message format of a bad option: `Class.option=value: rule`."""
-    return ValueError(f"{type(options).__name__}.{option}={value!r}: {rule}")
-
-
-def option_differences(
-    saved: Mapping, current: Mapping, prefix: str = ""
-) -> list[tuple[str, object, object]]:
-    """(dotted name, saved value, current value) for each option of `saved` whose value differs in `current`;
-    option dataclasses and dicts on both sides are compared option by option ("grpo.top_p"). Names starting
-    with "_" are Lightning's bookkeeping (`_instantiator`), not options."""
-    rows = []
-    for key, theirs in saved.items():
-        if key.startswith("_"):
-            continue
-        theirs, ours = plain_options(theirs), plain_options(current.get(key))
-        if isinstance(theirs, dict) and isinstance(ours, dict):
-            rows += option_differences(theirs, ours, f"{prefix}{key}.")
-        elif theirs != ours:
-            rows.append((prefix + key, theirs, ours))
-    return rows
-
-
-def plain_options(value: object) -> object:
-    """An option dataclass as a dict (nested), anything else as it is."""
-    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
-
-
-def check_options(options: object, rules: dict[str, Rule]) -> None:
-    """Raise `option_error` for the first option of the dataclass `options` that breaks its rule."""
-    for field in fields(options):
-        value = getattr(options, field.name)
-        problem = rules[field.name].problem(value)
-        if problem is not None:
-            raise option_error(options, field.name, value, problem)
+# The option machinery lives in `options`; these names stay importable from here.
+__all__ = [
+    "GRPOConfig",
+    "GRPO_RULES",
+    "Rule",
+    "check_options",
+    "option_differences",
+    "option_error",
+    "plain_options",
+]
 
 
 @dataclass
@@ -279,12 +182,7 @@ class GRPOConfig:
         if self.use_kl_in_reward and self.beta == 0:
             raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
         if self.kl_estimator == "k1" and self.beta > 0 and not self.use_kl_in_reward:
-            raise bad(
-                "kl_estimator",
-                "k1",
-                "in the loss (beta > 0 without use_kl_in_reward) its gradient has mean zero and regularises "
-                "nothing: use 'k2' or 'k3', or use_kl_in_reward: true",
-            )
+            raise bad("kl_estimator", "k1", K1_IN_LOSS)
 
 
 GRPO_RULES = {
@@ -305,7 +203,7 @@ GRPO_RULES = {
     "advantage_clip": Rule(float, "> 0", none=True),
     "step_credit": Rule(float, ">= 0", why="it is subtracted from the advantage"),
     "loss_type": Rule(str, choices=LOSS_TYPES),
-    "importance_sampling_level": Rule(str, choices=("token", "sequence")),
+    "importance_sampling_level": Rule(str, choices=IMPORTANCE_SAMPLING_LEVELS),
     "epsilon": Rule(float, "> 0"),
     "epsilon_high": Rule(float, "> 0", none=True),
     "delta": Rule(float, "> 1", none=True),

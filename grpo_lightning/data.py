@@ -14,11 +14,13 @@ import json
 import os
 import random
 import warnings
+from collections.abc import Mapping, Sequence
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from grpo_lightning.options import Rule, check_value
 from grpo_lightning.resume import ResumableSampler
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -189,11 +191,21 @@ def collate_rows(rows: list[Row], system_prompt: str | None) -> dict[str, list]:
     return batch
 
 
-def _positive(name: str, value: int | None, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"data.{name}={value!r}: must be an integer >= {minimum}")
+DATA_RULES = {
+    "val_split": Rule(str, choices=("holdout", "test")),
+    "batch_size": Rule(int, ">= 1"),
+    "val_batch_size": Rule(int, ">= 1"),
+    "val_size": Rule(int, ">= 0"),
+    "train_size": Rule(int, ">= 1", none=True),
+    "num_workers": Rule(int, ">= 0"),
+    "arithmetic_size": Rule(int, ">= 1"),
+}
+
+
+def check_data_options(hparams: Mapping, names: Sequence[str]) -> None:
+    """Raise `option_error` ("data.<name>=...") for the first of `names` whose value breaks its rule."""
+    for name in names:
+        check_value("data", name, hparams[name], DATA_RULES[name])
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -253,15 +265,10 @@ class PromptDataModule(L.LightningDataModule):
         one-line message into a page of jsonargparse's own.
         """
         hp = self.hparams
-        if hp.val_split not in ("holdout", "test"):
-            raise ValueError(f"data.val_split={hp.val_split!r}: must be 'holdout' or 'test'")
+        check_data_options(hp, ["val_split"])
         if not isinstance(hp.source, str) or not hp.source.strip():
             raise ValueError(f"data.source={hp.source!r}: name a hub data set, a folder or a file")
-        _positive("batch_size", hp.batch_size)
-        _positive("val_batch_size", hp.val_batch_size)
-        _positive("val_size", hp.val_size, minimum=0)
-        _positive("train_size", hp.train_size, allow_none=True)
-        _positive("num_workers", hp.num_workers, minimum=0)
+        check_data_options(hp, ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"])
 
     @property
     def answer_column(self) -> str:
@@ -471,7 +478,7 @@ class GSM8KDataModule(PromptDataModule):
 
     def check_options(self) -> None:
         super().check_options()
-        _positive("arithmetic_size", self.hparams.arithmetic_size)
+        check_data_options(self.hparams, ["arithmetic_size"])
 
     @property
     def answer_column(self) -> str:

@@ -20,6 +20,8 @@ References:
 import torch
 from torch import Tensor
 
+from grpo_lightning.options import Rule, check_value
+
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "loo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -31,9 +33,23 @@ MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
 CISPO_EPSILON_HIGH = 5.0  # cispo's cap of the IS weight when epsilon_high is unset: TRL's recommended value
 
 
-def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"Invalid {name}={value!r}; allowed values are {', '.join(map(repr, allowed))}.")
+# k1 = log pi - log pi_ref has the gradient grad log pi, of mean zero under the policy: in the loss it
+# regularises nothing. Refused by `GRPOConfig` and `grpo_loss` alike, with this reason.
+K1_IN_LOSS = (
+    "in the loss (beta > 0 without use_kl_in_reward) its gradient, grad log pi, has mean zero: it "
+    "regularises nothing. Use 'k2' (the KL's own gradient) or 'k3' in the loss, or keep k1 and move the KL "
+    "into the reward (use_kl_in_reward: true, as verl)"
+)
+
+
+# The string arguments of this file's functions, checked as the options they come from.
+ARGUMENT_RULES = {
+    "scale": Rule(str, choices=SCALES),
+    "baseline": Rule(str, choices=BASELINES),
+    "kl_estimator": Rule(str, choices=KL_ESTIMATORS),
+    "loss_type": Rule(str, choices=LOSS_TYPES),
+    "importance_sampling_level": Rule(str, choices=IMPORTANCE_SAMPLING_LEVELS),
+}
 
 
 def group_advantages(
@@ -57,8 +73,8 @@ def group_advantages(
     Returns:
         ``[N * G]`` advantages. A group whose rewards are all equal gets exactly 0.
     """
-    _check_option("scale", scale, SCALES)
-    _check_option("baseline", baseline, BASELINES)
+    check_value("group_advantages", "scale", scale, ARGUMENT_RULES["scale"])
+    check_value("group_advantages", "baseline", baseline, ARGUMENT_RULES["baseline"])
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N * group_size], got shape {tuple(rewards.shape)}.")
     if group_size < 2:
@@ -107,7 +123,7 @@ def kl_penalty(
     Returns:
         ``[B, T]`` per-token KL estimates (padding positions are not masked).
     """
-    _check_option("estimator", estimator, KL_ESTIMATORS)
+    check_value("kl_penalty", "estimator", estimator, ARGUMENT_RULES["kl_estimator"])
     log_ratio = (ref_logprobs - logprobs).clamp(-max_log_ratio, max_log_ratio)  # [B, T]
     if estimator == "k1":
         return -log_ratio
@@ -237,17 +253,18 @@ def grpo_loss(
         sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
         ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
     """
-    _check_option("loss_type", loss_type, LOSS_TYPES)
-    _check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    _check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_value("grpo_loss", "loss_type", loss_type, ARGUMENT_RULES["loss_type"])
+    check_value(
+        "grpo_loss",
+        "importance_sampling_level",
+        importance_sampling_level,
+        ARGUMENT_RULES["importance_sampling_level"],
+    )
+    check_value("grpo_loss", "kl_estimator", kl_estimator, ARGUMENT_RULES["kl_estimator"])
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
     if beta != 0.0 and kl_estimator == "k1":
-        raise ValueError(
-            "kl_estimator='k1' in the loss has a gradient of mean zero (grad k1 = grad log pi): it "
-            "regularises nothing. Use 'k2' (the KL's own gradient) or 'k3' in the loss, or keep k1 and move "
-            "the KL into the reward (GRPOConfig.use_kl_in_reward=True, as verl)."
-        )
+        raise ValueError(f"kl_estimator='k1': {K1_IN_LOSS}")
     if entropy_coef != 0.0 and entropies is None:
         raise ValueError(f"entropies are required when entropy_coef != 0 (entropy_coef={entropy_coef}).")
     if loss_type == "dr_grpo" and max_completion_length is None:

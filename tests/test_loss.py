@@ -153,8 +153,8 @@ def test_advantage_clip() -> None:
         (torch.ones(6), 1, {}, "at least 2"),
         (torch.tensor([1.0, float("nan")]), 2, {}, "non-finite"),
         (torch.tensor([1.0, float("inf")]), 2, {}, "non-finite"),
-        (torch.ones(4), 2, {"scale": "std"}, "scale='std'.*'group', 'batch', 'none'"),
-        (torch.ones(4), 2, {"baseline": "median"}, "baseline='median'.*'mean', 'loo'"),
+        (torch.ones(4), 2, {"scale": "std"}, "scale='std': must be one of group, batch, none"),
+        (torch.ones(4), 2, {"baseline": "median"}, "baseline='median': must be one of mean, loo"),
         (torch.ones(4), 2, {"clip": 0.0}, "clip"),
     ],
 )
@@ -227,7 +227,7 @@ def test_kl_penalty_formula(estimator: str) -> None:
 def test_kl_penalty_clamps_and_validates() -> None:
     kl = kl_penalty(torch.tensor([[-1e4, 0.0]]), torch.tensor([[0.0, -1e4]]), "k3", max_log_ratio=20.0)
     torch.testing.assert_close(kl, torch.tensor([[math.exp(20) - 21, math.exp(-20) + 19]]))
-    with pytest.raises(ValueError, match="estimator='k4'.*'k1', 'k2', 'k3'"):
+    with pytest.raises(ValueError, match="estimator='k4': must be one of k1, k2, k3"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
 
 
@@ -403,8 +403,11 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"loss_type": "ppo"}, "loss_type='ppo'.*'grpo', 'bnpo', 'dapo', 'dr_grpo', 'cispo'"),
-        ({"importance_sampling_level": "batch"}, "importance_sampling_level='batch'.*'token', 'sequence'"),
+        ({"loss_type": "ppo"}, "loss_type='ppo': must be one of grpo, bnpo, dapo, dr_grpo, cispo"),
+        (
+            {"importance_sampling_level": "batch"},
+            "importance_sampling_level='batch': must be one of token, sequence",
+        ),
         ({"kl_estimator": "k5"}, "kl_estimator='k5'"),
         ({"beta": 0.1, "ref_logprobs": None}, "ref_logprobs"),
         ({"entropy_coef": 0.1, "entropies": None}, "entropies"),
