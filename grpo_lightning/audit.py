@@ -5,32 +5,94 @@ can earn without the answer shows before training starts.
 - `audit_reward_funcs` / `AuditReport`: the audit of any reward functions, and its table;
 - `audit_module_rewards`: the audit of a module's `reward_funcs` on data rows (for `cli.py audit` and the
   pre-flight);
-- `RewardAuditCallback`: the audit at the start of `fit`, a warning with the table when it is not perfect.
+- `audit_rewards`: the mean reward of each function per case, the audit's raw numbers.
+
+No Lightning here: the callback that runs the audit when `fit` starts is `audit_callback.RewardAuditCallback`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.rewards import audit_rewards
+from grpo_lightning.deprecation import moved_names
+from grpo_lightning.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
+from grpo_lightning.scoring import RewardInputs, call_reward
 
 __all__ = [
     "AUDIT_CASES",
     "AuditReport",
-    "RewardAuditCallback",
     "audit_module_rewards",
     "audit_reward_funcs",
+    "audit_rewards",
     "auditable",
 ]
 
 
 AUDIT_CASES = ("reference", "wrong_number", "two_answers", "no_answer")
+
+
+def _corruptions(solution: str) -> dict[str, str]:
+    """The reference solution and corrupted copies that any sound reward must score differently."""
+    reference = Fraction(reference_answer(solution))
+    wrong = canonical_number(reference + 1)
+    reasoning = solution.rpartition("####")[0].rstrip()
+    return {
+        "reference": solution,
+        # The correct number usually still appears in the reasoning: only the final answer is wrong.
+        "wrong_number": f"{reasoning}\n#### {wrong}",
+        "two_answers": f"{solution}\n#### {wrong}",
+        "no_answer": re.sub(r"\d", "N", CALCULATOR_RE.sub("", reasoning)),
+    }
+
+
+def audit_rewards(
+    reward_funcs: Sequence[Callable[..., Sequence[float | None]]],
+    questions: Sequence[str],
+    answers: Sequence[str],
+    prompts: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+) -> dict[str, dict[str, float]]:
+    """Mean reward of each function on reference solutions and on corrupted copies of them.
+
+    `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
+    itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
+    appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
+    training (`grpo_lightning.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
+    prompts, by default each question as a user message (so completions arrive as chat messages);
+    `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
+    accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all
+    None gives nan. Returns `{reward_name: {case: mean}}`.
+    """
+    if len(questions) != len(answers):
+        raise ValueError(f"got {len(questions)} questions but {len(answers)} answers")
+    if not answers:
+        raise ValueError("the reward audit needs at least one row")
+    if prompts is None:
+        prompts = [[{"role": "user", "content": q}] for q in questions]
+    cases = [_corruptions(a) for a in answers]
+    columns = {"question": list(questions), "answer": list(answers)}
+    result: dict[str, dict[str, float]] = {}
+    for fn in reward_funcs:
+        means = {}
+        for case in AUDIT_CASES:
+            completions = [c[case] for c in cases]
+            ids = None if tokenizer is None else tokenizer(completions, add_special_tokens=False)["input_ids"]
+            inputs = RewardInputs(list(prompts), completions, ids, columns)
+            try:
+                rewards = call_reward(fn, inputs)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err} (in the reward audit, {case} case)") from err
+            scored = [r for r in rewards if r is not None]
+            means[case] = sum(scored) / len(scored) if scored else float("nan")
+        result[reward_name(fn)] = means
+    return result
 
 
 @dataclass
@@ -113,7 +175,7 @@ def auditable(rows: Sequence[dict]) -> bool:
     )
 
 
-def audit_module_rewards(pl_module: L.LightningModule, rows: Sequence[dict]) -> AuditReport:
+def audit_module_rewards(pl_module: Any, rows: Sequence[dict]) -> AuditReport:
     """`audit_reward_funcs` on data rows with a module's `reward_funcs` (and `reward_weights`, if any), the
     rows' own prompts when they have them and the module's tokenizer for `completion_ids`."""
     if not auditable(rows):
@@ -132,20 +194,5 @@ def audit_module_rewards(pl_module: L.LightningModule, rows: Sequence[dict]) -> 
     )
 
 
-class RewardAuditCallback(L.Callback):
-    """Before training, audits the module's `reward_funcs` (and `reward_weights`) on the first `num_rows`
-    training rows of the data module (`train_rows`, as `GSM8KDataModule` has); warns with the table when
-    the audit is not perfect."""
-
-    def __init__(self, num_rows: int = 200) -> None:
-        self.num_rows = num_rows
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        rows = getattr(trainer.datamodule, "train_rows", None)
-        if not rows or not auditable(rows[: self.num_rows]) or not trainer.is_global_zero:
-            return
-        report = audit_module_rewards(pl_module, rows[: self.num_rows])
-        if report.perfect:
-            rank_zero_info(f"reward audit on {report.num_rows} reference solutions: OK")
-        else:
-            rank_zero_warn("the reward audit is not perfect:\n" + report.table())
+# The callback lived here in 0.1.0.
+__getattr__ = moved_names(__name__, {"RewardAuditCallback": "grpo_lightning.audit_callback"})

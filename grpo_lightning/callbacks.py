@@ -19,7 +19,7 @@ __getattr__ = moved_names(
         "prompt_text": "grpo_lightning.monitoring",
         "AUDIT_CASES": "grpo_lightning.audit",
         "AuditReport": "grpo_lightning.audit",
-        "RewardAuditCallback": "grpo_lightning.audit",
+        "RewardAuditCallback": "grpo_lightning.audit_callback",
         "audit_module_rewards": "grpo_lightning.audit",
         "audit_reward_funcs": "grpo_lightning.audit",
         "auditable": "grpo_lightning.audit",

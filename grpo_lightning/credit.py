@@ -16,9 +16,24 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.deprecation import moved_names
-from grpo_lightning.steps import step_token_penalties, wrong_step_spans
+from grpo_lightning.steps import wrong_step_spans
 
-__all__ = ["step_credit_penalties", "token_char_spans"]
+__all__ = ["step_credit_penalties", "step_token_penalties", "token_char_spans"]
+
+
+def step_token_penalties(text_offsets: list[tuple[int, int]], text: str, penalty: float) -> list[float]:
+    """Token-level credit: ``-penalty`` for each token that overlaps a wrong step, ``0.0`` elsewhere.
+
+    ``text_offsets`` are the completion tokens' character offsets into ``text``, as returned by a Hugging
+    Face fast tokenizer with ``return_offsets_mapping=True``. A token overlaps a span when they share at
+    least one character, so a number split over several tokens is penalised as a whole; empty offsets
+    (special tokens, ``(0, 0)``) never overlap. The result can be added to per-token advantages.
+    """
+    spans = wrong_step_spans(text)
+    return [
+        -penalty if any(start < span_end and span_start < end for span_start, span_end in spans) else 0.0
+        for start, end in text_offsets
+    ]
 
 
 def token_char_spans(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) -> list[tuple[int, int]]:

@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from grpo_lightning.deprecation import moved_names
+
 __all__ = [
     "LengthPenalty",
     "accuracy_reward",
-    "audit_rewards",
     "completion_text",
     "extract_answer",
     "format_reward",
@@ -49,7 +50,7 @@ _NUMBER_RE = re.compile(
     r"(?:\d+/\d+(?!\d|[.,]\d)|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
 )
 # GSM8K calculator annotations `<<48/2=24>>`: the result always follows them, so they only add noise.
-_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
+CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 # End-of-text markers of common chat templates, which may trail a decoded completion.
 _SPECIAL_TOKEN_RE = re.compile(r"<\|[^|<>\s]+\|>|</s>|<eos>|<end_of_turn>")
 _LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -66,7 +67,7 @@ _SENTENCE_END_RE = re.compile(r"\n|[.!?;](?=\s|$)")
 _FINAL_LINE_RE = re.compile(r"[ \t]*####(?P<value>[^\n]*)")
 
 
-def _canonical(value: Fraction) -> str:
+def canonical_number(value: Fraction) -> str:
     """Unique text of a rational: a plain decimal when it terminates (`0.5`, `-3`), else `p/q`."""
     den = value.denominator
     twos = fives = 0
@@ -114,7 +115,7 @@ def normalize_number(text: str) -> str | None:
     Equal numbers always get the same string, so comparing strings compares values.
     """
     value = _to_fraction(text)
-    return None if value is None else _canonical(value)
+    return None if value is None else canonical_number(value)
 
 
 def reference_answer(answer: str) -> str:
@@ -131,7 +132,7 @@ def reference_answer(answer: str) -> str:
 
 def _clean(text: str) -> str:
     """Remove markup that would hide or split numbers: calculator annotations, end tokens, LaTeX, bold."""
-    text = _CALCULATOR_RE.sub("", text)
+    text = CALCULATOR_RE.sub("", text)
     text = _SPECIAL_TOKEN_RE.sub(" ", text)
     text = _LATEX_FRAC_RE.sub(r"\1/\2", text)
     text = _LATEX_TEXT_RE.sub(r"\1", text)
@@ -309,60 +310,5 @@ def reward_name(fn: Callable[..., Any]) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", type(fn).__name__).lower()
 
 
-def _corruptions(solution: str) -> dict[str, str]:
-    """The reference solution and corrupted copies that any sound reward must score differently."""
-    reference = Fraction(reference_answer(solution))
-    wrong = _canonical(reference + 1)
-    reasoning = solution.rpartition("####")[0].rstrip()
-    return {
-        "reference": solution,
-        # The correct number usually still appears in the reasoning: only the final answer is wrong.
-        "wrong_number": f"{reasoning}\n#### {wrong}",
-        "two_answers": f"{solution}\n#### {wrong}",
-        "no_answer": re.sub(r"\d", "N", _CALCULATOR_RE.sub("", reasoning)),
-    }
-
-
-def audit_rewards(
-    reward_funcs: Sequence[Callable[..., Sequence[float | None]]],
-    questions: Sequence[str],
-    answers: Sequence[str],
-    prompts: Sequence[Any] | None = None,
-    tokenizer: Any = None,
-) -> dict[str, dict[str, float]]:
-    """Mean reward of each function on reference solutions and on corrupted copies of them.
-
-    `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
-    itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
-    appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
-    training (`grpo_lightning.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
-    prompts, by default each question as a user message (so completions arrive as chat messages);
-    `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
-    accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all
-    None gives nan. Returns `{reward_name: {case: mean}}`.
-    """
-    from grpo_lightning.scoring import RewardInputs, call_reward  # scoring imports this module
-
-    if len(questions) != len(answers):
-        raise ValueError(f"got {len(questions)} questions but {len(answers)} answers")
-    if not answers:
-        raise ValueError("the reward audit needs at least one row")
-    if prompts is None:
-        prompts = [[{"role": "user", "content": q}] for q in questions]
-    cases = [_corruptions(a) for a in answers]
-    columns = {"question": list(questions), "answer": list(answers)}
-    result: dict[str, dict[str, float]] = {}
-    for fn in reward_funcs:
-        means = {}
-        for case in ("reference", "wrong_number", "two_answers", "no_answer"):
-            completions = [c[case] for c in cases]
-            ids = None if tokenizer is None else tokenizer(completions, add_special_tokens=False)["input_ids"]
-            inputs = RewardInputs(list(prompts), completions, ids, columns)
-            try:
-                rewards = call_reward(fn, inputs)
-            except RuntimeError as err:
-                raise RuntimeError(f"{err} (in the reward audit, {case} case)") from err
-            scored = [r for r in rewards if r is not None]
-            means[case] = sum(scored) / len(scored) if scored else float("nan")
-        result[reward_name(fn)] = means
-    return result
+# The audit lived here in 0.1.0; it is now with its cases and report in `audit`.
+__getattr__ = moved_names(__name__, {"audit_rewards": "grpo_lightning.audit"})

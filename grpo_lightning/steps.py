@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from grpo_lightning.deprecation import moved_names
+from grpo_lightning.rewards import completion_text
+
 
 @dataclass(frozen=True)
 class Step:
@@ -408,26 +411,6 @@ def wrong_step_spans(text: str) -> list[tuple[int, int]]:
     return [(s.start, s.end) for s in find_steps(text) if not s.correct]
 
 
-def step_token_penalties(text_offsets: list[tuple[int, int]], text: str, penalty: float) -> list[float]:
-    """Token-level credit: ``-penalty`` for each token that overlaps a wrong step, ``0.0`` elsewhere.
-
-    ``text_offsets`` are the completion tokens' character offsets into ``text``, as returned by a Hugging
-    Face fast tokenizer with ``return_offsets_mapping=True``. A token overlaps a span when they share at
-    least one character, so a number split over several tokens is penalised as a whole; empty offsets
-    (special tokens, ``(0, 0)``) never overlap. The result can be added to per-token advantages.
-    """
-    spans = wrong_step_spans(text)
-    return [
-        -penalty if any(start < span_end and span_start < end for span_start, span_end in spans) else 0.0
-        for start, end in text_offsets
-    ]
-
-
-def _completion_text(completion: Any) -> str:
-    """TRL passes plain strings, or for conversational data a list of ``{"role", "content"}`` messages."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
 class StepReward:
     """TRL-style reward: the fraction of verified steps in each completion.
 
@@ -448,7 +431,11 @@ class StepReward:
 
     def __call__(self, completions: list[Any], **kwargs: Any) -> list[float | None]:
         """Score each completion; extra dataset columns (``answer``, ``prompts``...) are ignored."""
-        return [self.score(_completion_text(c)) for c in completions]
+        return [self.score(completion_text(c)) for c in completions]
 
 
 step_reward = StepReward()
+
+
+# Lived here in 0.1.0, beside the verifier; now beside the step credit that uses it.
+__getattr__ = moved_names(__name__, {"step_token_penalties": "grpo_lightning.credit"})

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.audit import RewardAuditCallback
+from grpo_lightning.audit_callback import RewardAuditCallback
 from grpo_lightning.cli import main
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule

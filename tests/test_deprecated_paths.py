@@ -34,11 +34,11 @@ MOVED = (
             "audit": [
                 "AUDIT_CASES",
                 "AuditReport",
-                "RewardAuditCallback",
                 "audit_module_rewards",
                 "audit_reward_funcs",
                 "auditable",
             ],
+            "audit_callback": ["RewardAuditCallback"],
             "export": ["ExportBestCallback"],
             "sampling": ["stop_token_ids"],
         }.items()
@@ -49,6 +49,8 @@ MOVED = (
         for name in ("GroupBuffer", "ScoredGroups", "cat_rollouts", "informative_groups")
     ]
     + [("credit", "kl_in_reward", "loss")]
+    + [("audit", "RewardAuditCallback", "audit_callback"), ("rewards", "audit_rewards", "audit")]
+    + [("steps", "step_token_penalties", "credit")]
 )
 
 

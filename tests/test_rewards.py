@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo_lightning.audit import audit_rewards
 from grpo_lightning.rewards import (
     LengthPenalty,
     accuracy_reward,
-    audit_rewards,
     extract_answer,
     format_reward,
     normalize_number,

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo_lightning.credit import step_token_penalties
 from grpo_lightning.steps import (
     MAX_DEPTH,
     Step,
     StepReward,
     find_steps,
     step_reward,
-    step_token_penalties,
     wrong_step_spans,
 )
 

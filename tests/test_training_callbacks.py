@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, GenerationConfig
 
-from grpo_lightning.audit import RewardAuditCallback, audit_reward_funcs
+from grpo_lightning.audit import audit_reward_funcs
+from grpo_lightning.audit_callback import RewardAuditCallback
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.evaluation import GSM8KAccuracyCallback
