@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from jsonargparse import Namespace
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
@@ -40,6 +40,9 @@ from grpo_lightning.smollm2 import export_smollm2, smollm2_missing
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
+# The option dataclasses document each field under its declaration: `--help` and `--print_config` show it.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 EXIT_CTRL_C = 128 + signal.SIGINT  # 130
 # Options that decide the shapes of the checkpoint's weights: never taken from the command line on resume.

@@ -30,143 +30,145 @@ __all__ = [
 class GRPOConfig:
     """Options of the GRPO algorithm (defaults follow TRL's `GRPOConfig` where both have the option).
 
-    Each option is checked when the config is built, against its rule in `GRPO_RULES`.
-
-    Sampling:
-        num_generations: completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300,
-            sec. 4.1.2). Default 8. Must be >= 2: advantages are relative to the group.
-        max_completion_length: new tokens per completion. Default 256.
-        min_completion_length: EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`);
-            equal to `max_completion_length` it fixes the length, as benchmarks need. Default 0. Above 0
-            the first tokens are drawn without EOS while the loss scores them under the raw policy, so the
-            importance ratio there is off-policy by the EOS probability: keep 0 for training runs.
-        max_prompt_length: prompt tokens kept; longer prompts are cut from the left. None keeps all.
-            Default 512.
-        truncate_prompts: what to do with a prompt over `max_prompt_length`: "left" (cut its start, with a
-            warning) or "error". Default "left".
-        temperature / top_p / top_k: sampling (temperature > 0, top_p in (0, 1]); top_k 0 disables it.
-            Defaults 1.0 / 1.0 / 0. The same temperature scales the logits of the log-probs, as the sampler
-            saw them.
-        dynamic_sampling: drop the groups whose completions all got the same reward (they carry no
-            gradient) and sample the next batches' prompts until an update has one informative group per
-            prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer
-            step, so `max_steps` still counts updates. Logs `train/dynamic_sampling/frac_dropped` and
-            `train/dynamic_sampling/extra_rounds`. Default False.
-        dynamic_sampling_metric: the reward function (by name, as logged under `train/rewards/<name>`)
-            whose values decide whether a group carries signal, as the DAPO paper filters on accuracy
-            (verl: `algorithm.filter_groups.metric=acc`); None filters on the weighted total of the reward
-            functions, before any KL in the reward. With a shaped total such as accuracy + format, an
-            all-wrong group that differs only in format passes a total-reward filter, and updates made
-            of such groups can teach the format while accuracy falls (BENCHMARKS.md measured it).
-            Default "accuracy_reward".
-        dynamic_sampling_max_rounds: extra generation rounds an update may wait for; after them it is
-            topped up with uninformative groups (verl's DAPO recipe stops with an error after 10 rounds,
-            `max_num_gen_batches=10`). Default 9.
-
-    Advantages:
-        scale_rewards: "group" divides the centred reward by the group's std (GRPO), "batch" by the batch's
-            (Hu et al., REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
-            Default "group".
-        baseline: "mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740). Default "mean".
-        advantage_clip: clamp advantages to [-c, c]. Default None (no clipping).
-        step_credit: token-level credit for wrong steps: each generated token that writes part of an
-            arithmetic claim that does not verify (`grpo_lightning.steps`, e.g. "3 + 4 = 8") gets this
-            much subtracted from its completion's outcome advantage, making the advantages [B, T]
-            (process supervision at the step, as Lightman et al. arXiv:2305.20050 and Math-Shepherd
-            arXiv:2312.08935 assign it, from a verifier instead of a learned reward model). Default 0.0 (off).
-
-    Loss:
-        loss_type: "grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token
-            mean over the batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max),
-            arXiv:2503.20783), "cispo" (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
-            Default "dapo".
-        importance_sampling_level: "token" or "sequence" (GSPO, arXiv:2507.18071). Default "token".
-        epsilon: lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347). Default 0.2.
-        epsilon_high: upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the
-            IS weight). Default None = epsilon, or for cispo 5.0 (TRL's recommended value, ScaleRL
-            arXiv:2510.13786; TRL itself falls back to epsilon, a cap of 0.2 that shrinks every weight).
-        delta: cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291). Default None.
-        beta: weight of the KL penalty to the frozen reference; 0 loads no reference at all. Default 0.0
-            (as TRL and DAPO; DeepSeekMath used 0.04).
-        kl_estimator: "k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). Default "k3".
-            In the loss (beta > 0 without use_kl_in_reward) k1 is refused when the config is built: its
-            gradient, grad log pi, has mean zero under the policy, so it regularises nothing; k2's gradient
-            is the KL's own, k3's the reverse KL's. k1 is for use_kl_in_reward.
-        use_kl_in_reward: put the KL in the reward instead of the loss, as verl's
-            `algorithm.use_kl_in_reward`: reward_i -= beta * sum over the completion's tokens of the
-            `kl_estimator` estimate (sampling policy vs reference), before the advantages; the loss then
-            has no KL term. Needs beta > 0. verl pairs it with k1 (`algorithm.kl_penalty: kl`): set
-            kl_estimator "k1" to match. Default False.
-        entropy_coef: weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty).
-            Default 0.0.
-        num_iterations: optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With
-            mu > 1 the sampling-time log-probs are kept as the old policy's. Default 1.
-        mask_truncated_completions: drop completions that never stopped from the loss (DAPO sec. 3.4).
-            Default False.
-
-    Speed:
-        share_prompt: encode each prompt once per group instead of once per completion, in generation
-            (one prefill per prompt, its KV cache repeated to the G rows) and in the reference, old-policy
-            and policy passes (the G completions attend to one prompt pass, whose gradient sums theirs);
-            Prefix Grouper, arXiv:2506.05433. Same log-probs and gradients up to rounding
-            (tests/test_share_prompt.py). A model that cannot share (attention without a KV cache,
-            sliding-window layers, gradient checkpointing in transformers < 5) keeps the unshared path,
-            with a warning. Default True.
-
-    Optimisation:
-        learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
-        weight_decay: AdamW weight decay. Default 0.0.
-        warmup_steps: linear warm-up optimizer steps, then constant. Default 0.
-        max_grad_norm: gradient clipping by global norm, > 0; None disables. Default 1.0.
-        micro_batch_size: sequences per forward/backward; the rollout of prompts x G sequences is split
-            and the gradients accumulated, with the loss normalised over the whole rollout. Default None
-            (all at once).
-        max_bad_steps: stop after this many consecutive steps whose loss is not finite (each is skipped).
-            Default 3.
-
-    Logging:
-        log_completions_every: steps between TensorBoard text panels of sample completions; 0 disables.
-            Default 50.
-        preflight: before the first step, sample a few completions and report the effective batch, the
-            share cut off by `max_completion_length`, the reward audit and LoRA's input gradients in one
-            block (`grpo_lightning.preflight`). Default True.
+    Each option is documented under its declaration (`--help` and `--print_config` show it) and checked
+    when the config is built, against its rule in `GRPO_RULES`.
     """
 
+    # -------------------------------------------------------------------------------------------- sampling
     num_generations: int = 8
+    """Completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300, sec. 4.1.2). Must be
+    >= 2: advantages are relative to the group.
+    """
     max_completion_length: int = 256
+    """New tokens per completion."""
     min_completion_length: int = 0
+    """EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`); equal to
+    `max_completion_length` it fixes the length, as benchmarks need. Above 0 the first tokens are drawn
+    without EOS while the loss scores them under the raw policy, so the importance ratio there is
+    off-policy by the EOS probability: keep 0 for training runs.
+    """
     max_prompt_length: int | None = 512
+    """Prompt tokens kept; longer prompts are cut from the left. None keeps all."""
     truncate_prompts: str = "left"
+    """What to do with a prompt over `max_prompt_length`: "left" (cut its start, with a warning) or "error".
+    """
     temperature: float = 1.0
+    """Sampling temperature, > 0. The same temperature scales the logits of the log-probs, as the sampler saw
+    them.
+    """
     top_p: float = 1.0
+    """Nucleus sampling: draw from the most likely tokens whose probabilities sum to top_p, in (0, 1]; 1.0
+    disables it.
+    """
     top_k: int = 0
+    """Draw from the k most likely tokens only; 0 disables it."""
     dynamic_sampling: bool = False
+    """Drop the groups whose completions all got the same reward (they carry no gradient) and sample the next
+    batches' prompts until an update has one informative group per prompt of a batch (DAPO,
+    arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer step, so `max_steps` still
+    counts updates. Logs `train/dynamic_sampling/frac_dropped` and `train/dynamic_sampling/extra_rounds`.
+    """
     dynamic_sampling_max_rounds: int = 9
+    """Extra generation rounds an update may wait for; after them it is topped up with uninformative groups
+    (verl's DAPO recipe stops with an error after 10 rounds, `max_num_gen_batches=10`).
+    """
     dynamic_sampling_metric: str | None = "accuracy_reward"
+    """The reward function (by name, as logged under `train/rewards/<name>`) whose values decide whether a
+    group carries signal, as the DAPO paper filters on accuracy (verl:
+    `algorithm.filter_groups.metric=acc`); None filters on the weighted total of the reward functions,
+    before any KL in the reward. With a shaped total such as accuracy + format, an all-wrong group that
+    differs only in format passes a total-reward filter, and updates made of such groups can teach the
+    format while accuracy falls (BENCHMARKS.md measured it).
+    """
+    # ------------------------------------------------------------------------------------------ advantages
     scale_rewards: str = "group"
+    """"group" divides the centred reward by the group's std (GRPO), "batch" by the batch's (Hu et al.,
+    REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
+    """
     baseline: str = "mean"
+    """"mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740)."""
     advantage_clip: float | None = None
+    """Clamp advantages to [-c, c]. None: no clipping."""
     step_credit: float = 0.0
+    """Token-level credit for wrong steps: each generated token that writes part of an arithmetic claim that
+    does not verify (`grpo_lightning.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
+    completion's outcome advantage, making the advantages [B, T] (process supervision at the step, as
+    Lightman et al. arXiv:2305.20050 and Math-Shepherd arXiv:2312.08935 assign it, from a verifier instead
+    of a learned reward model). 0.0 turns it off.
+    """
+    # ------------------------------------------------------------------------------------------------ loss
     loss_type: str = "dapo"
+    """"grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token mean over the
+    batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max), arXiv:2503.20783), "cispo"
+    (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
+    """
     importance_sampling_level: str = "token"
+    """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
     epsilon: float = 0.2
+    """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
     epsilon_high: float | None = None
+    """Upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the IS weight). None means
+    epsilon, or for cispo 5.0 (TRL's recommended value, ScaleRL arXiv:2510.13786; TRL itself falls back to
+    epsilon, a cap of 0.2 that shrinks every weight).
+    """
     delta: float | None = None
+    """Cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291)."""
     beta: float = 0.0
+    """Weight of the KL penalty to the frozen reference; 0 loads no reference at all. 0.0 as TRL and DAPO
+    (DeepSeekMath used 0.04).
+    """
     kl_estimator: str = "k3"
+    """"k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). In the loss (beta > 0 without
+    use_kl_in_reward) k1 is refused when the config is built: its gradient, grad log pi, has mean zero
+    under the policy, so it regularises nothing; k2's gradient is the KL's own, k3's the reverse KL's. k1
+    is for use_kl_in_reward.
+    """
     use_kl_in_reward: bool = False
+    """Put the KL in the reward instead of the loss, as verl's `algorithm.use_kl_in_reward`: reward_i -= beta
+    * sum over the completion's tokens of the `kl_estimator` estimate (sampling policy vs reference),
+    before the advantages; the loss then has no KL term. Needs beta > 0. verl pairs it with k1
+    (`algorithm.kl_penalty: kl`): set kl_estimator "k1" to match.
+    """
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty)."""
     num_iterations: int = 1
+    """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With mu > 1 the
+    sampling-time log-probs are kept as the old policy's.
+    """
     mask_truncated_completions: bool = False
+    """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
+    # ---------------------------------------------------------------------------------------- optimisation
     learning_rate: float = 1e-6
+    """AdamW learning rate; 1e-6 is TRL's GRPO default."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 0
+    """Linear warm-up optimizer steps, then constant."""
     max_grad_norm: float | None = 1.0
+    """Gradient clipping by global norm, > 0; None disables."""
     micro_batch_size: int | None = None
+    """Sequences per forward/backward; the rollout of prompts x G sequences is split and the gradients
+    accumulated, with the loss normalised over the whole rollout. None: all at once.
+    """
     max_bad_steps: int = 3
+    """Stop after this many consecutive steps whose loss is not finite (each is skipped)."""
+    # ----------------------------------------------------------------------------------------------- speed
     share_prompt: bool = True
+    """Encode each prompt once per group instead of once per completion, in generation (one prefill per
+    prompt, its KV cache repeated to the G rows) and in the reference, old-policy and policy passes (the G
+    completions attend to one prompt pass, whose gradient sums theirs); Prefix Grouper, arXiv:2506.05433.
+    Same log-probs and gradients up to rounding (tests/test_share_prompt.py). A model that cannot share
+    (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
+    keeps the unshared path, with a warning.
+    """
+    # --------------------------------------------------------------------------------------------- logging
     log_completions_every: int = 50
+    """Steps between TensorBoard text panels of sample completions; 0 disables."""
     preflight: bool = True
+    """Before the first step, sample a few completions and report the effective batch, the share cut off by
+    `max_completion_length`, the reward audit and LoRA's input gradients in one block
+    (`grpo_lightning.preflight`).
+    """
 
     def __post_init__(self) -> None:
         check_options(self, GRPO_RULES)

@@ -277,3 +277,35 @@ def test_k1_in_the_loss_is_refused_when_the_config_is_built():
         GRPOConfig(beta=0.04, kl_estimator="k1")
     GRPOConfig(beta=0.04, kl_estimator="k1", use_kl_in_reward=True)  # k1 belongs in the reward
     GRPOConfig(beta=0.0, kl_estimator="k1")  # no KL term at all
+
+
+def field_docstrings(cls: type) -> dict[str, str]:
+    """`{field: docstring}` of the string literals right under each annotated field of `cls`'s source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        node.target.id: " ".join(after.value.value.split())
+        for node, after in zip(body, body[1:], strict=False)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+    }
+
+
+def test_every_option_is_documented_where_it_is_declared_and_shown_by_help():
+    import dataclasses
+
+    from jsonargparse import ArgumentParser
+
+    import grpo_lightning.cli  # noqa: F401  (turns on the attribute docstrings)
+
+    docs = field_docstrings(GRPOConfig)
+    assert set(docs) == {f.name for f in dataclasses.fields(GRPOConfig)}
+    parser = ArgumentParser()
+    parser.add_class_arguments(GRPOConfig, "grpo")
+    shown = " ".join(parser.format_help().split())
+    for name, doc in docs.items():
+        assert doc[:40] in shown, name
