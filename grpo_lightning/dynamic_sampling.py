@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from grpo_lightning.config import GRPOConfig
 from grpo_lightning.sampling import Rollout
 
 __all__ = ["GroupBuffer", "ScoredGroups", "cat_rollouts", "informative_groups"]
@@ -118,6 +119,21 @@ class GroupBuffer:
         self.max_extra_rounds = max_extra_rounds
         self.metric = metric
         self._reset()
+
+    @classmethod
+    def for_config(cls, cfg: GRPOConfig, reward_names: list[str]) -> GroupBuffer:
+        """The buffer of `cfg`'s dynamic sampling, filtering on the reward function its
+        `dynamic_sampling_metric` names (a column of `rewards_per_func`), or on the weighted total."""
+        metric = cfg.dynamic_sampling_metric
+        if not cfg.dynamic_sampling or metric is None:
+            return cls(cfg.dynamic_sampling_max_rounds)
+        if metric not in reward_names:
+            raise ValueError(
+                f"GRPOConfig.dynamic_sampling_metric={metric!r} is not one of the reward functions "
+                f"{reward_names}: name the one that says whether a completion is right, or null for their "
+                "weighted total"
+            )
+        return cls(cfg.dynamic_sampling_max_rounds, reward_names.index(metric))
 
     def _reset(self) -> None:
         self.kept: list[ScoredGroups] = []

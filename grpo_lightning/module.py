@@ -53,6 +53,7 @@ from grpo_lightning.rollout import (
     SamplingSettings,
     check_chat_template,
     micro_batches,
+    warn_if_unteachable,
 )
 from grpo_lightning.sampling import Rollout, stop_token_ids
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
@@ -148,25 +149,13 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        self.group_buffer = GroupBuffer(  # dynamic sampling's waiting groups
-            grpo.dynamic_sampling_max_rounds, self._dynamic_sampling_metric_column()
-        )
+        self.group_buffer = GroupBuffer.for_config(
+            grpo, self.reward_names
+        )  # dynamic sampling's waiting groups
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._rollout_engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
-
-    def _dynamic_sampling_metric_column(self) -> int | None:
-        metric = self.grpo.dynamic_sampling_metric
-        if not self.grpo.dynamic_sampling or metric is None:
-            return None
-        names = [reward_name(fn) for fn in self.reward_funcs]
-        if metric not in names:
-            raise ValueError(
-                f"GRPOConfig.dynamic_sampling_metric={metric!r} is not one of the reward functions {names}: "
-                "name the one that says whether a completion is right, or null for their weighted total"
-            )
-        return names.index(metric)
 
     # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
@@ -471,21 +460,8 @@ class GRPOModule(L.LightningModule):
         return groups, {f"dynamic_sampling/{key}": torch.tensor(value) for key, value in stats.items()}
 
     def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
-        """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
-        if not any(text.strip() for text in completions):
-            eos = stop_token_ids(self.policy, self.tokenizer)
-            warnings.warn(
-                f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
-                f"the chat template and the end-of-sequence ids {eos}",
-                stacklevel=2,
-            )
-        elif bool(rollout.truncated.all()):
-            warnings.warn(
-                f"all {len(completions)} completions of this step reached max_completion_length="
-                f"{self.grpo.max_completion_length} without an end-of-sequence token: answers are cut off "
-                "before their final line; raise grpo.max_completion_length",
-                stacklevel=2,
-            )
+        eos = stop_token_ids(self.policy, self.tokenizer)
+        warn_if_unteachable(rollout, completions, eos, self.grpo.max_completion_length)
 
     def _optimizer_step(
         self, optimizer, trajectory: Trajectory, total_tokens: Tensor, total_sequences: Tensor

@@ -251,3 +251,22 @@ def micro_batches(size: int, micro_batch_size: int | None) -> list[slice]:
     """Row slices of at most `micro_batch_size` rows covering `size` rows (one slice when None)."""
     step = micro_batch_size or size
     return [slice(i, min(i + step, size)) for i in range(0, size, step)]
+
+
+def warn_if_unteachable(
+    rollout: Rollout, completions: list[str], eos_token_ids: Sequence[int], max_new_tokens: int
+) -> None:
+    """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
+    if not any(text.strip() for text in completions):
+        warnings.warn(
+            f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
+            f"the chat template and the end-of-sequence ids {list(eos_token_ids)}",
+            stacklevel=3,
+        )
+    elif bool(rollout.truncated.all()):
+        warnings.warn(
+            f"all {len(completions)} completions of this step reached max_completion_length="
+            f"{max_new_tokens} without an end-of-sequence token: answers are cut off "
+            "before their final line; raise grpo.max_completion_length",
+            stacklevel=3,
+        )
