@@ -24,8 +24,8 @@ from grpo_lightning.distributed import gathered_for_generation
 from grpo_lightning.export import resolve_attr
 from grpo_lightning.metrics import GSM8KAccuracy
 from grpo_lightning.monitoring import logging_step
-from grpo_lightning.resume import preserved_rng
 from grpo_lightning.rewards import extract_answer, reference_answer
+from grpo_lightning.rng import preserved_rng
 from grpo_lightning.rollout import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
 from grpo_lightning.sampling import stop_token_ids
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.checkpoints import register_safe_globals
 from grpo_lightning.config import GRPOConfig, option_differences
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import (
@@ -37,13 +38,9 @@ from grpo_lightning.models import (
 )
 from grpo_lightning.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
 from grpo_lightning.preflight import Preflight
-from grpo_lightning.resume import (
-    InterruptCheckpoint,
-    capture_rng_states,
-    register_safe_globals,
-    restore_rng_states,
-)
+from grpo_lightning.resume import InterruptCheckpoint
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
+from grpo_lightning.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.rollout import (
     EagerEngine,
     LogProbScorer,

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from grpo_lightning.audit import audit_module_rewards, auditable
-from grpo_lightning.resume import preserved_rng
+from grpo_lightning.rng import preserved_rng
 
 UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
 SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap

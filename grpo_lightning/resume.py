@@ -3,32 +3,25 @@
 Lightning's checkpoint already holds the weights, the optimizer, the scheduler and the loops' counters.
 What it lacks for an exact continuation, and what this file adds:
 
-- the random number generators that sampling draws from (`capture_rng_states` / `restore_rng_states`),
-  stored as tensors and plain Python values so that `torch.load(weights_only=True)` reads them; with
-  several processes every rank's own states, since each samples its own prompts;
+- the random number generators that sampling draws from (`grpo_lightning.rng`); with several processes
+  every rank's own states, since each samples its own prompts (`state_of_rank`);
 - the position in the shuffled training data (`ResumableSampler`: this rank's share of a seeded order
   per epoch, able to start part-way through);
-- `torch.load(weights_only=True)`, the default since PyTorch 2.6, refusing the option dataclasses that
-  `save_hyperparameters` pickles (`register_safe_globals`);
+- checkpoints that `torch.load(weights_only=True)` reads (`grpo_lightning.checkpoints`);
 - a checkpoint of the last completed step when the run gets SIGTERM or Ctrl-C, or stops on an error
   (`InterruptCheckpoint`);
-- checkpoint files that appear complete or not at all (`AtomicCheckpointIO`, installed by
+- checkpoint files that appear complete or not at all (`checkpoints.AtomicCheckpointIO`, installed by
   `InterruptCheckpoint`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import random
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,37 +29,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.dynamic_sampling import ScoredGroups
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.checkpoints import AtomicCheckpointIO
+from grpo_lightning.deprecation import moved_names
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
-
-
-# ------------------------------------------------------------------------------------------ RNG states
-def capture_rng_states() -> dict:
-    """Torch (CPU and each CUDA device), Python and NumPy generator states, in weights_only-loadable types."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),  # (version, tuple of ints, None | float)
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: dict) -> None:
-    """Put back what `capture_rng_states` returned."""
-    torch.set_rng_state(states["torch"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))  # a checkpoint may hand the tuple back as a list
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
@@ -77,16 +43,6 @@ def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
             "sampling (and dynamic sampling's waiting groups) will not continue as the interrupted run's"
         )
     return per_rank[rank % len(per_rank)]
-
-
-@contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Run a block without moving any generator: what it draws is invisible to the training stream."""
-    states = capture_rng_states()
-    try:
-        yield
-    finally:
-        restore_rng_states(states)
 
 
 # ------------------------------------------------------------------------------------------ data order
@@ -143,58 +99,6 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
         return iter(self.share(self.epoch)[start:])
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-def register_safe_globals() -> None:
-    """Allow `torch.load(weights_only=True)` to rebuild the dataclasses that our checkpoints hold: the
-    options in `hyper_parameters`, and dynamic sampling's buffered groups.
-
-    `Trainer.fit(ckpt_path=...)` leaves `weights_only` to `torch.load`, whose default became True in
-    PyTorch 2.6: without this, our own checkpoints would not load for resuming.
-    """
-    torch.serialization.add_safe_globals([GRPOConfig, ModelOptions, LoraOptions, ScoredGroups, Rollout])
-    # Checkpoints written before dynamic sampling moved out of `credit.py` name the class by its old path.
-    torch.serialization.add_safe_globals([(ScoredGroups, "grpo_lightning.credit.ScoredGroups")])
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` whose checkpoint files appear complete or not at all.
-
-    The checkpoint is written to a temporary file beside the target, flushed to disk, then renamed over it
-    (a rename within one folder is atomic); on any failure the temporary file is removed and the target, if
-    it existed, is left as it was. Lightning's own write goes through the system's temporary folder and
-    `shutil.move`, which copies when that folder is on another filesystem: a full disk then leaves a
-    truncated (or empty) `.ckpt` behind. Remote paths (`s3://...`) keep Lightning's write.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        path = str(path)
-        if "://" in path or storage_options is not None:
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        # Serialised in memory first (as Lightning does): a failed write is then the file's OSError, not
-        # the error torch's zip writer raises when its file stops taking bytes.
-        serialised = io.BytesIO()
-        torch.save(checkpoint, serialised)
-        try:
-            with open(temporary, "wb") as f:
-                f.write(serialised.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        except BaseException as err:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temporary)
-            if isinstance(err, OSError):
-                message = (
-                    f"could not write the checkpoint {path} ({err.strerror or err}); no partial file left"
-                )
-                raise OSError(err.errno, message) from err
-            raise
 
 
 class InterruptCheckpoint(L.Callback):
@@ -290,3 +194,16 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
+
+
+# Lived here in 0.1.0: the generators' states now in `rng`, checkpoint files in `checkpoints`.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "capture_rng_states": "grpo_lightning.rng",
+        "restore_rng_states": "grpo_lightning.rng",
+        "preserved_rng": "grpo_lightning.rng",
+        "register_safe_globals": "grpo_lightning.checkpoints",
+        "AtomicCheckpointIO": "grpo_lightning.checkpoints",
+    },
+)

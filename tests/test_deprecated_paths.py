@@ -13,9 +13,9 @@ import torch
 from jsonargparse import ArgumentParser
 
 import grpo_lightning.dynamic_sampling as dynamic_sampling
+from grpo_lightning.checkpoints import register_safe_globals
 from grpo_lightning.dynamic_sampling import ScoredGroups
 from grpo_lightning.export import ExportBestCallback
-from grpo_lightning.resume import register_safe_globals
 from grpo_lightning.sampling import Rollout
 
 MOVED = (

@@ -17,12 +17,8 @@ from grpo_lightning.data import GSM8KDataModule
 from grpo_lightning.dynamic_sampling import ScoredGroups
 from grpo_lightning.models import LoraOptions
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.resume import (
-    INTERRUPT_FILENAME,
-    ResumableSampler,
-    capture_rng_states,
-    restore_rng_states,
-)
+from grpo_lightning.resume import INTERRUPT_FILENAME, ResumableSampler
+from grpo_lightning.rng import capture_rng_states, restore_rng_states
 from tests.helpers import length_reward
 
 M = 2  # steps after the resume
