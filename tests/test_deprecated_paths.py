@@ -92,12 +92,12 @@ def test_checkpoint_with_groups_pickled_under_the_old_path_loads_weights_only(tm
         *(torch.zeros(2, 3, dtype=torch.long) for _ in range(4)), torch.zeros(2, dtype=torch.bool)
     )
     groups = ScoredGroups([["p"]], rollout, ["a", "b"], torch.ones(2, 1), torch.tensor([0.0, 1.0]), 2)
-    monkeypatch.setattr(ScoredGroups, "__module__", "grpo_lightning.credit")  # as the old release pickled it
+    monkeypatch.setattr(ScoredGroups, "__module__", "grpo_lightning.credit")  # 0.1.0 pickled it: an old path
     with pytest.warns(FutureWarning):  # pickle checks the old path leads back to the class
         torch.save({"group_buffer": {"kept": [groups]}}, tmp_path / "old.ckpt")
     monkeypatch.undo()
     assert ScoredGroups.__module__ == dynamic_sampling.__name__
-    assert b"grpo_lightning.credit" in (tmp_path / "old.ckpt").read_bytes()
+    assert b"grpo_lightning.credit" in (tmp_path / "old.ckpt").read_bytes()  # old path
 
     register_safe_globals()
     loaded = torch.load(tmp_path / "old.ckpt", weights_only=True)["group_buffer"]["kept"][0]
