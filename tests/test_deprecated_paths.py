@@ -1,4 +1,4 @@
-"""The old import paths of names that moved out of `grpo_lightning.callbacks` and `grpo_lightning.credit`:
+"""The old paths of names that moved out of `grpo_lightning.callbacks` and `grpo_lightning.credit`:
 they resolve to the very same objects, with a `FutureWarning` naming the new path, for one release.
 Class paths in YAML configs are public API, and checkpoints pickle the class path of dynamic sampling's
 buffered groups."""
@@ -86,7 +86,7 @@ def test_old_class_path_in_a_yaml_config_still_builds_the_callback(tmp_path):
 
 
 def test_checkpoint_with_groups_pickled_under_the_old_path_loads_weights_only(tmp_path, monkeypatch):
-    """A checkpoint written before the move names `grpo_lightning.credit.ScoredGroups`: resuming from it
+    """A checkpoint of 0.1.0 names the old path `grpo_lightning.credit.ScoredGroups`: resuming from it
     with `weights_only=True` (the default) must still rebuild the buffered groups."""
     rollout = Rollout(
         *(torch.zeros(2, 3, dtype=torch.long) for _ in range(4)), torch.zeros(2, dtype=torch.bool)
