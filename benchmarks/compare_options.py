@@ -44,13 +44,13 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from grpo_lightning.config import GRPOConfig  # noqa: E402
-from grpo_lightning.data import GSM8KDataModule, collate_rows  # noqa: E402
-from grpo_lightning.metrics import GSM8KAccuracy  # noqa: E402
-from grpo_lightning.models import LoraOptions, ModelOptions  # noqa: E402
-from grpo_lightning.module import GRPOModule  # noqa: E402
+from grpo_lightning.core.config import GRPOConfig  # noqa: E402
+from grpo_lightning.core.metrics import GSM8KAccuracy  # noqa: E402
+from grpo_lightning.io.models import LoraOptions, ModelOptions  # noqa: E402
+from grpo_lightning.training.data import GSM8KDataModule, collate_rows  # noqa: E402
+from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
-STEP_REWARD = "grpo_lightning.steps.step_reward"
+STEP_REWARD = "grpo_lightning.core.steps.step_reward"
 VARIANTS = ("baseline", "dynamic_sampling", "dynamic_sampling_total", "step_credit")
 UPDATE_KEYS = (  # logged as train/<key>
     "reward",

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------- shared inputs
 def load_prompts(count: int) -> list[list[dict[str, str]]]:
     """The first `count` GSM8K training questions as chat messages, with our default system prompt."""
-    from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT
+    from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT
 
     system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
     return [[system, {"role": "user", "content": row["question"]}] for row in gsm8k_rows(count)]
@@ -102,7 +102,7 @@ def build_tiny(path: str) -> str:
     """A random 4-layer Llama (hidden 128, ~0.8M non-embedding weights) with Qwen2.5's 151936-token vocab."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    from grpo_lightning.tiny import save_tiny
+    from grpo_lightning.io.tiny import save_tiny
 
     texts = [row["question"] + "\n" + row["answer"] for row in gsm8k_rows(2000)]
     return save_tiny(path, texts, tokenizer_vocab=400, model_vocab=151936, hidden_size=128, num_layers=4)
@@ -182,8 +182,8 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
     from torch.utils.data import DataLoader
 
     from grpo_lightning.cli import build_cli
-    from grpo_lightning.config import GRPOConfig
-    from grpo_lightning.module import GRPOModule
+    from grpo_lightning.core.config import GRPOConfig
+    from grpo_lightning.training.module import GRPOModule
 
     class StepTimer(L.Callback):
         """Wall and CPU seconds of each step, and of the generation inside it."""
@@ -269,8 +269,8 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
 def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     from transformers import AutoModelForCausalLM
 
-    from grpo_lightning.models import load_tokenizer
-    from grpo_lightning.sampling import completion_logprobs
+    from grpo_lightning.core.sampling import completion_logprobs
+    from grpo_lightning.io.models import load_tokenizer
 
     torch.manual_seed(0)
     G, T = args.num_generations, args.length

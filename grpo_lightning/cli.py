@@ -1,6 +1,6 @@
 """`grpo-lightning fit|validate|audit|export --config configs/....yaml`: LightningCLI over GRPOModule and
 a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule` subclass by
-class path (`data: {class_path: grpo_lightning.data.PromptDataModule, init_args: {source: ...}}`).
+class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, init_args: {source: ...}}`).
 
 - `validate --results.path out.jsonl`: also writes every validation completion (question, completion,
   extracted answer, reference, correct) as JSON lines.
@@ -27,16 +27,16 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from grpo_lightning.audit import AuditReport, audit_module_rewards
-from grpo_lightning.config import GRPOConfig, option_differences, plain_options
-from grpo_lightning.data import PromptDataModule
-from grpo_lightning.distributed import close_process_group
-from grpo_lightning.evaluation import ValidationResultsWriter
-from grpo_lightning.export import export_policy, read_checkpoint
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.resume import InterruptCheckpoint
-from grpo_lightning.smollm2 import export_smollm2, smollm2_missing
+from grpo_lightning.core.audit import AuditReport, audit_module_rewards
+from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
+from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.io.export import export_policy, read_checkpoint
+from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.io.smollm2 import export_smollm2, smollm2_missing
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.resume import InterruptCheckpoint
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
@@ -112,7 +112,7 @@ class GRPOCLI(LightningCLI):
         # A callback with its own key: `--results.path` turns the per-completion file on.
         parser.add_lightning_class_args(ValidationResultsWriter, "results")
         # GSM8K's preset when a config names no data class (the configs before TRL-format data existed).
-        parser.set_defaults({"data": {"class_path": "grpo_lightning.data.GSM8KDataModule"}})
+        parser.set_defaults({"data": {"class_path": "grpo_lightning.training.data.GSM8KDataModule"}})
 
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's own, which lets the checkpoint's hyper-parameters replace whatever the

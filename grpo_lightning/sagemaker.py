@@ -27,8 +27,8 @@ from collections.abc import Mapping
 import lightning as L
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.export import export_policy
-from grpo_lightning.module import GRPOModule
+from grpo_lightning.io.export import export_policy
+from grpo_lightning.training.module import GRPOModule
 
 METRIC_DEFINITIONS = [
     {"Name": "reward", "Regex": r"reward: ([-+0-9.eE]+|nan)"},

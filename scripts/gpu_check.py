@@ -40,14 +40,19 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from transformers import LlamaConfig
 
-from grpo_lightning import sampling
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmetic_problems, chat_prompt
-from grpo_lightning.distributed import close_process_group
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
-from grpo_lightning.tiny import build_model, build_tokenizer
+from grpo_lightning.core import sampling
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.io.tiny import build_model, build_tokenizer
+from grpo_lightning.training.data import (
+    DEFAULT_SYSTEM_PROMPT,
+    GSM8KDataModule,
+    arithmetic_problems,
+    chat_prompt,
+)
+from grpo_lightning.training.module import GRPOModule
 
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.
 FULL = {"vocab": 151936, "hidden_size": 896, "num_layers": 24, "num_heads": 14}

@@ -6,9 +6,9 @@ import os
 
 import lightning as L
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.training.module import GRPOModule
 
 # GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.
 GSM8K_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gsm8k")

@@ -14,14 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.audit_callback import RewardAuditCallback
 from grpo_lightning.cli import main
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.export import export_policy, read_checkpoint
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.scoring import RewardInputs, call_reward, score_completions
+from grpo_lightning.io.export import export_policy, read_checkpoint
+from grpo_lightning.training.audit_callback import RewardAuditCallback
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 from tests.test_interrupt import fit_args
 
@@ -35,7 +35,7 @@ def no_weights(monkeypatch):
     def load_model(*args, **kwargs):
         raise AssertionError("the policy's weights loaded before the error")
 
-    monkeypatch.setattr("grpo_lightning.module.load_model", load_model)
+    monkeypatch.setattr("grpo_lightning.training.module.load_model", load_model)
 
 
 def cli_error(args: list[str], capsys) -> str:
@@ -432,7 +432,7 @@ def test_a_column_only_some_rows_carry_is_named_before_weights_load(
     else:
         row = {"prompt": "2 + 3?", "solution": "5"}
         rows = [row, {"prompt": "1 + 1?"}, row]
-        data = ["--data=grpo_lightning.data.PromptDataModule"]
+        data = ["--data=grpo_lightning.training.data.PromptDataModule"]
     source = write_rows(tmp_path / "rows.jsonl", rows)
     err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *data, f"--data.source={source}"), capsys)
     where = f"{source}:3: has column 'hint'" if preset else f"{source}:2: lacks column 'solution'"

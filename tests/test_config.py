@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
-from grpo_lightning.config import GRPO_RULES, GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
-from grpo_lightning.module import GRPOModule
+from grpo_lightning.core.config import GRPO_RULES, GRPOConfig
+from grpo_lightning.io.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import digit_reward, quiet_trainer
 from tests.test_bad_input import cli_error, no_weights  # noqa: F401 (a fixture)
 from tests.test_interrupt import fit_args

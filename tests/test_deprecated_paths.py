@@ -12,11 +12,11 @@ import pytest
 import torch
 from jsonargparse import ArgumentParser
 
-import grpo_lightning.dynamic_sampling as dynamic_sampling
-from grpo_lightning.checkpoints import register_safe_globals
-from grpo_lightning.dynamic_sampling import ScoredGroups
-from grpo_lightning.export import ExportBestCallback
-from grpo_lightning.sampling import Rollout
+import grpo_lightning.core.dynamic_sampling as dynamic_sampling
+from grpo_lightning.core.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.io.checkpoints import register_safe_globals
+from grpo_lightning.io.export import ExportBestCallback
 
 MOVED = (
     [
@@ -66,21 +66,21 @@ def test_old_path_resolves_to_the_moved_object_with_a_warning(old, name, new):
 
 def test_a_name_that_never_lived_there_is_missing():
     import grpo_lightning.callbacks
-    import grpo_lightning.credit
+    import grpo_lightning.core.credit
 
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchCallback'"):
         grpo_lightning.callbacks.NoSuchCallback  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute '_pad_columns'"):  # private names are not kept
-        grpo_lightning.credit._pad_columns  # noqa: B018
+        grpo_lightning.core.credit._pad_columns  # noqa: B018
     # credit.py is still the home of step credit: no warning for its own names.
-    from grpo_lightning.credit import step_credit_penalties  # noqa: F401
+    from grpo_lightning.core.credit import step_credit_penalties  # noqa: F401
 
 
 def test_old_class_path_in_a_yaml_config_still_builds_the_callback(tmp_path):
     parser = ArgumentParser()
     parser.add_argument("--callback", type=L.Callback)
     config = {"class_path": "grpo_lightning.callbacks.ExportBestCallback", "init_args": {"merge_lora": False}}
-    with pytest.warns(FutureWarning, match="grpo_lightning.export.ExportBestCallback"):
+    with pytest.warns(FutureWarning, match="grpo_lightning.io.export.ExportBestCallback"):
         callback = parser.instantiate_classes(parser.parse_object({"callback": config})).callback
     assert type(callback) is ExportBestCallback and callback.merge_lora is False
 

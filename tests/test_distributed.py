@@ -33,9 +33,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import collate_rows
-from grpo_lightning.distributed import (
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.sampling import Rollout, completion_logprobs
+from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,
     consolidate_checkpoint,
@@ -43,11 +44,10 @@ from grpo_lightning.distributed import (
     is_sharded,
     shard_model,
 )
-from grpo_lightning.export import ExportBestCallback, export_policy
-from grpo_lightning.models import LoraOptions, apply_lora
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
-from grpo_lightning.sampling import Rollout, completion_logprobs
+from grpo_lightning.io.export import ExportBestCallback, export_policy
+from grpo_lightning.io.models import LoraOptions, apply_lora
+from grpo_lightning.training.data import collate_rows
+from grpo_lightning.training.module import GRPOModule
 
 NUM_ROWS = 8
 NUM_GENERATIONS = 3

@@ -15,13 +15,13 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.distributed import close_process_group
-from grpo_lightning.evaluation import GSM8KAccuracyCallback
-from grpo_lightning.loss import group_advantages
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.loss import group_advantages
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
+from grpo_lightning.training.module import GRPOModule
 from tests.test_distributed import fixed_reward, full_weights, launch, strategy_for, two_ranks
 
 TRAIN_ROWS = 9  # 4 per rank and one that sits each epoch out: 2 batches of 2 per rank and epoch

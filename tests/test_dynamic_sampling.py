@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import collate_rows
-from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups, cat_rollouts
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.sampling import Rollout, completion_logprobs
-from grpo_lightning.tiny import build_model
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups, cat_rollouts
+from grpo_lightning.core.sampling import Rollout, completion_logprobs
+from grpo_lightning.io.tiny import build_model
+from grpo_lightning.training.data import collate_rows
+from grpo_lightning.training.module import GRPOModule
 from tests import helpers
 from tests.helpers import quiet_trainer
 

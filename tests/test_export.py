@@ -13,11 +13,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.export import ExportBestCallback, export_policy
-from grpo_lightning.models import LoraOptions
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.sampling import generate_completions
+from grpo_lightning.core.sampling import generate_completions
+from grpo_lightning.io.export import ExportBestCallback, export_policy
+from grpo_lightning.io.models import LoraOptions
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, length_reward, tiny_module
 
 PROMPTS = [

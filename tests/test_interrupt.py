@@ -16,10 +16,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from grpo_lightning.cli import EXIT_CTRL_C, EXIT_SIGTERM, build_cli
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.resume import ResumableSampler
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.resume import ResumableSampler
 from tests.helpers import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

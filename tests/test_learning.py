@@ -8,11 +8,16 @@ import random
 
 import torch
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmetic_problems, chat_prompt
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import format_reward, reference_answer
-from grpo_lightning.tiny import build_model, build_tokenizer
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import format_reward, reference_answer
+from grpo_lightning.io.tiny import build_model, build_tokenizer
+from grpo_lightning.training.data import (
+    DEFAULT_SYSTEM_PROMPT,
+    GSM8KDataModule,
+    arithmetic_problems,
+    chat_prompt,
+)
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 
 

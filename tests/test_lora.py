@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.models import LoraOptions, ModelOptions, load_model
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.sampling import Rollout, completion_logprobs
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.sampling import Rollout, completion_logprobs
+from grpo_lightning.io.models import LoraOptions, ModelOptions, load_model
+from grpo_lightning.training.module import GRPOModule
 
 LORA = LoraOptions(r=4, alpha=8)
 

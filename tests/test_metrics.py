@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchmetrics.utilities.data import dim_zero_sum
 
-from grpo_lightning.metrics import GSM8KAccuracy, majority_vote, pass_at_k
+from grpo_lightning.core.metrics import GSM8KAccuracy, majority_vote, pass_at_k
 
 KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
 

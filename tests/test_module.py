@@ -9,8 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.module import GRPOModule
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, quiet_trainer
 
 EXPECTED_SCALARS = [
@@ -43,7 +43,7 @@ def fit_args(model_dir: str, root: str, *extra: str) -> list[str]:
     return [
         "fit",
         f"--model.policy={model_dir}",
-        "--model.reward_funcs=[grpo_lightning.rewards.accuracy_reward, grpo_lightning.rewards.format_reward, "
+        "--model.reward_funcs=[grpo_lightning.core.rewards.accuracy_reward, grpo_lightning.core.rewards.format_reward, "
         "tests.helpers.digit_reward]",
         "--model.grpo.num_generations=4",
         "--model.grpo.max_completion_length=12",
@@ -148,7 +148,7 @@ def test_prompt_without_chat_template_is_a_clear_error(tiny_model_dir):
 def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
     """`trainer.validate` (inference mode) before a `fit` that validates (no_grad): the demo's sequence."""
 
-    from grpo_lightning.data import GSM8KDataModule
+    from grpo_lightning.training.data import GSM8KDataModule
 
     module = GRPOModule(
         tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=4, preflight=False)
@@ -166,8 +166,8 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
 def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, tmp_path, monkeypatch):
     """mu = 2: one rollout, two optimizer steps, the second against the sampling policy's log-probs."""
 
-    import grpo_lightning.update as module_file
-    from grpo_lightning.data import GSM8KDataModule
+    import grpo_lightning.core.update as module_file
+    from grpo_lightning.training.data import GSM8KDataModule
 
     seen_old = []
     real_loss = module_file.grpo_loss

@@ -10,11 +10,11 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from transformers import AutoModelForCausalLM
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.loss import grpo_loss
-from grpo_lightning.models import ModelOptions
-from grpo_lightning.module import GRPOModule
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.loss import grpo_loss
+from grpo_lightning.io.models import ModelOptions
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer
 
 

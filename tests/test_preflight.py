@@ -6,18 +6,18 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule, arithmetic_problems, collate_rows
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.preflight import (
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import accuracy_reward
+from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.training.data import GSM8KDataModule, arithmetic_problems, collate_rows
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.preflight import (
     Preflight,
     effective_batch,
     groups_cut_whole,
     input_gradients_enabled,
     run_preflight,
 )
-from grpo_lightning.rewards import accuracy_reward
 from tests.helpers import length_reward, quiet_trainer
 from tests.test_bad_input import end_early
 

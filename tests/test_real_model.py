@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.smollm2 import DEFAULT_DIR, export_smollm2
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.io.smollm2 import DEFAULT_DIR, export_smollm2
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, quiet_trainer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

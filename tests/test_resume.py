@@ -12,13 +12,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.dynamic_sampling import ScoredGroups
-from grpo_lightning.models import LoraOptions
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.resume import INTERRUPT_FILENAME, ResumableSampler
-from grpo_lightning.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.io.models import LoraOptions
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.resume import INTERRUPT_FILENAME, ResumableSampler
 from tests.helpers import length_reward
 
 M = 2  # steps after the resume

@@ -3,11 +3,11 @@ tells about every weight update."""
 
 import torch
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.evaluation import generate_answers
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rollout import EagerEngine, LogProbScorer, RolloutEngine
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rollout import EagerEngine, LogProbScorer, RolloutEngine
+from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.training.evaluation import generate_answers
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer
 
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Name 7 + 1."}]]
@@ -62,7 +62,7 @@ class CountingModule(GRPOModule):
 
 
 def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
-    from grpo_lightning.data import GSM8KDataModule
+    from grpo_lightning.training.data import GSM8KDataModule
 
     grpo = GRPOConfig(
         num_generations=2, max_completion_length=4, num_iterations=2, learning_rate=1e-2, preflight=False

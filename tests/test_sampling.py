@@ -14,14 +14,14 @@ from transformers import (
     LlamaConfig,
 )
 
-from grpo_lightning import sampling
-from grpo_lightning.models import LoraOptions, apply_lora
-from grpo_lightning.sampling import (
+from grpo_lightning.core import sampling
+from grpo_lightning.core.sampling import (
     InverseCDFSampler,
     _token_logprobs_and_entropy,
     completion_logprobs,
     generate_completions,
 )
+from grpo_lightning.io.models import LoraOptions, apply_lora
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])

@@ -17,19 +17,19 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.models import LoraOptions, apply_lora
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import completion_text
-from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, position_ids
-from grpo_lightning.shared_prompt import (
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.sampling import Rollout, completion_logprobs, generate_completions, position_ids
+from grpo_lightning.core.shared_prompt import (
     group_completion_logprobs,
     prefill_groups,
     rows_share_prompts,
     shared_prompt_hidden,
     sharing_unsupported,
 )
+from grpo_lightning.io.models import LoraOptions, apply_lora
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 
 PROMPTS = ["Natalia sold 48 clips in April and", "Weng", "How many clips did she sell in May?"]

@@ -16,14 +16,14 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, GenerationConfig
 
-from grpo_lightning.audit import audit_reward_funcs
-from grpo_lightning.audit_callback import RewardAuditCallback
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.evaluation import GSM8KAccuracyCallback
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.monitoring import CollapseMonitor, RolloutRecord, completions_table
-from grpo_lightning.rewards import accuracy_reward, completion_text, format_reward, reference_answer
+from grpo_lightning.core.audit import audit_reward_funcs
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards import accuracy_reward, completion_text, format_reward, reference_answer
+from grpo_lightning.training.audit_callback import RewardAuditCallback
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.monitoring import CollapseMonitor, RolloutRecord, completions_table
 from tests.helpers import GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 
 VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")

@@ -18,14 +18,14 @@ from trl.rewards import (
     think_format_reward,
 )
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.data import PromptDataModule
-from grpo_lightning.metrics import RewardAccuracy
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.monitoring import completions_table
-from grpo_lightning.rewards import accuracy_reward as gsm8k_accuracy_reward
-from grpo_lightning.rewards import format_reward
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.metrics import RewardAccuracy
+from grpo_lightning.core.rewards import accuracy_reward as gsm8k_accuracy_reward
+from grpo_lightning.core.rewards import format_reward
+from grpo_lightning.core.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.monitoring import completions_table
 from tests.helpers import quiet_trainer
 
 G, MAX_TOKENS, STEPS = 2, 6, 2
@@ -288,7 +288,7 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
     import trl
 
     from grpo_lightning.cli import build_cli
-    from grpo_lightning.models import ModelOptions
+    from grpo_lightning.io.models import ModelOptions
 
     script, config, rows = doc_parts()
     assert {row["kind"] for row in rows} == {"maps", "differs", "lacks"}
@@ -355,7 +355,7 @@ def test_cli_trains_on_trl_data_with_trl_rewards(tiny_model_dir, tmp_path):
         tiny_model_dir,
         str(tmp_path),
         2,
-        "--data=grpo_lightning.data.PromptDataModule",
+        "--data=grpo_lightning.training.data.PromptDataModule",
         f"--data.source={source}",
         "--data.val_size=0",
         "--model.reward_funcs=[trl.rewards.think_format_reward, trl.rewards.accuracy_reward]",

@@ -10,9 +10,9 @@ import yaml
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, chat_prompt
-from grpo_lightning.export import ExportBestCallback
-from grpo_lightning.rewards import extract_answer, reference_answer
+from grpo_lightning.core.rewards import extract_answer, reference_answer
+from grpo_lightning.io.export import ExportBestCallback
+from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from tests.helpers import GSM8K_DIR, gsm8k_rows
 
 QWEN_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gsm8k_qwen2.5_0.5b.yaml")
@@ -77,8 +77,8 @@ def test_audit_command_prints_the_rates_and_fails_on_a_bad_reward(tiny_model_dir
     # A length penalty that every reference solution pays: the references are not at full marks.
     penalised = """\
   reward_funcs:
-    - grpo_lightning.rewards.accuracy_reward
-    - class_path: grpo_lightning.rewards.LengthPenalty
+    - grpo_lightning.core.rewards.accuracy_reward
+    - class_path: grpo_lightning.core.rewards.LengthPenalty
       init_args:
         limit: 0
         per_100_tokens: 1.0

@@ -20,7 +20,7 @@ References:
 import torch
 from torch import Tensor
 
-from grpo_lightning.options import Rule, check_value
+from grpo_lightning.core.options import Rule, check_value
 
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "loo")

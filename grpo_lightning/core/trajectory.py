@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.credit import step_credit_penalties
-from grpo_lightning.dynamic_sampling import ScoredGroups
-from grpo_lightning.loss import group_advantages, kl_in_reward
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.credit import step_credit_penalties
+from grpo_lightning.core.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.loss import group_advantages, kl_in_reward
+from grpo_lightning.core.sampling import Rollout
 
 # Everyone's `[sum of B]` rewards and where this rank's `[B]` start in them (scale_rewards="batch").
 GatherRewards = Callable[[Tensor], tuple[Tensor, int]]

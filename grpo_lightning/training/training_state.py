@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from grpo_lightning.distributed import gather_per_rank
-from grpo_lightning.dynamic_sampling import GroupBuffer
-from grpo_lightning.resume import state_of_rank
+from grpo_lightning.core.dynamic_sampling import GroupBuffer
+from grpo_lightning.io.distributed import gather_per_rank
+from grpo_lightning.training.resume import state_of_rank
 
 STATE_KEY = "grpo_state"
 REFERENCE_PREFIX = "reference."

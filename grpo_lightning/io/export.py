@@ -19,8 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.checkpoints import register_safe_globals
-from grpo_lightning.distributed import is_sharded
+from grpo_lightning.io.checkpoints import register_safe_globals
+from grpo_lightning.io.distributed import is_sharded
 
 __all__ = ["ExportBestCallback", "export_policy", "load_policy_weights", "read_checkpoint", "resolve_attr"]
 

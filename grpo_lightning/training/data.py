@@ -20,8 +20,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from grpo_lightning.options import Rule, check_value
-from grpo_lightning.resume import ResumableSampler
+from grpo_lightning.core.options import Rule, check_value
+from grpo_lightning.training.resume import ResumableSampler
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."

@@ -3,11 +3,11 @@
 Lightning's checkpoint already holds the weights, the optimizer, the scheduler and the loops' counters.
 What it lacks for an exact continuation, and what this file adds:
 
-- the random number generators that sampling draws from (`grpo_lightning.rng`); with several processes
+- the random number generators that sampling draws from (`grpo_lightning.core.rng`); with several processes
   every rank's own states, since each samples its own prompts (`state_of_rank`);
 - the position in the shuffled training data (`ResumableSampler`: this rank's share of a seeded order
   per epoch, able to start part-way through);
-- checkpoints that `torch.load(weights_only=True)` reads (`grpo_lightning.checkpoints`);
+- checkpoints that `torch.load(weights_only=True)` reads (`grpo_lightning.io.checkpoints`);
 - a checkpoint of the last completed step when the run gets SIGTERM or Ctrl-C, or stops on an error
   (`InterruptCheckpoint`);
 - checkpoint files that appear complete or not at all (`checkpoints.AtomicCheckpointIO`, installed by
@@ -29,8 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning.checkpoints import AtomicCheckpointIO
 from grpo_lightning.deprecation import moved_names
+from grpo_lightning.io.checkpoints import AtomicCheckpointIO
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
 
@@ -200,10 +200,10 @@ class InterruptCheckpoint(L.Callback):
 __getattr__ = moved_names(
     __name__,
     {
-        "capture_rng_states": "grpo_lightning.rng",
-        "restore_rng_states": "grpo_lightning.rng",
-        "preserved_rng": "grpo_lightning.rng",
-        "register_safe_globals": "grpo_lightning.checkpoints",
-        "AtomicCheckpointIO": "grpo_lightning.checkpoints",
+        "capture_rng_states": "grpo_lightning.core.rng",
+        "restore_rng_states": "grpo_lightning.core.rng",
+        "preserved_rng": "grpo_lightning.core.rng",
+        "register_safe_globals": "grpo_lightning.io.checkpoints",
+        "AtomicCheckpointIO": "grpo_lightning.io.checkpoints",
     },
 )

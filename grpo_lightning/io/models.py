@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grpo_lightning.config import Rule, check_options
+from grpo_lightning.core.config import Rule, check_options
 
 try:  # transformers >= 5.2x keeps GGUF weights in GGUF blocks unless asked to dequantise them
     from transformers import GgufConfig

@@ -16,32 +16,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.checkpoints import register_safe_globals
-from grpo_lightning.config import GRPOConfig, option_differences
-from grpo_lightning.data import PromptDataModule
-from grpo_lightning.distributed import (
-    gather_per_rank,
-    gathered_for_generation,
-    is_sharded,
-    mixed_precision_policy,
-    shard_model,
-)
-from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups
-from grpo_lightning.metrics import GSM8KAccuracy, RewardAccuracy
-from grpo_lightning.models import (
-    LoraOptions,
-    ModelOptions,
-    apply_lora,
-    load_model,
-    load_tokenizer,
-    prepare_tokenizer,
-)
-from grpo_lightning.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
-from grpo_lightning.preflight import Preflight
-from grpo_lightning.resume import InterruptCheckpoint
-from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
-from grpo_lightning.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.rollout import (
+from grpo_lightning.core.config import GRPOConfig, option_differences
+from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups
+from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
+from grpo_lightning.core.rewards import accuracy_reward, format_reward, reward_name
+from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.rollout import (
     EagerEngine,
     LogProbScorer,
     PromptEncoder,
@@ -52,13 +32,38 @@ from grpo_lightning.rollout import (
     micro_batches,
     warn_if_unteachable,
 )
-from grpo_lightning.sampling import Rollout, stop_token_ids
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
-from grpo_lightning.shared_prompt import sharing_unsupported
-from grpo_lightning.step_metrics import training_step_metrics
-from grpo_lightning.training_state import drop_reference, load_grpo_state, restore_reference, save_grpo_state
-from grpo_lightning.trajectory import Trajectory, build_trajectory
-from grpo_lightning.update import MicroBatchSums, StepGuard, micro_batch_loss
+from grpo_lightning.core.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.core.shared_prompt import sharing_unsupported
+from grpo_lightning.core.step_metrics import training_step_metrics
+from grpo_lightning.core.trajectory import Trajectory, build_trajectory
+from grpo_lightning.core.update import MicroBatchSums, StepGuard, micro_batch_loss
+from grpo_lightning.io.checkpoints import register_safe_globals
+from grpo_lightning.io.distributed import (
+    gather_per_rank,
+    gathered_for_generation,
+    is_sharded,
+    mixed_precision_policy,
+    shard_model,
+)
+from grpo_lightning.io.models import (
+    LoraOptions,
+    ModelOptions,
+    apply_lora,
+    load_model,
+    load_tokenizer,
+    prepare_tokenizer,
+)
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
+from grpo_lightning.training.preflight import Preflight
+from grpo_lightning.training.resume import InterruptCheckpoint
+from grpo_lightning.training.training_state import (
+    drop_reference,
+    load_grpo_state,
+    restore_reference,
+    save_grpo_state,
+)
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
@@ -77,7 +82,7 @@ class GRPOModule(L.LightningModule):
         tokenizer: hub id / folder / tokenizer object; None uses the policy's.
         reward_funcs: reward functions, called as TRL 1.16's `GRPOTrainer` calls them (keywords `prompts`,
             `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every data
-            column; see `grpo_lightning.scoring`). Default `[accuracy_reward, format_reward]`.
+            column; see `grpo_lightning.core.scoring`). Default `[accuracy_reward, format_reward]`.
         reward_weights: one weight per reward function. Default all 1.0.
         grpo: the algorithm's options (`GRPOConfig`, every option documented there).
         model_options: how the policy loads (dtype, attention, GGUF, gradient checkpointing).

@@ -14,9 +14,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.loss import grpo_loss
-from grpo_lightning.trajectory import Trajectory
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.loss import grpo_loss
+from grpo_lightning.core.trajectory import Trajectory
 
 
 def micro_batch_loss(

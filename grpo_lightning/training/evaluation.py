@@ -19,15 +19,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
-from grpo_lightning.distributed import gathered_for_generation
-from grpo_lightning.export import resolve_attr
-from grpo_lightning.metrics import GSM8KAccuracy
-from grpo_lightning.monitoring import logging_step
-from grpo_lightning.rewards import extract_answer, reference_answer
-from grpo_lightning.rng import preserved_rng
-from grpo_lightning.rollout import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
-from grpo_lightning.sampling import stop_token_ids
+from grpo_lightning.core.metrics import GSM8KAccuracy
+from grpo_lightning.core.rewards import extract_answer, reference_answer
+from grpo_lightning.core.rng import preserved_rng
+from grpo_lightning.core.rollout import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
+from grpo_lightning.core.sampling import stop_token_ids
+from grpo_lightning.io.distributed import gathered_for_generation
+from grpo_lightning.io.export import resolve_attr
+from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
+from grpo_lightning.training.monitoring import logging_step
 
 __all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]
 

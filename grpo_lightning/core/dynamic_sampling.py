@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.sampling import Rollout
 
 __all__ = ["GroupBuffer", "ScoredGroups", "cat_rollouts", "informative_groups"]
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerState
 
-from grpo_lightning.rewards import reward_name
+from grpo_lightning.core.rewards import reward_name
 
 __all__ = ["RewardInputs", "RewardLog", "Scores", "call_reward", "score_completions", "trainer_state"]
 

@@ -6,7 +6,7 @@ On the first training batch (before its step) `Preflight` reports:
 - how many of a few completions sampled at the training settings reach `max_completion_length` without
   an EOS, and in how many groups all of them do (a problem when that is most groups: their answers are
   cut off before the `#### N` line, score alike and give no advantage);
-- the reward audit (`grpo_lightning.audit.audit_module_rewards`) on the first 200 training rows' reference
+- the reward audit (`grpo_lightning.core.audit.audit_module_rewards`) on the first 200 training rows' reference
   solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
@@ -27,8 +27,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from grpo_lightning.audit import audit_module_rewards, auditable
-from grpo_lightning.rng import preserved_rng
+from grpo_lightning.core.audit import audit_module_rewards, auditable
+from grpo_lightning.core.rng import preserved_rng
 
 UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
 SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning.core.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
+from grpo_lightning.core.scoring import RewardInputs, call_reward
 from grpo_lightning.deprecation import moved_names
-from grpo_lightning.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
-from grpo_lightning.scoring import RewardInputs, call_reward
 
 __all__ = [
     "AUDIT_CASES",
@@ -64,7 +64,7 @@ def audit_rewards(
     `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
     itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
     appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
-    training (`grpo_lightning.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
+    training (`grpo_lightning.core.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
     prompts, by default each question as a user message (so completions arrive as chat messages);
     `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
     accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all
@@ -136,7 +136,7 @@ def audit_reward_funcs(
     prompts: Sequence | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> AuditReport:
-    """Score the reference solutions and their corrupted copies (`grpo_lightning.rewards.audit_rewards`) row
+    """Score the reference solutions and their corrupted copies (`grpo_lightning.core.rewards.audit_rewards`) row
     by row, and total them with `weights` as training does (a None reward counts 0).
 
     The functions are called as in training: `prompts` are the rows' prompts (by default each question as a
@@ -195,4 +195,4 @@ def audit_module_rewards(pl_module: Any, rows: Sequence[dict]) -> AuditReport:
 
 
 # The callback lived here in 0.1.0.
-__getattr__ = moved_names(__name__, {"RewardAuditCallback": "grpo_lightning.audit_callback"})
+__getattr__ = moved_names(__name__, {"RewardAuditCallback": "grpo_lightning.training.audit_callback"})

@@ -1,6 +1,6 @@
 """Token-level step credit: which tokens went wrong, and not only that the answer did.
 
-`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.steps`) onto the
+`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.core.steps`) onto the
 generated tokens that wrote them (`token_char_spans`), as `[B, T]` penalties that are added to the outcome
 advantage, so the policy learns which step went wrong.
 
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning.core.steps import wrong_step_spans
 from grpo_lightning.deprecation import moved_names
-from grpo_lightning.steps import wrong_step_spans
 
 __all__ = ["step_credit_penalties", "step_token_penalties", "token_char_spans"]
 
@@ -80,10 +80,10 @@ def step_credit_penalties(
 __getattr__ = moved_names(
     __name__,
     {
-        "GroupBuffer": "grpo_lightning.dynamic_sampling",
-        "ScoredGroups": "grpo_lightning.dynamic_sampling",
-        "cat_rollouts": "grpo_lightning.dynamic_sampling",
-        "informative_groups": "grpo_lightning.dynamic_sampling",
-        "kl_in_reward": "grpo_lightning.loss",
+        "GroupBuffer": "grpo_lightning.core.dynamic_sampling",
+        "ScoredGroups": "grpo_lightning.core.dynamic_sampling",
+        "cat_rollouts": "grpo_lightning.core.dynamic_sampling",
+        "informative_groups": "grpo_lightning.core.dynamic_sampling",
+        "kl_in_reward": "grpo_lightning.core.loss",
     },
 )

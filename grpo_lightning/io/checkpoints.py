@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from grpo_lightning.config import GRPOConfig
-from grpo_lightning.dynamic_sampling import ScoredGroups
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.sampling import Rollout
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.io.models import LoraOptions, ModelOptions
 
 __all__ = ["AtomicCheckpointIO", "register_safe_globals"]
 

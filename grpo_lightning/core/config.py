@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_lightning.loss import (
+from grpo_lightning.core.loss import (
     BASELINES,
     IMPORTANCE_SAMPLING_LEVELS,
     K1_IN_LOSS,
@@ -12,7 +12,7 @@ from grpo_lightning.loss import (
     LOSS_TYPES,
     SCALES,
 )
-from grpo_lightning.options import Rule, check_options, option_differences, option_error, plain_options
+from grpo_lightning.core.options import Rule, check_options, option_differences, option_error, plain_options
 
 # The option machinery lives in `options`; these names stay importable from here.
 __all__ = [
@@ -91,7 +91,7 @@ class GRPOConfig:
     """Clamp advantages to [-c, c]. None: no clipping."""
     step_credit: float = 0.0
     """Token-level credit for wrong steps: each generated token that writes part of an arithmetic claim that
-    does not verify (`grpo_lightning.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
+    does not verify (`grpo_lightning.core.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
     completion's outcome advantage, making the advantages [B, T] (process supervision at the step, as
     Lightman et al. arXiv:2305.20050 and Math-Shepherd arXiv:2312.08935 assign it, from a verifier instead
     of a learned reward model). 0.0 turns it off.
@@ -167,7 +167,7 @@ class GRPOConfig:
     preflight: bool = True
     """Before the first step, sample a few completions and report the effective batch, the share cut off by
     `max_completion_length`, the reward audit and LoRA's input gradients in one block
-    (`grpo_lightning.preflight`).
+    (`grpo_lightning.training.preflight`).
     """
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ def export_smollm2(path: str = DEFAULT_DIR) -> str:
     """Dequantise the packaged GGUF model and tokenizer into `path` (skipped when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from grpo_lightning.models import ModelOptions, load_model, load_tokenizer
+    from grpo_lightning.io.models import ModelOptions, load_model, load_tokenizer
 
     source = smollm2_gguf_dir()
     tokenizer = load_tokenizer(source, GGUF_FILE)

@@ -1,0 +1,1 @@
+"""The Lightning layer: `GRPOModule`, the data modules and the callbacks, on top of the core."""
