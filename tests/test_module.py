@@ -43,8 +43,8 @@ def fit_args(model_dir: str, root: str, *extra: str) -> list[str]:
     return [
         "fit",
         f"--model.policy={model_dir}",
-        "--model.reward_funcs=[grpo_lightning.core.rewards.accuracy_reward, grpo_lightning.core.rewards.format_reward, "
-        "tests.helpers.digit_reward]",
+        "--model.reward_funcs=[grpo_lightning.core.rewards.accuracy_reward, "
+        "grpo_lightning.core.rewards.format_reward, tests.helpers.digit_reward]",
         "--model.grpo.num_generations=4",
         "--model.grpo.max_completion_length=12",
         "--model.grpo.beta=0.04",

@@ -64,8 +64,8 @@ def audit_rewards(
     `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
     itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
     appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
-    training (`grpo_lightning.core.scoring`), with the columns `question` and `answer`; `prompts` are the rows'
-    prompts, by default each question as a user message (so completions arrive as chat messages);
+    training (`grpo_lightning.core.scoring`), with the columns `question` and `answer`; `prompts` are the
+    rows' prompts, by default each question as a user message (so completions arrive as chat messages);
     `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
     accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all
     None gives nan. Returns `{reward_name: {case: mean}}`.
@@ -136,8 +136,8 @@ def audit_reward_funcs(
     prompts: Sequence | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> AuditReport:
-    """Score the reference solutions and their corrupted copies (`grpo_lightning.core.rewards.audit_rewards`) row
-    by row, and total them with `weights` as training does (a None reward counts 0).
+    """Score the reference solutions and their corrupted copies (`audit_rewards`) row by row, and total
+    them with `weights` as training does (a None reward counts 0).
 
     The functions are called as in training: `prompts` are the rows' prompts (by default each question as a
     user message) and `completion_ids` come from `tokenizer` when given. Full marks are the highest total

@@ -1,8 +1,8 @@
 """Token-level step credit: which tokens went wrong, and not only that the answer did.
 
-`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.core.steps`) onto the
-generated tokens that wrote them (`token_char_spans`), as `[B, T]` penalties that are added to the outcome
-advantage, so the policy learns which step went wrong.
+`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.core.steps`)
+onto the generated tokens that wrote them (`token_char_spans`), as `[B, T]` penalties that are added to the
+outcome advantage, so the policy learns which step went wrong.
 
 Pure torch and tokenizer calls: nothing here knows about Lightning.
 """

@@ -1,5 +1,5 @@
-"""The reward audit at the start of `fit` (`grpo_lightning.core.audit`), a warning with its table when it is not
-perfect."""
+"""The reward audit at the start of `fit` (`grpo_lightning.core.audit`), a warning with its table when it
+is not perfect."""
 
 from __future__ import annotations
 

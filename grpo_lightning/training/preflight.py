@@ -6,8 +6,8 @@ On the first training batch (before its step) `Preflight` reports:
 - how many of a few completions sampled at the training settings reach `max_completion_length` without
   an EOS, and in how many groups all of them do (a problem when that is most groups: their answers are
   cut off before the `#### N` line, score alike and give no advantage);
-- the reward audit (`grpo_lightning.core.audit.audit_module_rewards`) on the first 200 training rows' reference
-  solutions (the batch's when the data module has no `train_rows`);
+- the reward audit (`grpo_lightning.core.audit.audit_module_rewards`) on the first 200 training rows'
+  reference solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
   all: a bf16 weight keeps 8 bits of mantissa, so an AdamW step of ~1e-6 rounds away on nearly every weight
