@@ -1,1 +1,74 @@
-"""GRPO with verifiable rewards for Hugging Face causal LMs, the PyTorch Lightning way."""
+"""GRPO with verifiable rewards for Hugging Face causal LMs, the PyTorch Lightning way.
+
+Three layers (README, "Layout"): `grpo_lightning.core` (pure maths, rewards, sampling and scoring; no
+Lightning), `grpo_lightning.training` (the Lightning module, data modules and callbacks) and
+`grpo_lightning.io` (models, checkpoint files, sharding, export). The names below are the public API; each
+is imported on first use, so `import grpo_lightning` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from grpo_lightning import _compat
+
+__version__ = "0.2.0"
+
+_compat.install()  # 0.1.0's module paths (grpo_lightning.data, ...) keep working until 0.3.0
+
+# {public name: the module that defines it}
+_PUBLIC = {
+    # the algorithm and its options
+    "GRPOModule": "grpo_lightning.training.module",
+    "GRPOConfig": "grpo_lightning.core.config",
+    "ModelOptions": "grpo_lightning.io.models",
+    "LoraOptions": "grpo_lightning.io.models",
+    # data
+    "PromptDataModule": "grpo_lightning.training.data",
+    "GSM8KDataModule": "grpo_lightning.training.data",
+    # rewards
+    "accuracy_reward": "grpo_lightning.core.rewards",
+    "strict_accuracy_reward": "grpo_lightning.core.rewards",
+    "format_reward": "grpo_lightning.core.rewards",
+    "LengthPenalty": "grpo_lightning.core.rewards",
+    "step_reward": "grpo_lightning.core.steps",
+    "audit_reward_funcs": "grpo_lightning.core.audit",
+    # the loss and the trajectory it reads
+    "grpo_loss": "grpo_lightning.core.loss",
+    "group_advantages": "grpo_lightning.core.loss",
+    "kl_penalty": "grpo_lightning.core.loss",
+    "kl_in_reward": "grpo_lightning.core.loss",
+    "Trajectory": "grpo_lightning.core.trajectory",
+    "build_trajectory": "grpo_lightning.core.trajectory",
+    # rollouts
+    "Rollout": "grpo_lightning.core.sampling",
+    "RolloutEngine": "grpo_lightning.core.rollout",
+    "EagerEngine": "grpo_lightning.core.rollout",
+    "SamplingSettings": "grpo_lightning.core.rollout",
+    "PromptSampler": "grpo_lightning.core.rollout",
+    "LogProbScorer": "grpo_lightning.core.rollout",
+    # callbacks
+    "GSM8KAccuracyCallback": "grpo_lightning.training.evaluation",
+    "ValidationResultsWriter": "grpo_lightning.training.evaluation",
+    "generate_answers": "grpo_lightning.training.evaluation",
+    "CollapseMonitor": "grpo_lightning.training.monitoring",
+    "CompletionsPanel": "grpo_lightning.training.monitoring",
+    "Preflight": "grpo_lightning.training.preflight",
+    "RewardAuditCallback": "grpo_lightning.training.audit_callback",
+    "InterruptCheckpoint": "grpo_lightning.training.resume",
+    "ExportBestCallback": "grpo_lightning.io.export",
+    "export_policy": "grpo_lightning.io.export",
+}
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'grpo_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

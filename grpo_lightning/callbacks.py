@@ -3,7 +3,7 @@
 `class_path` in YAML, still resolve, with a `FutureWarning` naming the new path, until the next release.
 """
 
-from grpo_lightning.deprecation import moved_names
+from grpo_lightning._compat import moved_names
 
 __getattr__ = moved_names(
     __name__,

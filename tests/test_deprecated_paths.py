@@ -1,18 +1,23 @@
-"""The old paths of names that moved out of `grpo_lightning.callbacks` and `grpo_lightning.credit`:
-they resolve to the very same objects, with a `FutureWarning` naming the new path, for one release.
-Class paths in YAML configs are public API, and checkpoints pickle the class path of dynamic sampling's
-buffered groups."""
+"""Old paths: 0.1.0's flat module paths (`grpo_lightning.data`, ...) and the names that moved out of
+`grpo_lightning.callbacks` and `grpo_lightning.credit` resolve to the very same objects, with a
+`FutureWarning` naming the new path and the release that drops the old one. Class paths in YAML configs are
+public API, and checkpoints pickle the class path of dynamic sampling's buffered groups."""
 
 from __future__ import annotations
 
 import importlib
+import re
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from jsonargparse import ArgumentParser
 
+import grpo_lightning
 import grpo_lightning.core.dynamic_sampling as dynamic_sampling
+from grpo_lightning._compat import OLD_MODULES, REMOVED_IN
 from grpo_lightning.core.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.sampling import Rollout
 from grpo_lightning.io.checkpoints import register_safe_globals
@@ -54,14 +59,52 @@ MOVED = (
 )
 
 
+def home(module: str) -> str:
+    """Where the 0.1.0 module `grpo_lightning.<module>` lives now."""
+    return OLD_MODULES.get(f"grpo_lightning.{module}", f"grpo_lightning.{module}")
+
+
 @pytest.mark.parametrize(("old", "name", "new"), MOVED)
 def test_old_path_resolves_to_the_moved_object_with_a_warning(old, name, new):
-    old_module = importlib.import_module(f"grpo_lightning.{old}")
-    moved = getattr(importlib.import_module(f"grpo_lightning.{new}"), name)
+    old_module = importlib.import_module(home(old))
+    moved = getattr(importlib.import_module(home(new)), name)
     with pytest.warns(
-        FutureWarning, match=rf"grpo_lightning\.{old}\.{name} moved to grpo_lightning\.{new}\.{name}"
+        FutureWarning, match=rf"{re.escape(home(old))}\.{name} moved to {re.escape(home(new))}\.{name}"
     ):
         assert getattr(old_module, name) is moved
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(OLD_MODULES.items()))
+def test_old_module_path_is_the_moved_module_with_a_warning(old, new, monkeypatch):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    message = rf"{re.escape(old)} moved to {re.escape(new)}; the old path will be removed in 0\.3\.0"
+    with pytest.warns(FutureWarning, match=message):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+def test_from_an_old_module_path_import_a_name(monkeypatch):
+    monkeypatch.delitem(sys.modules, "grpo_lightning.module", raising=False)
+    with pytest.warns(FutureWarning, match="grpo_lightning.training.module"):
+        from grpo_lightning.module import GRPOModule
+    assert (
+        GRPOModule is grpo_lightning.GRPOModule and GRPOModule.__module__ == "grpo_lightning.training.module"
+    )
+
+
+def test_the_version_is_the_packages_and_drops_the_old_paths_in_the_next_minor():
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    (version,) = re.findall(r'^version = "([^"]+)"$', pyproject, flags=re.M)
+    assert grpo_lightning.__version__ == version == "0.2.0"
+    assert REMOVED_IN == "0.3.0"
+
+
+def test_the_public_api_names_what_users_build_on():
+    for name in grpo_lightning.__all__:
+        assert getattr(grpo_lightning, name) is not None, name
+    assert grpo_lightning.Trajectory.__module__ == "grpo_lightning.core.trajectory"
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        grpo_lightning.Nothing  # noqa: B018
 
 
 def test_a_name_that_never_lived_there_is_missing():
@@ -74,6 +117,16 @@ def test_a_name_that_never_lived_there_is_missing():
         grpo_lightning.core.credit._pad_columns  # noqa: B018
     # credit.py is still the home of step credit: no warning for its own names.
     from grpo_lightning.core.credit import step_credit_penalties  # noqa: F401
+
+
+def test_old_module_path_in_a_yaml_class_path_still_builds_the_data_module(monkeypatch):
+    monkeypatch.delitem(sys.modules, "grpo_lightning.data", raising=False)
+    parser = ArgumentParser()
+    parser.add_argument("--data", type=L.LightningDataModule)
+    config = {"class_path": "grpo_lightning.data.GSM8KDataModule", "init_args": {"source": "arithmetic"}}
+    with pytest.warns(FutureWarning, match="grpo_lightning.data moved to grpo_lightning.training.data"):
+        data = parser.instantiate_classes(parser.parse_object({"data": config})).data
+    assert type(data) is grpo_lightning.GSM8KDataModule and data.hparams.source == "arithmetic"
 
 
 def test_old_class_path_in_a_yaml_config_still_builds_the_callback(tmp_path):

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning._compat import moved_names
 from grpo_lightning.core.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
 from grpo_lightning.core.scoring import RewardInputs, call_reward
-from grpo_lightning.deprecation import moved_names
 
 __all__ = [
     "AUDIT_CASES",

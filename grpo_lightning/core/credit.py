@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning._compat import moved_names
 from grpo_lightning.core.steps import wrong_step_spans
-from grpo_lightning.deprecation import moved_names
 
 __all__ = ["step_credit_penalties", "step_token_penalties", "token_char_spans"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from grpo_lightning.deprecation import moved_names
+from grpo_lightning._compat import moved_names
 
 __all__ = [
     "LengthPenalty",

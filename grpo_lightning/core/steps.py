@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from grpo_lightning._compat import moved_names
 from grpo_lightning.core.rewards import completion_text
-from grpo_lightning.deprecation import moved_names
 
 
 @dataclass(frozen=True)

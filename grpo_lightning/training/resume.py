@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning.deprecation import moved_names
+from grpo_lightning._compat import moved_names
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
