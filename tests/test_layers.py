@@ -1,0 +1,116 @@
+"""The layers hold: the import graph of every file in grpo_lightning/, read from its source (ast), and the
+README's layout table, checked against the tree.
+
+- `grpo_lightning.core` is pure: no core file imports Lightning, directly or through another of our
+  modules, nor anything from `grpo_lightning.training` or the entry points;
+- nothing below the module imports the module, the Lightning callbacks or the CLI: `core` and `io` import
+  nothing from `training`, and only the entry points import `training.module`;
+- README's layout table names every .py file of the package, and no file that is not there.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "grpo_lightning"
+LIGHTNING = ("lightning", "pytorch_lightning")
+ENTRY_POINTS = ("grpo_lightning.cli", "grpo_lightning.sagemaker")  # the CLI and the SageMaker job
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """Every module that `module`'s source imports, anywhere in the file (`from a import b` counts `a`, and
+    `a.b` when that is one of our modules)."""
+    found = set()
+    for node in ast.walk(ast.parse(FILES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in FILES)
+    return frozenset(found)
+
+
+@cache
+def reaches(module: str) -> frozenset[str]:
+    """Every module that importing `module` imports, through our own modules (and their packages)."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        for name in imports(current):
+            parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+            for reached in [name, *parents]:
+                if reached not in seen:
+                    seen.add(reached)
+                    if reached in FILES and reached != "grpo_lightning":  # the package's own lazy __init__
+                        todo.append(reached)
+    return frozenset(seen)
+
+
+def is_lightning(name: str) -> bool:
+    return name.split(".")[0] in LIGHTNING
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in ("core", "training", "io") else None
+
+
+CORE = [m for m in FILES if layer(m) == "core"]
+BELOW_THE_MODULE = [m for m in FILES if layer(m) in ("core", "io")]
+
+
+def test_the_tree_has_three_layers_and_the_rule_sees_them():
+    assert {layer(m) for m in FILES} == {"core", "training", "io", None}
+    assert len(CORE) >= 10 and "grpo_lightning.core.loss" in CORE
+    # The rule can fail: the module reaches Lightning through our own files.
+    assert any(is_lightning(m) for m in reaches("grpo_lightning.training.module"))
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_no_lightning_even_indirectly(module):
+    direct = sorted(m for m in imports(module) if is_lightning(m))
+    assert not direct, f"{module} imports {direct}"
+    indirect = sorted(m for m in reaches(module) if is_lightning(m))
+    assert not indirect, f"{module} reaches Lightning ({indirect}) through our modules"
+
+
+@pytest.mark.parametrize("module", BELOW_THE_MODULE)
+def test_nothing_below_the_module_imports_the_lightning_layer_or_the_cli(module):
+    upward = sorted(m for m in imports(module) if layer(m) == "training" or m.startswith(ENTRY_POINTS))
+    assert not upward, f"{module} imports {upward}"
+
+
+@pytest.mark.parametrize("module", [m for m in FILES if not m.startswith(ENTRY_POINTS)])
+def test_only_the_entry_points_import_the_module(module):
+    if module == "grpo_lightning.training.module":
+        return
+    assert "grpo_lightning.training.module" not in imports(module)
+    assert not [m for m in imports(module) if m.startswith(ENTRY_POINTS)]
+
+
+def readme_layout_paths() -> set[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(grpo_lightning/[\w/]+\.py)`", section))
+
+
+def test_readme_layout_table_names_every_file_of_the_tree():
+    in_tree = {str(p.relative_to(ROOT)) for p in FILES.values()}
+    named = readme_layout_paths()
+    assert in_tree - named == set(), "files missing from README's layout table"
+    assert named - in_tree == set(), "README's layout table names files that do not exist"
