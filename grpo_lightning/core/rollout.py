@@ -69,7 +69,7 @@ class RolloutEngine(Protocol):
         ...
 
 
-class EagerEngine:
+class EagerEngine(RolloutEngine):
     """`generate` with a dynamic KV cache on the live model: nothing to refresh when the weights change.
 
     Samples the raw policy (`sampling.generate_completions`); with `settings.share_prompt` each distinct
@@ -80,15 +80,8 @@ class EagerEngine:
         self.settings = settings
 
     @torch.no_grad()
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        *,
-        num_generations: int,
-        do_sample: bool = True,
-    ) -> Rollout:
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True) -> Rollout:
+        # The argument types are RolloutEngine.generate's.
         s = self.settings
         prefill = prefill_groups(model, prompt_ids, prompt_mask, num_generations) if s.share_prompt else None
         return generate_completions(

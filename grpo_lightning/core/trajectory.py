@@ -10,7 +10,7 @@ function for the one decision that needs the other ranks (`scale_rewards="batch"
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
@@ -101,16 +101,11 @@ def build_trajectory(
         token_advantages = advantages[:, None] + penalties  # [B, T]
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
     return Trajectory(
-        prompts=scored.prompts,
-        rollout=rollout,
-        completions=scored.completions,
+        **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
         loss_mask=loss_mask(rollout, cfg.mask_truncated_completions),
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
-        rewards_per_func=scored.rewards_per_func,
-        rewards=rewards,
         advantages=advantages,
         token_advantages=token_advantages,
-        num_generations=scored.num_generations,
         stats=stats,
     )
