@@ -1,6 +1,6 @@
 """Deprecated: the callbacks moved to files named after what they do (evaluation, monitoring, audit, export;
 `stop_token_ids` to sampling). Their old paths, `grpo_lightning.callbacks.<name>` in Python and as a
-`class_path` in YAML, still resolve, with a `FutureWarning` naming the new path, until the next release.
+`class_path` in YAML, still resolve, with a `FutureWarning` naming the new path, until 0.3.0.
 """
 
 from grpo_lightning._compat import moved_names

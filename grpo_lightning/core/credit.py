@@ -76,7 +76,7 @@ def step_credit_penalties(
     return penalties.to(completion_ids.device)
 
 
-# Dynamic sampling and the KL in the reward lived here in 0.1.0: their old paths warn until the next release.
+# Dynamic sampling and the KL in the reward lived here in 0.1.0: their old paths warn until 0.3.0.
 __getattr__ = moved_names(
     __name__,
     {
