@@ -333,7 +333,9 @@ class GRPOModule(L.LightningModule):
         return torch.cat([self.logprobs(model, rollout, r)[0] for r in rows])  # [B, T]
 
     def _weights_updated(self) -> None:
-        engine = self.rollout_engine
+        engine = self._rollout_engine
+        if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
+            return
         # The eager engine reads the live weights; another one may copy them, whole.
         gathered = nullcontext() if isinstance(engine, EagerEngine) else gathered_for_generation(self.policy)
         with gathered:
