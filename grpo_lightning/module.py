@@ -28,12 +28,14 @@ from grpo_lightning.distributed import (
     shard_model,
 )
 from grpo_lightning.dynamic_sampling import GroupBuffer, ScoredGroups
+from grpo_lightning.export import check_fits
 from grpo_lightning.loss import group_advantages, grpo_loss, kl_in_reward
 from grpo_lightning.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.models import (
     LoraOptions,
     ModelOptions,
     apply_lora,
+    check_loaded_model,
     load_model,
     load_tokenizer,
     prepare_tokenizer,
@@ -49,7 +51,13 @@ from grpo_lightning.resume import (
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, stop_token_ids
-from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.scoring import (
+    RewardInputs,
+    call_reward,
+    check_reward_weights,
+    score_completions,
+    trainer_state,
+)
 from grpo_lightning.shared_prompt import (
     group_completion_logprobs,
     prefill_groups,
@@ -116,6 +124,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError(
                 f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs"
             )
+        check_reward_weights(weights, self.reward_funcs)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         if num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
@@ -187,6 +196,7 @@ class GRPOModule(L.LightningModule):
                     shard_model(model, mesh["data_parallel"], mp_policy)
 
     def _prepare_models(self) -> None:
+        check_loaded_model(self.policy, self.tokenizer, self.policy_source)
         opts = self.model_options
         if opts.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -266,6 +276,8 @@ class GRPOModule(L.LightningModule):
         if self.reference is not None and "state_dict" in checkpoint:  # a sharded one was loaded in place
             for key, value in self.reference.state_dict().items():
                 checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)
+        if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
+            check_fits(self.state_dict(), checkpoint["state_dict"], self._trainer and self._trainer.ckpt_path)
         if "grpo_state" in checkpoint:
             state = checkpoint["grpo_state"]
             self._bad_steps = state["bad_steps"]
