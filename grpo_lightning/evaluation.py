@@ -178,9 +178,9 @@ class ValidationResultsWriter(L.Callback):
     One line per completion: the row's data columns (GSM8K's `question`; TRL-format data's `prompt` and
     any others), `sample` (index among the problem's samples), `completion`, `extracted` (the lenient
     answer, as `val/accuracy` reads it, or null) and, where the data module has an answer column, `answer`
-    (the reference number) and `correct`. Needs a `validation_step` that returns `{"completions": [...]}` with the `k` samples
-    of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing; under DDP rank r > 0
-    writes `<path>.rank<r>`.
+    (the reference number) and `correct`. Needs a `validation_step` that returns `{"completions": [...]}`
+    with the `k` samples of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing;
+    under DDP rank r > 0 writes `<path>.rank<r>`.
     """
 
     def __init__(self, path: str | None = None) -> None:
