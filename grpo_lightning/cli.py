@@ -116,7 +116,7 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)
-        print(f"error: {message}", file=sys.stderr)
+        print("error: " + " ".join(message.split()), file=sys.stderr)  # jsonargparse's lines, as one
         raise SystemExit(2)
 
 

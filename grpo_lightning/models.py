@@ -121,8 +121,9 @@ def _loading(what: str, name_or_path: str) -> Iterator[None]:
                 f"cannot load the {what} from {name_or_path!r}: {broken} is truncated or corrupt "
                 f"({type(err).__name__}: {err}); copy or export it again"
             ) from err
+        text = " ".join(str(err).split())  # one line: transformers' messages list their options on lines
         raise ValueError(
-            f"cannot load the {what} from {name_or_path!r}: {type(err).__name__}: {err}"
+            f"cannot load the {what} from {name_or_path!r}: {type(err).__name__}: {text}"
         ) from err
 
 
