@@ -72,7 +72,10 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
-    check_fits(model.state_dict(), state, ckpt_path)
+    named = {
+        prefix + key: tensor for key, tensor in model.state_dict().items()
+    }  # as the checkpoint names them
+    check_fits(named, {prefix + key: tensor for key, tensor in state.items()}, ckpt_path)
     model.load_state_dict(state, strict=True)
 
 
@@ -192,9 +195,16 @@ def check_export_folder(out_dir: str, overwrite: bool, loaded_from: tuple[str | 
         raise ValueError(f"export folder {out_dir!r} is a file: choose a folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ValueError(
-            f"export folder {out_dir!r} is not empty (it holds {sorted(os.listdir(out_dir))[:3]}...): choose "
+            f"export folder {out_dir!r} is not empty (it holds {_some(os.listdir(out_dir))}): choose "
             "another folder, or replace it whole with --overwrite true (ExportBestCallback: overwrite: true)"
         )
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """The first few of `names`, and how many more."""
+    names = sorted(names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
 
 
 def _write_folder(out_dir: str, write: Callable[[str], object]) -> None:
