@@ -30,6 +30,7 @@ from grpo_lightning.data import (
 )
 from grpo_lightning.export import export_policy, read_checkpoint
 from grpo_lightning.metrics import GSM8KAccuracy
+from grpo_lightning.models import check_loaded_model
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import completion_text, normalize_number, reference_answer
 from grpo_lightning.scoring import (
@@ -648,6 +649,34 @@ class TestModelsCheckedAtLoad:
             f"error: the model '{folder}' has non-finite weights: {first} holds 1 NaN or inf values of "
             in err
         )
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_any_non_finite_weight_is_found_and_the_first_named(tiny_model_dir, data):
+    """Whichever weights hold NaN or inf, wherever in them: the first tensor holding one is named, with how
+    many it holds; a model with finite weights (as loaded) passes."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    check_loaded_model(model, tokenizer, "tiny")
+    state = model.state_dict()
+    names = data.draw(st.lists(st.sampled_from(sorted(state)), min_size=1, max_size=3, unique=True))
+    counts = {}
+    for name in names:
+        flat = state[name].view(-1)
+        spots = data.draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4, unique=True))
+        flat[spots] = torch.tensor(
+            [data.draw(st.sampled_from([math.nan, math.inf, -math.inf])) for _ in spots]
+        )
+        counts[name] = len(spots)
+    first = next(name for name in state if name in names)
+    with pytest.raises(ValueError) as error:
+        check_loaded_model(model, tokenizer, "tiny")
+    assert str(error.value).startswith(
+        f"the model 'tiny' has non-finite weights: {first} holds {counts[first]} NaN or inf values of "
+    )
 
 
 def _state_names(folder: str) -> list[str]:
