@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -117,8 +118,26 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)
-        print("error: " + " ".join(message.split()), file=sys.stderr)  # jsonargparse's lines, as one
+        print(f"error: {plain_parser_error(message)}", file=sys.stderr)
         raise SystemExit(2)
+
+
+# jsonargparse's report of a bad value inside a class-typed option (`data`, typed `PromptDataModule | None`):
+# every subtype it tried, with the bad key's own message in the class's entry.
+_UNION_ERROR = re.compile(
+    r'Parser key "(?P<outer>[^"]+)": Does not validate against any of the Union subtypes .*?'
+    r"Problem with given class_path '[^']+': Parser key \"(?P<inner>[^\"]+)\": (?P<what>.*?)"
+    r"(?: - Expected a <class 'NoneType'>.*)?$"
+)
+
+
+def plain_parser_error(message: str) -> str:
+    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
+    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
+    message = " ".join(message.split())
+    while match := _UNION_ERROR.match(message):
+        message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'
+    return message
 
 
 class GRPOCLI(LightningCLI):

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from fractions import Fraction
 
@@ -28,7 +30,7 @@ from grpo_lightning.data import (
     check_row,
     read_records,
 )
-from grpo_lightning.export import export_policy, read_checkpoint
+from grpo_lightning.export import ExportBestCallback, export_policy, read_checkpoint
 from grpo_lightning.metrics import GSM8KAccuracy
 from grpo_lightning.models import check_loaded_model
 from grpo_lightning.module import GRPOModule
@@ -41,7 +43,7 @@ from grpo_lightning.scoring import (
     score_completions,
 )
 from tests.conftest import quiet_trainer
-from tests.test_interrupt import fit_args
+from tests.test_interrupt import REPO, fit_args
 
 ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
 
@@ -1031,3 +1033,26 @@ class TestOutputsThatOverwrite:
         assert folders == ["version_0", "version_1"]
         for folder in folders:
             assert os.listdir(tmp_path / "checkpoints" / folder) == ["epoch=0-step=1.ckpt"]
+
+    def test_export_best_callback_refuses_a_non_empty_folder_before_training(self, tmp_path):
+        out = tmp_path / "export"
+        out.mkdir()
+        (out / "model.safetensors").write_text("an earlier run's")
+        trainer = quiet_trainer(default_root_dir=str(tmp_path))
+        with pytest.raises(ValueError, match=f"export folder '{out}' is not empty"):
+            ExportBestCallback(str(out)).setup(trainer, None, "fit")
+        ExportBestCallback(str(out), overwrite=True).setup(trainer, None, "fit")  # asked for: accepted
+        ExportBestCallback(str(tmp_path / "new")).setup(trainer, None, "fit")
+
+
+def test_the_cli_entry_point_prints_a_wrong_type_as_its_one_line(tiny_model_dir, tmp_path):
+    """The real command, in a process of its own: jsonargparse's usage is not printed, only the error."""
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=two")
+    done = subprocess.run(
+        [sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: Parser key \"data.batch_size\": Expected a <class 'int'>. Got value: two"
+    ), done.stderr
+    assert "usage:" not in done.stderr and "--help" not in done.stderr
