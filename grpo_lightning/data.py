@@ -115,6 +115,12 @@ def check_row(row: object, where: str, question_field: str = "question", answer_
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     question = _check_text(row, question_field, where)
+    if isinstance(row.get(answer_field), int | float) and not isinstance(row[answer_field], bool):
+        raise ValueError(
+            f"{where}: field {answer_field!r} is the number {row[answer_field]!r}: the GSM8K preset reads a "
+            f"worked solution ending in '#### <number>'; rows whose answer is a number read as they are with "
+            f"data.class_path grpo_lightning.data.PromptDataModule and data.prompt_field {question_field}"
+        )
     answer = _check_text(row, answer_field, where)
     if "####" not in answer or not answer.rsplit("####", 1)[1].strip():
         raise ValueError(

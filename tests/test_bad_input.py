@@ -140,6 +140,10 @@ def write_rows(path, rows: list) -> str:
         ([{"answer": "#### 1"}], "rows.jsonl:1: missing field 'question' (has ['answer'])"),
         ([ROW, ROW, {"question": "q?", "answer": "5"}], "rows.jsonl:3: field 'answer' has no final '#### "),
         ([{"question": "  ", "answer": "#### 1"}], "rows.jsonl:1: field 'question' is empty or not a string"),
+        (
+            [ROW, {**ROW, "answer": 5}],
+            "rows.jsonl:2: field 'answer' is the number 5: the GSM8K preset reads ",
+        ),
     ],
 )
 def test_bad_row_names_file_line_and_field(tiny_model_dir, tmp_path, capsys, no_weights, rows, message):
