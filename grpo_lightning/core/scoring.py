@@ -37,7 +37,16 @@ from transformers import TrainerState
 
 from grpo_lightning.core.rewards import reward_name
 
-__all__ = ["RewardInputs", "RewardLog", "Scores", "call_reward", "score_completions", "trainer_state"]
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+__all__ = [
+    "RewardInputs",
+    "RewardLog",
+    "Scores",
+    "call_reward",
+    "check_reward_weights",
+    "score_completions",
+    "trainer_state",
+]
 
 
 def trainer_state(
@@ -155,11 +164,29 @@ def _check_values(fn: Callable, values: object, inputs: RewardInputs) -> list[fl
                 f"reward function {name!r} {expected}; value {i} is {_describe(v)}, "
                 f"for completion {i}: {completions[i][:200]!r}"
             )
-        if v is not None and not math.isfinite(v):
+        if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+            # float32 is where rewards are summed and normalised: beyond its range a finite value is inf.
+            why = (
+                ""
+                if not math.isfinite(v)
+                else f" (beyond float32's range, +-{FLOAT32_MAX:.3g}: scale it down)"
+            )
             raise RuntimeError(
-                f"reward function {name!r} returned {v} for completion {i}: {completions[i][:200]!r}"
+                f"reward function {name!r} returned {v} for completion {i}{why}: {completions[i][:200]!r}"
             )
     return [None if v is None else float(v) for v in values]
+
+
+def check_reward_weights(weights: Sequence[object], reward_funcs: Sequence[Callable]) -> None:
+    """Each of `reward_weights` is a finite number within float32's range (the rewards are weighted in
+    float32); else `ValueError` naming the option, the weight and its reward function."""
+    for i, (weight, fn) in enumerate(zip(weights, reward_funcs, strict=True)):
+        number = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
+        if not (number and math.isfinite(weight) and abs(weight) <= FLOAT32_MAX):
+            raise ValueError(
+                f"model.reward_weights[{i}]={weight!r}, the weight of reward function {reward_name(fn)!r}: "
+                "must be a finite number"
+            )
 
 
 def _raised(fn: Callable, err: Exception, inputs: RewardInputs) -> RuntimeError:

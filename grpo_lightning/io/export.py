@@ -10,8 +10,12 @@ holding the model and the tokenizer as attributes (`resolve_attr` follows a dott
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import pickle
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
 
 import lightning as L
 import torch
@@ -58,6 +62,7 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
     Strict: the checkpoint must hold every weight of `model` and nothing else under `prefix`.
     """
     if os.path.isdir(ckpt_path):
+        check_checkpoint_folder(ckpt_path)
         state = _sharded_checkpoint_weights(ckpt_path, prefix)
     else:
         # weights_only=True: a checkpoint handed to `export` cannot run code. Our option dataclasses in its
@@ -67,7 +72,47 @@ def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "p
         state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
+    named = {
+        prefix + key: tensor for key, tensor in model.state_dict().items()
+    }  # as the checkpoint names them
+    check_fits(named, {prefix + key: tensor for key, tensor in state.items()}, ckpt_path)
     model.load_state_dict(state, strict=True)
+
+
+def check_fits(
+    expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], ckpt_path: str
+) -> None:
+    """Refuse a checkpoint whose weights do not fit the model, naming the first tensor of another shape (or
+    the first one missing or extra) in one line, instead of `load_state_dict`'s dump of every mismatch."""
+    shapes = (
+        f"{key} has shape {list(tensor.shape)} in the checkpoint but {list(expected[key].shape)} here"
+        for key, tensor in given.items()
+        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape)
+    )
+    missing = (f"it has no {key}" for key in expected if key not in given)
+    extra = (f"it holds {key}, which this model lacks" for key in given if key not in expected)
+    wrong = next(itertools.chain(shapes, missing, extra), None)
+    if wrong is not None:
+        raise ValueError(
+            f"checkpoint {ckpt_path!r} does not fit this model: {wrong}; it was trained from another model "
+            "or with other LoRA options: set model.policy and model.lora to the run's own"
+        )
+
+
+def check_checkpoint_folder(path: str) -> None:
+    """A folder given as a checkpoint must be a sharded (distributed) checkpoint; an exported model folder is
+    named as what it is."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return
+    if any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
+        raise ValueError(
+            f"checkpoint {path!r} is a model folder (save_pretrained, as export writes), not a Lightning "
+            f"checkpoint: use it as the policy (--model.policy {path}); a checkpoint is a .ckpt file or a "
+            "sharded checkpoint's folder"
+        )
+    raise ValueError(
+        f"checkpoint {path!r} is a folder without .metadata: not a sharded checkpoint; give a .ckpt file"
+    )
 
 
 def _sharded_checkpoint_weights(path: str, prefix: str) -> dict[str, torch.Tensor]:
@@ -96,8 +141,12 @@ def export_policy(
     merge_lora: bool = True,
     model_attr: str = "policy",
     tokenizer_attr: str = "tokenizer",
+    overwrite: bool = False,
 ) -> str:
     """Write the policy and its tokenizer to `out_dir` with `save_pretrained`; returns `out_dir`.
+
+    The folder is written whole beside `out_dir` and then put in its place: it never holds a mix of two
+    exports (a stale adapter beside new weights), and a failed export leaves what was there.
 
     Args:
         source: a `PreTrainedModel` / `PeftModel` (then pass `tokenizer`), or a module holding them at
@@ -108,7 +157,10 @@ def export_policy(
         ckpt_path: a Lightning checkpoint whose `<model_attr>.*` weights are loaded into the policy first
             (in place: the module then holds the checkpoint's weights).
         merge_lora: for a LoRA policy, save the merged weights (True) or only the adapter (False).
+        overwrite: replace a non-empty `out_dir` (whole). Default False: refused. The folder the policy or
+            the tokenizer was loaded from is refused either way.
     """
+    check_export_folder(out_dir, overwrite)
     if isinstance(source, PreTrainedModel | PeftModel):
         model = source
     else:
@@ -118,15 +170,60 @@ def export_policy(
         tokenizer = tokenizer or getattr(source, tokenizer_attr)
     if tokenizer is None:
         raise ValueError("pass the tokenizer along with a bare model: the export must be loadable on its own")
+    loaded_from = (getattr(model, "name_or_path", None), getattr(tokenizer, "name_or_path", None))
+    check_export_folder(out_dir, overwrite, loaded_from)
     if ckpt_path is not None:
         load_policy_weights(model, ckpt_path, prefix=model_attr + ".")
     if isinstance(model, PeftModel) and merge_lora:
         # merge_and_unload rewrites the modules in place: merge a copy, so the live policy keeps its adapter.
         model = copy.deepcopy(model).merge_and_unload()
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    _write_folder(out_dir, lambda folder: (model.save_pretrained(folder), tokenizer.save_pretrained(folder)))
     return out_dir
+
+
+def check_export_folder(out_dir: str, overwrite: bool, loaded_from: tuple[str | None, ...] = ()) -> None:
+    """Refuse to export into a folder that the model or tokenizer was loaded from (`loaded_from`), and into
+    a non-empty one unless `overwrite`."""
+    if os.path.isdir(out_dir) and any(
+        p and os.path.isdir(p) and os.path.samefile(p, out_dir) for p in loaded_from
+    ):
+        raise ValueError(
+            f"export folder {out_dir!r} is the folder the policy was loaded from: exporting there would "
+            "replace its base weights; choose another folder"
+        )
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"export folder {out_dir!r} is a file: choose a folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ValueError(
+            f"export folder {out_dir!r} is not empty (it holds {_some(os.listdir(out_dir))}): choose "
+            "another folder, or replace it whole with --overwrite true (ExportBestCallback: overwrite: true)"
+        )
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """The first few of `names`, and how many more."""
+    names = sorted(names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
+
+
+def _write_folder(out_dir: str, write: Callable[[str], object]) -> None:
+    """`write` into a new folder beside `out_dir`, then put it in `out_dir`'s place (the old one is removed
+    after the swap); a failed write leaves `out_dir` as it was."""
+    out_dir = os.path.abspath(out_dir)
+    parent, name = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    retired = staging + ".replaced"
+    if os.path.exists(out_dir):
+        os.rename(out_dir, retired)
+    os.rename(staging, out_dir)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def resolve_attr(obj: object, path: str) -> object:
@@ -150,6 +247,8 @@ class ExportBestCallback(L.Callback):
         out_dir: where to write. Default `<trainer.log_dir or default_root_dir>/export`.
         merge_lora: merge a LoRA adapter into the weights (a plain model) or save the adapter alone.
         model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
+        overwrite: replace a non-empty `out_dir` whole at the end. Default False: such a folder is refused
+            when `fit` starts, before any training.
     """
 
     def __init__(
@@ -158,12 +257,21 @@ class ExportBestCallback(L.Callback):
         merge_lora: bool = True,
         model_attr: str = "policy",
         tokenizer_attr: str = "tokenizer",
+        overwrite: bool = False,
     ) -> None:
         self.out_dir = out_dir
+        self.overwrite = overwrite
         self.merge_lora = merge_lora
         self.model_attr = model_attr
         self.tokenizer_attr = tokenizer_attr
         self.exported_from: str | None = None  # the checkpoint exported, None for the final weights
+
+    def _out_dir(self, trainer: L.Trainer) -> str:
+        return self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # refused now rather than after training
+            check_export_folder(self._out_dir(trainer), self.overwrite)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
@@ -173,7 +281,7 @@ class ExportBestCallback(L.Callback):
                 "ExportBestCallback: no best checkpoint (no monitor, or no validation ran): "
                 "exporting the final weights"
             )
-        out_dir = self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
+        out_dir = self._out_dir(trainer)
         if is_sharded(resolve_attr(pl_module, self.model_attr)):
             # Each rank holds a shard: the export reads the checkpoint folder in one process instead.
             rank_zero_warn(
@@ -190,6 +298,7 @@ class ExportBestCallback(L.Callback):
                 merge_lora=self.merge_lora,
                 model_attr=self.model_attr,
                 tokenizer_attr=self.tokenizer_attr,
+                overwrite=self.overwrite,
             )
             rank_zero_info(f"exported {'the final weights' if best is None else best} to {out_dir}")
         self.exported_from = best

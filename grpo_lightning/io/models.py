@@ -121,8 +121,9 @@ def _loading(what: str, name_or_path: str) -> Iterator[None]:
                 f"cannot load the {what} from {name_or_path!r}: {broken} is truncated or corrupt "
                 f"({type(err).__name__}: {err}); copy or export it again"
             ) from err
+        text = " ".join(str(err).split())  # one line: transformers' messages list their options on lines
         raise ValueError(
-            f"cannot load the {what} from {name_or_path!r}: {type(err).__name__}: {err}"
+            f"cannot load the {what} from {name_or_path!r}: {type(err).__name__}: {text}"
         ) from err
 
 
@@ -132,7 +133,56 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTraine
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     with _loading("tokenizer", name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    check_tokenizer(tokenizer, name_or_path)
     return prepare_tokenizer(tokenizer)
+
+
+# Ordinary text that every real tokenizer splits into ordinary tokens.
+_PROBE_TEXT = "The answer is 42."
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """Refuse a tokenizer without a vocabulary. From a folder holding `tokenizer_config.json` but not the
+    vocabulary files, transformers builds one that knows only the special tokens the config names: it
+    encodes any text to nothing, and the run would fail far from the cause."""
+    ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    if all(i in special for i in ids):
+        raise ValueError(
+            f"the tokenizer from {source!r} has no vocabulary: {len(tokenizer)} tokens, only special ones, "
+            f"and it encodes {_PROBE_TEXT!r} to {ids}; the folder lacks its tokenizer files (tokenizer.json, "
+            "or vocab.json + merges.txt, ...): copy them from the model it came from, or set model.tokenizer"
+        )
+
+
+def check_loaded_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str | None
+) -> None:
+    """Before the first step: every token id of `tokenizer` has a row in the model's input embedding (a
+    tokenizer of another model indexes past it), and every floating-point weight is finite (a broken
+    checkpoint would only show steps later as a non-finite loss). Raises ValueError naming what is wrong."""
+    source = source or type(model).__name__
+    rows = model.get_input_embeddings().num_embeddings
+    largest = max([*tokenizer.get_vocab().values(), *tokenizer.all_special_ids])
+    if largest >= rows:
+        raise ValueError(
+            f"the tokenizer's token ids reach {largest}, but the input embedding of the model {source!r} has "
+            f"{rows} rows (ids 0 to {rows - 1}): the tokenizer belongs to another model; set model.tokenizer "
+            "to this model's own (or leave it unset to use the policy folder's)"
+        )
+    for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point() or tensor.device.type == "meta":
+            continue  # quantised (integer) blocks; weights not materialised yet
+        # One pass without a mask: NaN and inf make the float32 sum non-finite (so may a sum past 3.4e38,
+        # hence the count before refusing).
+        if torch.isfinite(tensor.sum(dtype=torch.float32)):
+            continue
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise ValueError(
+                f"the model {source!r} has non-finite weights: {name} holds {bad} NaN or inf values of "
+                f"{tensor.numel()}; the checkpoint is broken (export or train it again from an earlier one)"
+            )
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import warnings
@@ -21,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.core.options import Rule, check_value
+from grpo_lightning.core.rewards import reference_answer
 from grpo_lightning.training.resume import ResumableSampler
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -41,9 +43,29 @@ def _read_lines(path: str) -> list[str]:
         raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
 
 
+# What a row is, in a data file's own terms, for messages about one that is something else.
+ROW_SHAPE = 'a JSON object, {"column": value, ...}: one per line (JSON lines) or a JSON array of them'
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's terms, with its start: `an array [1, 2]`."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    kind = kinds.get(type(value), "a number")
+    return kind if value is None else f"{kind} {json.dumps(value, ensure_ascii=False)[:60]}"
+
+
+def _rows_of(records: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """The records, each checked to be a row object: anything else is named with what it holds."""
+    for where, row in records:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: holds {_json_kind(row)}, but a row must be {ROW_SHAPE}")
+    return records
+
+
 def read_records(path: str) -> list[tuple[str, object]]:
     """The raw rows of a `.jsonl`, `.json` (an array of objects, or JSON lines) or `.parquet` file, each with
-    where it comes from (`file:line`, `file[i]` or `file row i`) for error messages."""
+    where it comes from (`file:line`, `file[i]` or `file row i`) for error messages. Valid JSON of another
+    shape (a line holding an array, one object spread over lines) is named as what it is, never as invalid."""
     if path.endswith(".parquet"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data file {path!r} does not exist")
@@ -55,13 +77,19 @@ def read_records(path: str) -> list[tuple[str, object]]:
             raise ValueError(f"{path}: not a readable parquet file ({err})") from None
         return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
     lines = _read_lines(path)
-    text = "".join(lines)
-    if text.lstrip().startswith("["):
-        try:
-            array = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
-        return [(f"{path}[{i}]", row) for i, row in enumerate(array)]
+    whole_error = None
+    try:
+        document = json.loads("".join(lines))
+    except json.JSONDecodeError as err:
+        whole_error = err  # JSON lines ("Extra data" after line 1's value), or one broken document
+    else:
+        if isinstance(document, list):
+            return _rows_of([(f"{path}[{i}]", row) for i, row in enumerate(document)])
+        if sum(bool(line.strip()) for line in lines) > 1:  # one document over several lines: not rows
+            raise ValueError(
+                f"{path}: the whole file is one JSON document, {_json_kind(document)}, but a row "
+                f"must be {ROW_SHAPE}"
+            )
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -69,8 +97,11 @@ def read_records(path: str) -> list[tuple[str, object]]:
         try:
             records.append((f"{path}:{number}", json.loads(line)))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-    return records
+            # One document spread over lines (a pretty array) is reported where it breaks.
+            spread = whole_error.msg != "Extra data" and whole_error.lineno > number
+            error = whole_error if spread else err
+            raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    return _rows_of(records)
 
 
 def _check_text(row: dict, field: str, where: str) -> str:
@@ -86,18 +117,48 @@ def check_row(row: object, where: str, question_field: str = "question", answer_
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     question = _check_text(row, question_field, where)
+    if isinstance(row.get(answer_field), int | float) and not isinstance(row[answer_field], bool):
+        raise ValueError(
+            f"{where}: field {answer_field!r} is the number {row[answer_field]!r}: the GSM8K preset reads a "
+            f"worked solution ending in '#### <number>'; rows whose answer is a number read as they are "
+            f"with data.class_path grpo_lightning.training.data.PromptDataModule and data.prompt_field "
+            f"{question_field}"
+        )
     answer = _check_text(row, answer_field, where)
     if "####" not in answer or not answer.rsplit("####", 1)[1].strip():
         raise ValueError(
             f"{where}: field {answer_field!r} has no final '#### <number>' line: {answer[-80:]!r}"
         )
+    check_answer(answer, where, answer_field)
     out = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
     out.update(question=question, answer=answer)
     return out
 
 
+def check_answer(answer: object, where: str, field: str = "answer") -> None:
+    """A reference answer that validation can read: a finite number (TRL-format data often holds ints), or
+    text whose final `#### ` line, where it has one (GSM8K's form), holds a number. Other text passes: it
+    is for a `val_reward` such as math-verify to judge."""
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f"{where}: field {field!r} is {answer}: a reference answer must be a finite number")
+    if isinstance(answer, str) and "####" in answer:
+        try:
+            reference_answer(answer)
+        except ValueError:
+            final = answer.rpartition("####")[2].strip()
+            raise ValueError(
+                f"{where}: field {field!r} ends in '#### {final}', which is not a number: write the final "
+                "answer as '#### <number>' (digits, e.g. '#### 5', no units or words)"
+            ) from None
+
+
+CHAT_ROLES = ("system", "user", "assistant")  # the turns that every chat template renders
+
+
 def check_prompt(prompt: object, where: str, field: str = "prompt") -> None:
-    """A prompt is non-empty text or a non-empty list of `{"role": str, "content": str}` messages."""
+    """A prompt is non-empty text or a non-empty list of `{"role": str, "content": str}` messages whose
+    roles are system, user or assistant (a template renders another role as a turn the model never saw, or
+    not at all)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where}: field {field!r} is empty")
@@ -115,6 +176,11 @@ def check_prompt(prompt: object, where: str, field: str = "prompt") -> None:
             raise ValueError(
                 f"{where}: field {field!r}, message {i}: a chat message is {{'role': str, 'content': str}}, "
                 f"got {str(message)[:80]!r}"
+            )
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"{where}: field {field!r}, message {i} has role {message['role']!r}: a chat role is one of "
+                f"{', '.join(CHAT_ROLES)}"
             )
 
 
@@ -293,6 +359,8 @@ class PromptDataModule(L.LightningDataModule):
             )
         prompt = row[hp.prompt_field]
         check_prompt(prompt, where, hp.prompt_field)
+        if hp.answer_field in row:
+            check_answer(row[hp.answer_field], where, hp.answer_field)
         out = {k: v for k, v in row.items() if k != hp.prompt_field}
         return {"prompt": prompt, **out}
 

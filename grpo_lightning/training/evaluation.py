@@ -150,11 +150,12 @@ class GSM8KAccuracyCallback(L.Callback):
 class ValidationResultsWriter(L.Callback):
     """Writes every validation completion of the last validation run to a JSON-lines file.
 
-    One line per completion: `question`, `sample` (index among the problem's samples), `completion`,
-    `extracted` (the lenient answer, as `val/accuracy` reads it, or null), `answer` (the reference number)
-    and `correct`. Needs a `validation_step` that returns `{"completions": [...]}` with the `k` samples
-    of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing; under DDP rank r > 0
-    writes `<path>.rank<r>`.
+    One line per completion: the row's data columns (GSM8K's `question`; TRL-format data's `prompt` and
+    any others), `sample` (index among the problem's samples), `completion`, `extracted` (the lenient
+    answer, as `val/accuracy` reads it, or null) and, where the data module has an answer column, `answer`
+    (the reference number) and `correct`. Needs a `validation_step` that returns `{"completions": [...]}`
+    with the `k` samples of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing;
+    under DDP rank r > 0 writes `<path>.rank<r>`.
     """
 
     def __init__(self, path: str | None = None) -> None:
@@ -167,21 +168,28 @@ class ValidationResultsWriter(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if self.path is None:
             return
-        completions, answers = outputs["completions"], batch["answer"]
-        k = len(completions) // len(answers)
+        completions = outputs["completions"]
+        column = getattr(trainer.datamodule, "answer_column", "answer")  # the reference, where there is one
+        # The data's own columns; the preset's chat prompt is made from its question, which says it shorter.
+        shown = [key for key in batch if key != column and not (key == "prompt" and "question" in batch)]
+        k = len(completions) // len(batch["prompt"])
         for i, completion in enumerate(completions):
-            question, answer = batch["question"][i // k], reference_answer(answers[i // k])
+            record = {key: batch[key][i // k] for key in shown}
             extracted = extract_answer(completion)
-            self._records.append(
-                {
-                    "question": question,
-                    "sample": i % k,
-                    "completion": completion,
-                    "extracted": extracted,
-                    "answer": answer,
-                    "correct": extracted == answer,
-                }
-            )
+            record.update(sample=i % k, completion=completion, extracted=extracted)
+            if column in batch:
+                record.update(self._judged(batch[column][i // k], extracted))
+            self._records.append(record)
+
+    @staticmethod
+    def _judged(reference: object, extracted: str | None) -> dict:
+        """The reference number and whether the extracted answer is it; a reference that is not a number
+        (for a `val_reward` to judge) is written as it is, `correct` null."""
+        try:
+            answer = reference_answer(reference)
+        except ValueError:
+            return {"answer": reference, "correct": None}
+        return {"answer": answer, "correct": extracted == answer}
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.path is None or trainer.sanity_checking:
@@ -190,6 +198,6 @@ class ValidationResultsWriter(L.Callback):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             for record in self._records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        correct = sum(r["correct"] for r in self._records)
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        correct = sum(bool(r.get("correct")) for r in self._records)
         rank_zero_info(f"{len(self._records)} validation completions ({correct} correct) written to {path}")

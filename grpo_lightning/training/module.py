@@ -33,7 +33,13 @@ from grpo_lightning.core.rollout import (
     warn_if_unteachable,
 )
 from grpo_lightning.core.sampling import Rollout, stop_token_ids
-from grpo_lightning.core.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.core.scoring import (
+    RewardInputs,
+    call_reward,
+    check_reward_weights,
+    score_completions,
+    trainer_state,
+)
 from grpo_lightning.core.shared_prompt import sharing_unsupported
 from grpo_lightning.core.step_metrics import training_step_metrics
 from grpo_lightning.core.trajectory import Trajectory, build_trajectory
@@ -46,10 +52,12 @@ from grpo_lightning.io.distributed import (
     mixed_precision_policy,
     shard_model,
 )
+from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
     apply_lora,
+    check_loaded_model,
     load_model,
     load_tokenizer,
     prepare_tokenizer,
@@ -123,6 +131,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError(
                 f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs"
             )
+        check_reward_weights(weights, self.reward_funcs)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         if num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
@@ -183,6 +192,7 @@ class GRPOModule(L.LightningModule):
                     shard_model(model, mesh["data_parallel"], mp_policy)
 
     def _prepare_models(self) -> None:
+        check_loaded_model(self.policy, self.tokenizer, self.policy_source)
         opts = self.model_options
         if opts.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -248,6 +258,8 @@ class GRPOModule(L.LightningModule):
             rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
+        if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
+            check_fits(self.state_dict(), checkpoint["state_dict"], self._trainer and self._trainer.ckpt_path)
         world = self.trainer.world_size if self._trainer is not None else 1
         own = load_grpo_state(checkpoint, self.global_rank, world)
         if own is not None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -194,6 +195,29 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
+
+
+def version_checkpoint_folders(trainer: L.Trainer) -> str | None:
+    """Give a run without a logger a checkpoint folder of its own, `<default_root_dir>/checkpoints/version_N`
+    with the first N not taken, as a logger gives each run a version: else every such run writes
+    `<default_root_dir>/checkpoints/` and one run's `last.ckpt` or `interrupted.ckpt` replaces another's.
+
+    Sets the folder on the Trainer's `ModelCheckpoint` and `InterruptCheckpoint` callbacks that name none
+    (adding an `InterruptCheckpoint` when it has none) and returns it; None, changing nothing, with a logger.
+    """
+    if trainer.loggers:
+        return None
+    root = os.path.join(trainer.default_root_dir, "checkpoints")
+    version = 0
+    while os.path.exists(os.path.join(root, f"version_{version}")):
+        version += 1
+    folder = os.path.join(root, f"version_{version}")
+    if not any(isinstance(c, InterruptCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(InterruptCheckpoint())
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint | InterruptCheckpoint) and not callback.dirpath:
+            callback.dirpath = folder
+    return folder
 
 
 # Lived here in 0.1.0: the generators' states now in `rng`, checkpoint files in `checkpoints`.
