@@ -7,6 +7,8 @@ import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, is_dataclass
 
+from grpo_lightning.schedules import SCHEDULES
+
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "loo")
@@ -258,12 +260,50 @@ class GRPOConfig:
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    lr_scheduler_type: str = "constant"
+    """Default "constant". The learning rate after the warm-up: "constant", or decaying over the rest of the
+    run's optimizer steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983);
+    formulas in `grpo_lightning.schedules`. The run's length is the trainer's max_steps (optimizer steps),
+    or its epochs x batches x num_iterations. TRL: `lr_scheduler_type` (its "constant_with_warmup" is
+    "constant" here); verl: `optim.lr_scheduler_type`."""
+    min_lr_ratio: float = 0.0
+    """Default 0.0. The floor of a decaying schedule, as a share of learning_rate, reached at the last step;
+    ignored by "constant". verl: `optim.min_lr_ratio`; TRL: `lr_scheduler_kwargs={"min_lr_rate": ...}` with
+    "cosine_with_min_lr"."""
     max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    """Default None (micro-batches of `micro_batch_size` rows). A token budget per micro-batch instead:
+    rows of similar length go together, each micro-batch holding as many as fit in rows x its longest
+    row's tokens (prompt + completion) <= this budget, and padded only to its own longest row; with
+    `share_prompt` a prompt's G rows stay in one micro-batch. A row (or shared group) longer than the
+    budget alone gets a micro-batch of its own. Partition: `grpo_lightning.token_budget`; the training step
+    does not use it yet, so the module refuses it. Excludes `micro_batch_size`; must be >=
+    `max_completion_length`. verl: `use_dynamic_bsz` with `ppo_max_token_len_per_gpu`; OpenRLHF:
+    `dynamic_batch_enable`."""
     max_bad_steps: int = 3
     share_prompt: bool = True
     log_completions_every: int = 50
     preflight: bool = True
+    sync_ref_model: bool = False
+    """Default False. Move the reference towards the policy every `ref_model_sync_steps` optimizer steps:
+    reference <- alpha x policy + (1 - alpha) x reference (TR-DPO, Gorbatovski et al., arXiv:2404.09656;
+    `grpo_lightning.reference_sync`). Needs beta > 0 (a reference to sync) and full fine-tuning (with LoRA
+    the reference is the policy's own base weights). The reference is then stored in checkpoints. TRL:
+    `sync_ref_model`."""
+    ref_model_mixup_alpha: float = 0.6
+    """Default 0.6 (TRL's). The policy's weight alpha in each sync, in [0, 1]; 1 copies the policy. TRL:
+    `ref_model_mixup_alpha`."""
+    ref_model_sync_steps: int = 512
+    """Default 512 (TRL's). Optimizer steps between syncs; each sync is applied before the next rollout.
+    TRL: `ref_model_sync_steps`."""
+    cpu_offload: bool = False
+    """Default False. FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and
+    the AdamW state in CPU memory, copied to the GPU per layer for forward and backward
+    (`torch.distributed.fsdp.CPUOffloadPolicy`); the optimizer step runs on the CPU. Frees the GPU of
+    everything but activations, the rollout's gathered weights and KV cache, for a slower step (the
+    pre-flight prints the estimate per GPU). verl: `actor.fsdp_config.param_offload` /
+    `optimizer_offload`; TRL: DeepSpeed/FSDP `offload_params` in its accelerate config."""
 
     def __post_init__(self) -> None:
         check_options(self, GRPO_RULES)
@@ -284,6 +324,17 @@ class GRPOConfig:
                 "k1",
                 "in the loss (beta > 0 without use_kl_in_reward) its gradient has mean zero and regularises "
                 "nothing: use 'k2' or 'k3', or use_kl_in_reward: true",
+            )
+        if self.sync_ref_model and self.beta == 0:
+            raise bad("sync_ref_model", True, "needs beta > 0 (with beta 0 there is no reference to sync)")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and self.micro_batch_size is not None:
+            raise bad("max_tokens_per_micro_batch", budget, "set it or micro_batch_size, not both")
+        if budget is not None and budget < self.max_completion_length:
+            raise bad(
+                "max_tokens_per_micro_batch",
+                budget,
+                f"must be >= max_completion_length={self.max_completion_length} (a row at the limit alone)",
             )
 
 
@@ -318,10 +369,17 @@ GRPO_RULES = {
     "learning_rate": Rule(float, ">= 0"),
     "weight_decay": Rule(float, ">= 0"),
     "warmup_steps": Rule(int, ">= 0"),
+    "lr_scheduler_type": Rule(str, choices=SCHEDULES),
+    "min_lr_ratio": Rule(float, ">= 0, <= 1", why="a share of learning_rate"),
     "max_grad_norm": Rule(float, "> 0", none=True, why="a negative norm would flip the gradient's sign"),
     "micro_batch_size": Rule(int, ">= 1", none=True),
+    "max_tokens_per_micro_batch": Rule(int, ">= 1", none=True),
     "max_bad_steps": Rule(int, ">= 1"),
     "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
     "preflight": Rule(bool),
     "share_prompt": Rule(bool),
+    "sync_ref_model": Rule(bool),
+    "ref_model_mixup_alpha": Rule(float, ">= 0, <= 1", why="the policy's share of the mixture"),
+    "ref_model_sync_steps": Rule(int, ">= 1"),
+    "cpu_offload": Rule(bool),
 }

@@ -49,6 +49,7 @@ from grpo_lightning.resume import (
 )
 from grpo_lightning.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.sampling import Rollout, completion_logprobs, generate_completions, stop_token_ids
+from grpo_lightning.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from grpo_lightning.shared_prompt import (
     group_completion_logprobs,
@@ -150,6 +151,7 @@ class GRPOModule(L.LightningModule):
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
+        self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
 
     def _dynamic_sampling_metric_column(self) -> int | None:
         metric = self.grpo.dynamic_sampling_metric
@@ -219,8 +221,16 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        warmup = max(1, cfg.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        total = 0  # a constant schedule needs no length (nor the data loader it is counted from)
+        if cfg.lr_scheduler_type != "constant":
+            trainer = self.trainer
+            trainer.fit_loop.setup_data()  # as `estimated_stepping_batches` does: the batches are counted
+            total = optimizer_steps_in_fit(
+                trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, cfg.num_iterations
+            )
+        scheduler = build_scheduler(
+            optimizer, cfg.warmup_steps, total, cfg.lr_scheduler_type, cfg.min_lr_ratio
+        )
         return [optimizer], [scheduler]
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -588,6 +598,7 @@ class GRPOModule(L.LightningModule):
                 )
             return sums, None
         self._bad_steps = 0
+        self._step_learning_rate = optimizer.param_groups[0]["lr"]  # logged: the scheduler steps after this
         optimizer.step()
         return sums, grad_norm
 
@@ -608,7 +619,7 @@ class GRPOModule(L.LightningModule):
             "train/tokens_per_second": torch.tensor(lengths.sum().item() / step_seconds),
             "train/generate_seconds": torch.tensor(generate_seconds),
             "train/step_seconds": torch.tensor(step_seconds),
-            "train/learning_rate": torch.tensor(self.optimizers().param_groups[0]["lr"]),
+            "train/learning_rate": torch.tensor(self._step_learning_rate),
             "train/skipped_steps": torch.tensor(float(self._bad_steps)),
         }
         if grad_norm is not None:
