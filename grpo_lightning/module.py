@@ -40,6 +40,7 @@ from grpo_lightning.models import (
 )
 from grpo_lightning.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
 from grpo_lightning.preflight import Preflight
+from grpo_lightning.reference_sync import ReferenceSync
 from grpo_lightning.resume import (
     InterruptCheckpoint,
     capture_rng_states,
@@ -122,6 +123,15 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
 
+        if grpo.sync_ref_model and lora is not None:
+            raise ValueError(
+                "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
+                "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
+            )
+        if grpo.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "grpo.max_tokens_per_micro_batch: the training step does not use it yet; unset it"
+            )
         if model_options.load_in_4bit and lora is None:
             raise ValueError(
                 "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
@@ -152,6 +162,11 @@ class GRPOModule(L.LightningModule):
         self._rng_outside_validation: dict | None = None
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
+        self.reference_sync = (
+            ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
+            if grpo.sync_ref_model
+            else None
+        )
 
     def _dynamic_sampling_metric_column(self) -> int | None:
         metric = self.grpo.dynamic_sampling_metric
@@ -180,13 +195,15 @@ class GRPOModule(L.LightningModule):
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
         mesh = self.device_mesh  # set by ModelParallelStrategy only: FSDP2 sharding
+        if self.grpo.cpu_offload and mesh is None:
+            raise ValueError("grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy")
         if mesh is not None and not is_sharded(self.policy):
             if mesh["tensor_parallel"].size() != 1:
                 raise ValueError("GRPOModule shards with FSDP2 only: set tensor_parallel_size=1")
             mp_policy = mixed_precision_policy(self.trainer.precision)
             for model in (self.policy, self.reference):  # the reference is sharded too, never gathered whole
                 if model is not None:
-                    shard_model(model, mesh["data_parallel"], mp_policy)
+                    shard_model(model, mesh["data_parallel"], mp_policy, self.grpo.cpu_offload)
 
     def _prepare_models(self) -> None:
         opts = self.model_options
@@ -257,9 +274,11 @@ class GRPOModule(L.LightningModule):
             "group_buffer": move_data_to_device(buffer, "cpu"),
         }
         checkpoint["grpo_state"] = {"bad_steps": self._bad_steps, "per_rank": gather_per_rank(own)}
-        # The reference never changes: it is rebuilt from the policy's source, not stored a second time.
-        # Sharded checkpoints keep it: the strategy loads them in place and checks every key.
-        if is_sharded(self.policy):
+        if self.reference_sync is not None:
+            checkpoint["grpo_state"]["reference_syncs"] = self.reference_sync.syncs_done
+        # The reference never changes (unless synced): it is rebuilt from the policy's source, not stored a
+        # second time. Sharded checkpoints keep it: the strategy loads them in place and checks every key.
+        if is_sharded(self.policy) or self.reference_sync is not None:
             return
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(REFERENCE_PREFIX)]:
@@ -283,6 +302,24 @@ class GRPOModule(L.LightningModule):
             own = state_of_rank(state["per_rank"], self.global_rank, world)
             self._rng_to_restore = own["rng"]
             vars(self.group_buffer).update(own["group_buffer"])
+        if self.reference_sync is not None:  # a checkpoint without syncs: none due before its step
+            default = checkpoint.get("global_step", 0) // self.reference_sync.every
+            self.reference_sync.syncs_done = checkpoint.get("grpo_state", {}).get("reference_syncs", default)
+
+    def on_fit_start(self) -> None:
+        # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
+        # offloaded shards on the CPU and refuses them anywhere else. No forward has run yet.
+        if self.grpo.cpu_offload:
+            for model in (self.policy, self.reference):
+                if model is not None:
+                    model.to("cpu")
+
+    def on_validation_start(self) -> None:
+        self.on_fit_start()  # `trainer.validate` alone: the same move, before the first forward
+
+    def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
+        if self.reference_sync is not None:  # before the rollout that the reference's log-probs are for
+            self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
