@@ -58,6 +58,7 @@ from grpo_lightning.shared_prompt import (
     rows_share_prompts,
     sharing_unsupported,
 )
+from grpo_lightning.validation_sets import COUNTED, SetScores
 
 REFERENCE_PREFIX = "reference."
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
@@ -160,6 +161,7 @@ class GRPOModule(L.LightningModule):
         )
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
+        self._val_scores: list[SetScores] = []  # per validation loader, built as each validation starts
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
         self.reference_sync = (
@@ -674,21 +676,35 @@ class GRPOModule(L.LightningModule):
         # Validation sampling must not move the training stream: how often it runs (or whether a resumed
         # run repeats it) then never changes which completions training samples.
         self._rng_outside_validation = capture_rng_states()
+        self._val_scores = self._validation_scores()
 
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, list[str]]:
-        k = self.num_generations_eval
-        rollout, completions = self.sample(batch["prompt"], k, do_sample=k > 1)
-        if self.val_reward is not None:
-            scores = call_reward(self.val_reward, self.reward_inputs(batch, rollout, completions, batch_idx))
-            self.val_accuracy.update([0.0 if v is None else v for v in scores])
+    def _validation_scores(self) -> list[SetScores]:
+        """One `SetScores` per validation loader: the data module's own rows (`val/...`), then its
+        `val_sets` (`val/<name>/...`)."""
+        datamodule = self.trainer.datamodule
+        sets = datamodule.validation_sets_in_order() if isinstance(datamodule, PromptDataModule) else [None]
+        return [
+            (
+                SetScores("val/", self.num_generations_eval, self.val_reward, accuracy=self.val_accuracy)
+                if s is None
+                else SetScores(f"val/{s.name}/", s.num_generations, s.reward, s.answer_field)
+            ).to(self.device)
+            for s in sets
+        ]
+
+    def validation_step(
+        self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, list[str]]:
+        scores = self._val_scores[dataloader_idx]
+        counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
+        rollout, completions = self.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
+        lengths = rollout.completion_mask.sum(1)  # [N * k]
+        if scores.reward is not None:
+            inputs = self.reward_inputs(batch, rollout, completions, batch_idx)
+            scores.update_rewards(counted, lengths, call_reward(scores.reward, inputs))
         else:
-            self.val_accuracy.update(completions, batch[self._answer_column(batch)])
-        self.log(
-            "val/completion_length",
-            rollout.completion_mask.sum(1).float().mean(),
-            batch_size=len(completions),
-            sync_dist=True,
-        )
+            answers = batch[scores.answer_column or self._answer_column(batch)]
+            scores.update_answers(counted, lengths, completions, answers)
         return {"completions": completions}  # for callbacks such as ValidationResultsWriter
 
     def _answer_column(self, batch: dict[str, list]) -> str:
@@ -703,12 +719,11 @@ class GRPOModule(L.LightningModule):
         return column
 
     def on_validation_epoch_end(self) -> None:
-        results = self.val_accuracy.compute()
         # Outside inference mode: states reset inside `trainer.validate` would become inference tensors,
         # which a later validation within `fit` (no_grad only) could not update in place.
         with torch.inference_mode(False):
-            self.val_accuracy.reset()
+            results = {key: value for scores in self._val_scores for key, value in scores.compute().items()}
         for key, value in results.items():
-            self.log(f"val/{key}", value, prog_bar=key == "accuracy")
+            self.log(key, value, prog_bar=key == "val/accuracy", add_dataloader_idx=False)
         restore_rng_states(self._rng_outside_validation)
         self._rng_outside_validation = None  # back on the training stream
