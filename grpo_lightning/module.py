@@ -193,12 +193,12 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
         # load, and lets sharding strategies wrap the model; the guard makes a second call a no-op.
+        if self.grpo.cpu_offload and self.device_mesh is None:  # said before any weights load
+            raise ValueError("grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy")
         if self.policy is None:
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
         mesh = self.device_mesh  # set by ModelParallelStrategy only: FSDP2 sharding
-        if self.grpo.cpu_offload and mesh is None:
-            raise ValueError("grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy")
         if mesh is not None and not is_sharded(self.policy):
             if mesh["tensor_parallel"].size() != 1:
                 raise ValueError("GRPOModule shards with FSDP2 only: set tensor_parallel_size=1")

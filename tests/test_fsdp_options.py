@@ -8,6 +8,7 @@ import os
 import sys
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -18,9 +19,9 @@ from grpo_lightning.distributed import close_process_group
 from grpo_lightning.memory import estimate_memory, footprint
 from grpo_lightning.module import GRPOModule
 from tests.test_distributed import full_weights, launch
+from tests.test_reference_sync import ALPHA, syncing_config
 from tests.test_resume import length_reward
 
-ALPHA = 0.5
 STEPS = 3
 
 
@@ -51,18 +52,7 @@ def worker(cfg: dict) -> None:
             self.moved += sum(float((after[n] - before[n]).abs().sum()) for n in after)
 
     L.seed_everything(0)
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=5,
-        beta=0.04,
-        learning_rate=1e-2,
-        sync_ref_model=True,
-        ref_model_mixup_alpha=ALPHA,
-        ref_model_sync_steps=1,
-        cpu_offload=cfg["offload"],
-        preflight=False,
-        log_completions_every=0,
-    )
+    grpo = syncing_config(num_generations=2, max_completion_length=5, cpu_offload=cfg["offload"])
     module = Recorded(cfg["model"], reward_funcs=[length_reward], grpo=grpo)
     module.worst, module.moved = 0.0, 0.0
     data = GSM8KDataModule(
@@ -150,3 +140,14 @@ def footprint_weight_bytes(model_dir: str) -> int:
 
 if __name__ == "__main__":
     worker(json.loads(sys.argv[1]))
+
+
+def test_offload_without_fsdp2_is_refused_before_weights_load(tiny_model_dir, monkeypatch):
+    import grpo_lightning.module as module_file
+
+    monkeypatch.setattr(module_file, "load_model", lambda *args: pytest.fail("weights loaded"))
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(cpu_offload=True))
+    with pytest.raises(
+        ValueError, match="^grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallel"
+    ):
+        module.configure_model()

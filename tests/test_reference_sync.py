@@ -76,20 +76,16 @@ class PolicySnapshots(L.Callback):
         self.policy.append(weights(pl_module.policy))  # callbacks run before the module's own hook
 
 
+def syncing_config(**options) -> GRPOConfig:
+    """A reference synced with weight ALPHA after every optimizer step, and a learning rate that moves it."""
+    defaults = {"num_generations": 4, "max_completion_length": 6, "learning_rate": 1e-2, "preflight": False}
+    sync = {"beta": 0.04, "sync_ref_model": True, "ref_model_mixup_alpha": ALPHA, "ref_model_sync_steps": 1}
+    return GRPOConfig(**{**defaults, **sync, "log_completions_every": 0, **options})
+
+
 def fit(model_dir: str, max_steps: int, root: str, ckpt_path: str | None = None, save: bool = False):
     L.seed_everything(0)
-    grpo = GRPOConfig(
-        num_generations=4,
-        max_completion_length=6,
-        beta=0.04,
-        learning_rate=1e-2,
-        sync_ref_model=True,
-        ref_model_mixup_alpha=ALPHA,
-        ref_model_sync_steps=1,
-        preflight=False,
-        log_completions_every=0,
-    )
-    module = GRPOModule(model_dir, reward_funcs=[length_reward], grpo=grpo)
+    module = GRPOModule(model_dir, reward_funcs=[length_reward], grpo=syncing_config())
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, train_size=6, val_size=2
     )

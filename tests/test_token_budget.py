@@ -72,3 +72,13 @@ def test_bad_arguments_are_refused():
         token_budget_micro_batches([1] * 5, 10, group_size=2)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0: must be >= 1"):
         token_budget_micro_batches([1], 0)
+
+
+def test_the_module_refuses_the_budget_until_the_step_uses_it(tiny_model_dir):
+    from grpo_lightning.config import GRPOConfig
+    from grpo_lightning.module import GRPOModule
+
+    with pytest.raises(
+        ValueError, match="^grpo.max_tokens_per_micro_batch: the training step does not use it yet"
+    ):
+        GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_tokens_per_micro_batch=1024))
