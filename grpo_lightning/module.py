@@ -240,15 +240,14 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        total = 0  # a constant schedule needs no length (nor the data loader it is counted from)
-        if cfg.lr_scheduler_type != "constant":
-            trainer = self.trainer
-            trainer.fit_loop.setup_data()  # as `estimated_stepping_batches` does: the batches are counted
-            total = optimizer_steps_in_fit(
-                trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, cfg.num_iterations
-            )
+        trainer = self.trainer
+
+        def total_steps() -> int:  # asked once training runs and the batches per epoch are known
+            batches = trainer.num_training_batches
+            return optimizer_steps_in_fit(trainer.max_steps, trainer.max_epochs, batches, cfg.num_iterations)
+
         scheduler = build_scheduler(
-            optimizer, cfg.warmup_steps, total, cfg.lr_scheduler_type, cfg.min_lr_ratio
+            optimizer, cfg.warmup_steps, total_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
         )
         return [optimizer], [scheduler]
 

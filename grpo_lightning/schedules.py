@@ -18,6 +18,7 @@ Nothing here imports Lightning: the module passes in the number of optimizer ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +39,24 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str, min
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, kind: str, min_ratio: float
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: Callable[[], int],
+    kind: str,
+    min_ratio: float,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A `LambdaLR` of `lr_multiplier`, to be stepped once after each optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps, kind, min_ratio)
-    )
+    """A `LambdaLR` of `lr_multiplier`, to be stepped once after each optimizer step.
+
+    `total_steps` is asked only once a decay has begun (step 0's multiplier needs no length): the trainer
+    knows its batches per epoch when training runs, not yet when the optimizer is built.
+    """
+
+    def multiplier(step: int) -> float:
+        decaying = kind != "constant" and step > warmup_steps
+        total = total_steps() if decaying else 0  # not read before the decay's first step
+        return lr_multiplier(step, warmup_steps, total, kind, min_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def optimizer_steps_in_fit(

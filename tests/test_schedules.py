@@ -101,3 +101,38 @@ def test_epochs_bound_the_schedule(tiny_model_dir, tmp_path):
     )
     trainer.fit(module, data)
     assert logged.rates == pytest.approx([1e-3 * (1 - s / 4) for s in range(4)])
+
+
+def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path):
+    """Resumed from a checkpoint of step 2 of 5: the remaining steps use the uninterrupted run's rates."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps: int, save: bool = False, ckpt_path: str | None = None) -> list[float]:
+        grpo = GRPOConfig(
+            num_generations=2,
+            max_completion_length=4,
+            learning_rate=1e-3,
+            warmup_steps=1,
+            lr_scheduler_type="cosine",
+            min_lr_ratio=0.1,
+            preflight=False,
+        )
+        logged = LoggedRates()
+        every_2 = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
+        callbacks = [logged] + ([every_2] if save else [])
+        trainer = quiet_trainer(
+            max_steps=max_steps,
+            max_epochs=None,
+            limit_val_batches=0,
+            callbacks=callbacks,
+            enable_checkpointing=save,
+            default_root_dir=str(tmp_path),
+        )
+        data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=2, arithmetic_size=20)
+        trainer.fit(GRPOModule(tiny_model_dir, grpo=grpo), data, ckpt_path=ckpt_path)
+        return logged.rates
+
+    straight = fit(5, save=True)
+    resumed = fit(5, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert resumed == pytest.approx(straight[2:])
+    assert straight == pytest.approx([1e-3 * lr_multiplier(s, 1, 5, "cosine", 0.1) for s in range(5)])
