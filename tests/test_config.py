@@ -75,12 +75,19 @@ REFUSED = {
         "learning_rate": below(0, inclusive=False) | NOT_A_NUMBER,
         "weight_decay": below(0, inclusive=False) | NOT_A_NUMBER,
         "warmup_steps": ints_below(0) | NOT_A_NUMBER,
+        "lr_scheduler_type": st.sampled_from(["cosine_with_min_lr", "Linear", "constant_with_warmup", None]),
+        "min_lr_ratio": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "max_grad_norm": below(0, inclusive=True) | st.just("1.0"),
         "micro_batch_size": ints_below(1),
+        "max_tokens_per_micro_batch": ints_below(1) | st.just(2.5),
         "max_bad_steps": ints_below(1) | NOT_A_NUMBER,
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
         "share_prompt": NOT_A_FLAG,
+        "sync_ref_model": NOT_A_FLAG,
+        "ref_model_mixup_alpha": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
+        "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,
+        "cpu_offload": NOT_A_FLAG,
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),
@@ -152,6 +159,17 @@ def test_options_that_depend_on_each_other():
     with pytest.raises(ValueError, match="GRPOConfig.use_kl_in_reward=True: needs beta > 0"):
         GRPOConfig(use_kl_in_reward=True)
     assert GRPOConfig(min_completion_length=8, max_completion_length=8, delta=1.5).delta == 1.5
+    with pytest.raises(ValueError, match="GRPOConfig.sync_ref_model=True: needs beta > 0"):
+        GRPOConfig(sync_ref_model=True)
+    with pytest.raises(
+        ValueError, match="max_tokens_per_micro_batch=512: set it or micro_batch_size, not both"
+    ):
+        GRPOConfig(max_tokens_per_micro_batch=512, micro_batch_size=4)
+    with pytest.raises(
+        ValueError, match="max_tokens_per_micro_batch=100: must be >= max_completion_length=256"
+    ):
+        GRPOConfig(max_tokens_per_micro_batch=100)
+    assert GRPOConfig(sync_ref_model=True, beta=0.04, max_tokens_per_micro_batch=256).sync_ref_model
 
 
 @pytest.mark.parametrize(

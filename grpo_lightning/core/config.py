@@ -13,6 +13,7 @@ from grpo_lightning.core.loss import (
     SCALES,
 )
 from grpo_lightning.core.options import Rule, check_options, option_differences, option_error, plain_options
+from grpo_lightning.core.schedules import SCHEDULES
 
 # The option machinery lives in `options`; these names stay importable from here.
 __all__ = [
@@ -143,15 +144,51 @@ class GRPOConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Linear warm-up optimizer steps, then constant."""
+    """Linear warm-up optimizer steps, then the `lr_scheduler_type` schedule."""
+    lr_scheduler_type: str = "constant"
+    """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
+    steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
+    `grpo_lightning.core.schedules`. The run's length is the trainer's max_steps (optimizer steps), or its
+    epochs x batches x num_iterations. TRL: `lr_scheduler_type` (its "constant_with_warmup" is "constant"
+    here); verl: `optim.lr_scheduler_type`.
+    """
+    min_lr_ratio: float = 0.0
+    """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
+    "constant". verl: `optim.min_lr_ratio`; TRL: `lr_scheduler_kwargs={"min_lr_rate": ...}` with
+    "cosine_with_min_lr".
+    """
     max_grad_norm: float | None = 1.0
     """Gradient clipping by global norm, > 0; None disables."""
     micro_batch_size: int | None = None
     """Sequences per forward/backward; the rollout of prompts x G sequences is split and the gradients
     accumulated, with the loss normalised over the whole rollout. None: all at once.
     """
+    max_tokens_per_micro_batch: int | None = None
+    """A token budget per micro-batch instead of `micro_batch_size` rows: rows of similar length go together,
+    each micro-batch holding as many as fit in rows x its longest row's tokens (prompt + completion) <= this
+    budget, and padded only to its own longest row; with `share_prompt` a prompt's G rows stay in one
+    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own.
+    Partition: `grpo_lightning.core.token_budget`. Excludes `micro_batch_size`; must be >=
+    `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
+    `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
+    """
     max_bad_steps: int = 3
     """Stop after this many consecutive steps whose loss is not finite (each is skipped)."""
+    sync_ref_model: bool = False
+    """Move the reference towards the policy every `ref_model_sync_steps` optimizer steps: reference <- alpha
+    x policy + (1 - alpha) x reference (TR-DPO, Gorbatovski et al., arXiv:2404.09656;
+    `grpo_lightning.core.reference_sync`). Needs beta > 0 (a reference to sync) and full fine-tuning (with
+    LoRA the reference is the policy's own base weights). The reference is then stored in checkpoints.
+    TRL: `sync_ref_model`.
+    """
+    ref_model_mixup_alpha: float = 0.6
+    """The policy's weight alpha in each sync, in [0, 1]; 1 copies the policy. 0.6 is TRL's default. TRL:
+    `ref_model_mixup_alpha`.
+    """
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between syncs; each sync is applied before the next rollout. 512 is TRL's default.
+    TRL: `ref_model_sync_steps`.
+    """
     # ----------------------------------------------------------------------------------------------- speed
     share_prompt: bool = True
     """Encode each prompt once per group instead of once per completion, in generation (one prefill per
@@ -160,6 +197,14 @@ class GRPOConfig:
     Same log-probs and gradients up to rounding (tests/test_share_prompt.py). A model that cannot share
     (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
+    """
+    cpu_offload: bool = False
+    """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
+    in CPU memory, copied to the GPU per layer for forward and backward
+    (`torch.distributed.fsdp.CPUOffloadPolicy`); the optimizer step runs on the CPU. Frees the GPU of
+    everything but activations, the rollout's gathered weights and KV cache, for a slower step (the
+    pre-flight prints the estimate per GPU). verl: `actor.fsdp_config.param_offload` /
+    `optimizer_offload`; TRL: DeepSpeed/FSDP `offload_params` in its accelerate config.
     """
     # --------------------------------------------------------------------------------------------- logging
     log_completions_every: int = 50
@@ -185,6 +230,17 @@ class GRPOConfig:
             raise bad("use_kl_in_reward", True, "needs beta > 0 (beta weighs the KL charged to the reward)")
         if self.kl_estimator == "k1" and self.beta > 0 and not self.use_kl_in_reward:
             raise bad("kl_estimator", "k1", K1_IN_LOSS)
+        if self.sync_ref_model and self.beta == 0:
+            raise bad("sync_ref_model", True, "needs beta > 0 (with beta 0 there is no reference to sync)")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and self.micro_batch_size is not None:
+            raise bad("max_tokens_per_micro_batch", budget, "set it or micro_batch_size, not both")
+        if budget is not None and budget < self.max_completion_length:
+            raise bad(
+                "max_tokens_per_micro_batch",
+                budget,
+                f"must be >= max_completion_length={self.max_completion_length} (a row at the limit alone)",
+            )
 
 
 GRPO_RULES = {
@@ -218,10 +274,17 @@ GRPO_RULES = {
     "learning_rate": Rule(float, ">= 0"),
     "weight_decay": Rule(float, ">= 0"),
     "warmup_steps": Rule(int, ">= 0"),
+    "lr_scheduler_type": Rule(str, choices=SCHEDULES),
+    "min_lr_ratio": Rule(float, ">= 0, <= 1", why="a share of learning_rate"),
     "max_grad_norm": Rule(float, "> 0", none=True, why="a negative norm would flip the gradient's sign"),
     "micro_batch_size": Rule(int, ">= 1", none=True),
+    "max_tokens_per_micro_batch": Rule(int, ">= 1", none=True),
     "max_bad_steps": Rule(int, ">= 1"),
     "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
     "preflight": Rule(bool),
     "share_prompt": Rule(bool),
+    "sync_ref_model": Rule(bool),
+    "ref_model_mixup_alpha": Rule(float, ">= 0, <= 1", why="the policy's share of the mixture"),
+    "ref_model_sync_steps": Rule(int, ">= 1"),
+    "cpu_offload": Rule(bool),
 }

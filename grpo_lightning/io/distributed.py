@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
 
@@ -56,15 +56,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_model(model: nn.Module, mesh: Any, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: Any, mp_policy: MixedPrecisionPolicy | None = None, cpu_offload: bool = False
+) -> nn.Module:
     """`fully_shard` each decoder layer, then the whole model (whose own unit keeps embeddings, final norm
     and LM head, so that tied embeddings stay one parameter). Returns `model`, sharded in place.
 
-    Applying it twice is an error in FSDP2; callers check `is_sharded` first.
+    `cpu_offload` keeps the shards and their gradients in CPU memory (FSDP2's `CPUOffloadPolicy`): each
+    unit is copied to the device for its forward and backward, and the optimizer steps on the CPU. Pinned
+    memory where CUDA is available (asynchronous copies); plain memory otherwise, as a CPU-only process
+    cannot pin. Applying it twice is an error in FSDP2; callers check `is_sharded` first.
     """
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

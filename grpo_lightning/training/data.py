@@ -19,11 +19,18 @@ from collections.abc import Mapping, Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from grpo_lightning.core.options import Rule, check_value
 from grpo_lightning.core.rewards import reference_answer
 from grpo_lightning.training.resume import ResumableSampler
+from grpo_lightning.training.validation_sets import (
+    ValidationSet,
+    check_validation_sets,
+    in_order_sampler,
+    rank_share,
+    read_validation_rows,
+)
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."
@@ -298,6 +305,10 @@ class PromptDataModule(L.LightningDataModule):
         train_size: use only this many training rows (after the hold-out), >= 1. Default all.
         seed: seed of the hold-out split and shuffling. Default 0.
         num_workers: data loader worker processes. Default 0.
+        val_sets: more validation sets, each scored on its own as `val/<name>/...`
+            (`grpo_lightning.training.validation_sets.ValidationSet`: source, answer checker, samples per
+            problem).
+            Default None: only the rows above, as `val/...`.
     """
 
     def __init__(
@@ -313,9 +324,12 @@ class PromptDataModule(L.LightningDataModule):
         train_size: int | None = None,
         seed: int = 0,
         num_workers: int = 0,
+        val_sets: list[ValidationSet] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["val_sets"])  # their reward functions do not go in checkpoints
+        self.val_sets = list(val_sets or [])
+        self.val_set_rows: list[list[Row]] = []  # each set's rows, read in `setup`
         # `_loader` hands it to `collate_rows`, which only uses it for rows without a prompt (GSM8K's preset
         # builds them at read time); a base option it is not, so that the CLI, when switching from the
         # preset to this class, does not carry the preset's system prompt over.
@@ -335,6 +349,7 @@ class PromptDataModule(L.LightningDataModule):
         if not isinstance(hp.source, str) or not hp.source.strip():
             raise ValueError(f"data.source={hp.source!r}: name a hub data set, a folder or a file")
         check_data_options(hp, ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"])
+        check_validation_sets(self.val_sets)
 
     @property
     def answer_column(self) -> str:
@@ -431,12 +446,14 @@ class PromptDataModule(L.LightningDataModule):
         self.check_options()
         if not self.train_rows:
             self.train_rows, self.val_rows = self._split_rows()
-        if stage == "validate" and not self.val_rows:
+        if self.val_sets and not self.val_set_rows:
+            self.val_set_rows = [read_validation_rows(validation_set) for validation_set in self.val_sets]
+        if stage == "validate" and not self.val_rows and not self.val_sets:
             raise ValueError(
                 f"nothing to validate: data.val_size={self.hparams.val_size} gives no validation rows"
             )
 
-    def _loader(self, rows: list[Row], batch_size: int, sampler: ResumableSampler | None) -> DataLoader:
+    def _loader(self, rows: list[Row], batch_size: int, sampler: DistributedSampler | None) -> DataLoader:
         collate = functools.partial(collate_rows, system_prompt=self.hparams.system_prompt)
         # Its own generator: the loader's per-pass seed never draws from the global RNG that sampling uses.
         return DataLoader(
@@ -483,8 +500,24 @@ class PromptDataModule(L.LightningDataModule):
         # the data module holds it, and the sampler resumes where the checkpoint left off.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_rows, self.hparams.val_batch_size, sampler=None)
+    def validation_sets_in_order(self) -> list[ValidationSet | None]:
+        """The set behind each validation loader: None for this module's own rows (`val/...` metrics)."""
+        return ([None] if self.val_rows or not self.val_sets else []) + self.val_sets
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        # Each rank validates its own rows, padded to equal counts with repeats that no metric counts
+        # (`validation_sets.rank_share`): Lightning's sampler would count the repeats.
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        loaders = []
+        for validation_set in self.validation_sets_in_order():
+            if validation_set is None:
+                rows, size = self.val_rows, self.hparams.val_batch_size
+            else:
+                rows = self.val_set_rows[self.val_sets.index(validation_set)]
+                size = validation_set.batch_size or self.hparams.val_batch_size
+            share = rank_share(rows, rank, world)
+            loaders.append(self._loader(share, size, in_order_sampler(share)))
+        return loaders[0] if not self.val_sets else loaders
 
 
 class GSM8KDataModule(PromptDataModule):
@@ -511,6 +544,7 @@ class GSM8KDataModule(PromptDataModule):
         num_workers: data loader worker processes. Default 0.
         config_name: the hub data set's configuration; None for its default, which for "openai/gsm8k"
             (whose configurations are "main" and "socratic") means "main".
+        val_sets: more validation sets, as in `PromptDataModule`. Default None.
     """
 
     def __init__(
@@ -528,6 +562,7 @@ class GSM8KDataModule(PromptDataModule):
         seed: int = 0,
         num_workers: int = 0,
         config_name: str | None = None,
+        val_sets: list[ValidationSet] | None = None,
     ) -> None:
         if config_name is None and source == "openai/gsm8k":
             config_name = "main"
@@ -542,6 +577,7 @@ class GSM8KDataModule(PromptDataModule):
             train_size=train_size,
             seed=seed,
             num_workers=num_workers,
+            val_sets=val_sets,
         )
 
     def check_options(self) -> None:

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo_lightning.core.config import GRPOConfig, option_differences
 from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
+from grpo_lightning.core.reference_sync import ReferenceSync
 from grpo_lightning.core.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.rollout import (
@@ -33,6 +34,7 @@ from grpo_lightning.core.rollout import (
     warn_if_unteachable,
 )
 from grpo_lightning.core.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.core.scoring import (
     RewardInputs,
     call_reward,
@@ -72,6 +74,7 @@ from grpo_lightning.training.training_state import (
     restore_reference,
     save_grpo_state,
 )
+from grpo_lightning.training.validation_sets import COUNTED, SetScores
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
@@ -137,6 +140,15 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
 
+        if grpo.sync_ref_model and lora is not None:
+            raise ValueError(
+                "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
+                "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
+            )
+        if grpo.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "grpo.max_tokens_per_micro_batch: the training step does not use it yet; unset it"
+            )
         if model_options.load_in_4bit and lora is None:
             raise ValueError(
                 "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
@@ -165,8 +177,15 @@ class GRPOModule(L.LightningModule):
         )  # dynamic sampling's waiting groups
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
+        self._val_scores: list[SetScores] = []  # per validation loader, built as each validation starts
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._rollout_engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
+        self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
+        self.reference_sync = (
+            ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
+            if grpo.sync_ref_model
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
@@ -179,6 +198,8 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
         # load, and lets sharding strategies wrap the model; the guard makes a second call a no-op.
+        if self.grpo.cpu_offload and self.device_mesh is None:  # said before any weights load
+            raise ValueError("grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy")
         if self.policy is None:
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
@@ -189,7 +210,7 @@ class GRPOModule(L.LightningModule):
             mp_policy = mixed_precision_policy(self.trainer.precision)
             for model in (self.policy, self.reference):  # the reference is sharded too, never gathered whole
                 if model is not None:
-                    shard_model(model, mesh["data_parallel"], mp_policy)
+                    shard_model(model, mesh["data_parallel"], mp_policy, self.grpo.cpu_offload)
 
     def _prepare_models(self) -> None:
         check_loaded_model(self.policy, self.tokenizer, self.policy_source)
@@ -225,8 +246,15 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        warmup = max(1, cfg.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        trainer = self.trainer
+
+        def total_steps() -> int:  # asked once training runs and the batches per epoch are known
+            batches = trainer.num_training_batches
+            return optimizer_steps_in_fit(trainer.max_steps, trainer.max_epochs, batches, cfg.num_iterations)
+
+        scheduler = build_scheduler(
+            optimizer, cfg.warmup_steps, total_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
+        )
         return [optimizer], [scheduler]
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -245,7 +273,9 @@ class GRPOModule(L.LightningModule):
         # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
         rng = self._rng_outside_validation or capture_rng_states()
         save_grpo_state(checkpoint, self.step_guard.bad_steps, rng, self.group_buffer)
-        if not is_sharded(self.policy):
+        if self.reference_sync is not None:
+            checkpoint["grpo_state"]["reference_syncs"] = self.reference_sync.syncs_done
+        if not is_sharded(self.policy) and self.reference_sync is None:  # a synced reference is stored
             drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -266,6 +296,24 @@ class GRPOModule(L.LightningModule):
             self.step_guard.bad_steps = own.bad_steps
             self._rng_to_restore = own.rng
             vars(self.group_buffer).update(own.group_buffer)
+        if self.reference_sync is not None:  # a checkpoint without syncs: none due before its step
+            default = checkpoint.get("global_step", 0) // self.reference_sync.every
+            self.reference_sync.syncs_done = checkpoint.get("grpo_state", {}).get("reference_syncs", default)
+
+    def on_fit_start(self) -> None:
+        # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
+        # offloaded shards on the CPU and refuses them anywhere else. No forward has run yet.
+        if self.grpo.cpu_offload:
+            for model in (self.policy, self.reference):
+                if model is not None:
+                    model.to("cpu")
+
+    def on_validation_start(self) -> None:
+        self.on_fit_start()  # `trainer.validate` alone: the same move, before the first forward
+
+    def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
+        if self.reference_sync is not None:  # before the rollout that the reference's log-probs are for
+            self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
@@ -385,7 +433,7 @@ class GRPOModule(L.LightningModule):
             stats,
             grad_norm,
             self.reward_names,
-            learning_rate=self.optimizers().param_groups[0]["lr"],
+            learning_rate=self._step_learning_rate,
             skipped_steps=self.step_guard.bad_steps,
             generate_seconds=generate_seconds,
             step_seconds=step_seconds,
@@ -445,6 +493,7 @@ class GRPOModule(L.LightningModule):
         for _ in range(self.grpo.num_iterations):
             stats, grad_norm = self._optimizer_step(optimizer, trajectory, total_tokens, total_sequences)
             if grad_norm is not None:
+                self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                 scheduler.step()
                 self._weights_updated()
         return stats, grad_norm
@@ -508,21 +557,35 @@ class GRPOModule(L.LightningModule):
         # Validation sampling must not move the training stream: how often it runs (or whether a resumed
         # run repeats it) then never changes which completions training samples.
         self._rng_outside_validation = capture_rng_states()
+        self._val_scores = self._validation_scores()
 
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, list[str]]:
-        k = self.num_generations_eval
-        rollout, completions = self.sample(batch["prompt"], k, do_sample=k > 1)
-        if self.val_reward is not None:
-            scores = call_reward(self.val_reward, self.reward_inputs(batch, rollout, completions, batch_idx))
-            self.val_accuracy.update([0.0 if v is None else v for v in scores])
+    def _validation_scores(self) -> list[SetScores]:
+        """One `SetScores` per validation loader: the data module's own rows (`val/...`), then its
+        `val_sets` (`val/<name>/...`)."""
+        datamodule = self.trainer.datamodule
+        sets = datamodule.validation_sets_in_order() if isinstance(datamodule, PromptDataModule) else [None]
+        return [
+            (
+                SetScores("val/", self.num_generations_eval, self.val_reward, accuracy=self.val_accuracy)
+                if s is None
+                else SetScores(f"val/{s.name}/", s.num_generations, s.reward, s.answer_field)
+            ).to(self.device)
+            for s in sets
+        ]
+
+    def validation_step(
+        self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, list[str]]:
+        scores = self._val_scores[dataloader_idx]
+        counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
+        rollout, completions = self.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
+        lengths = rollout.completion_mask.sum(1)  # [N * k]
+        if scores.reward is not None:
+            inputs = self.reward_inputs(batch, rollout, completions, batch_idx)
+            scores.update_rewards(counted, lengths, call_reward(scores.reward, inputs))
         else:
-            self.val_accuracy.update(completions, batch[self._answer_column(batch)])
-        self.log(
-            "val/completion_length",
-            rollout.completion_mask.sum(1).float().mean(),
-            batch_size=len(completions),
-            sync_dist=True,
-        )
+            answers = batch[scores.answer_column or self._answer_column(batch)]
+            scores.update_answers(counted, lengths, completions, answers)
         return {"completions": completions}  # for callbacks such as ValidationResultsWriter
 
     def _answer_column(self, batch: dict[str, list]) -> str:
@@ -537,12 +600,11 @@ class GRPOModule(L.LightningModule):
         return column
 
     def on_validation_epoch_end(self) -> None:
-        results = self.val_accuracy.compute()
         # Outside inference mode: states reset inside `trainer.validate` would become inference tensors,
         # which a later validation within `fit` (no_grad only) could not update in place.
         with torch.inference_mode(False):
-            self.val_accuracy.reset()
+            results = {key: value for scores in self._val_scores for key, value in scores.compute().items()}
         for key, value in results.items():
-            self.log(f"val/{key}", value, prog_bar=key == "accuracy")
+            self.log(key, value, prog_bar=key == "val/accuracy", add_dataloader_idx=False)
         restore_rng_states(self._rng_outside_validation)
         self._rng_outside_validation = None  # back on the training stream

@@ -9,6 +9,8 @@ On the first training batch (before its step) `Preflight` reports:
 - the reward audit (`grpo_lightning.core.audit.audit_module_rewards`) on the first 200 training rows'
   reference solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
+- the memory per GPU (`grpo_lightning.core.memory`): weights, gradients, optimizer, reference, the rollout's
+  gathered weights and KV cache, for the strategy at hand;
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
   all: a bf16 weight keeps 8 bits of mantissa, so an AdamW step of ~1e-6 rounds away on nearly every weight
   (float32 master weights with bf16 compute, `precision: bf16-mixed`, keep every update).
@@ -28,7 +30,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from grpo_lightning.core.audit import audit_module_rewards, auditable
+from grpo_lightning.core.memory import compute_bytes, estimate_memory, footprint
 from grpo_lightning.core.rng import preserved_rng
+from grpo_lightning.io.distributed import is_sharded
 
 UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
 SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap
@@ -95,6 +99,7 @@ def run_preflight(
     accumulation: int = 1,
     samples: int = 4,
     audit_rows: Sequence[dict[str, str]] | None = None,
+    precision: str = "32-true",
 ) -> PreflightReport:
     """Check a `GRPOModule` against its first batch; samples `samples` prompts x `num_generations`.
 
@@ -111,6 +116,7 @@ def run_preflight(
     )
 
     rollout, _ = module.sample(batch["prompt"][:samples], G)
+    report.lines["memory per GPU"] = memory_line(module, prompts, devices, precision, rollout)
     cut, sampled = int(rollout.truncated.sum()), rollout.truncated.numel()
     whole, groups = groups_cut_whole(rollout.truncated, G), sampled // G
     report.lines["completion length"] = (
@@ -172,6 +178,23 @@ def run_preflight(
     return report
 
 
+def memory_line(module: L.LightningModule, prompts: int, devices: int, precision: str, rollout) -> str:
+    """`memory.estimate_memory` for this module, its strategy and its batch of `prompts` per device."""
+    cfg = module.grpo
+    prompt_tokens = cfg.max_prompt_length or rollout.input_ids.size(1) - rollout.completion_ids.size(1)
+    estimate = estimate_memory(
+        footprint(module.policy),
+        world=devices,
+        sharded=is_sharded(module.policy),
+        cpu_offload=cfg.cpu_offload,
+        reference=module.reference is not None,
+        compute_bytes=compute_bytes(precision, module.policy),
+        sequences=prompts * cfg.num_generations,
+        tokens=prompt_tokens + cfg.max_completion_length,
+    )
+    return estimate.text()
+
+
 class Preflight(L.Callback):
     """Runs `run_preflight` on the first batch of each `fit`, before its step; keeps it in `report`."""
 
@@ -195,6 +218,7 @@ class Preflight(L.Callback):
                 trainer.accumulate_grad_batches,
                 self.samples,
                 rows[: self.audit_rows] if rows else None,
+                trainer.precision,
             )
         rank_zero_info(self.report.text())
         for problem in self.report.problems:

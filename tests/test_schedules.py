@@ -1,0 +1,138 @@
+"""Learning-rate schedules: the multiplier against its closed form, the run's length, and the rates a real
+fit logs (each step's `train/learning_rate` is the rate its update used)."""
+
+import math
+
+import lightning as L
+import pytest
+
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.schedules import lr_multiplier, optimizer_steps_in_fit
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
+from tests.conftest import quiet_trainer
+
+
+@pytest.mark.parametrize(
+    ("kind", "step", "expected"),
+    [
+        # warm-up 2, 10 steps, floor 0.1: decay runs over steps 2..10, progress p = (step - 2) / 8
+        ("constant", 0, 0.5),
+        ("constant", 1, 1.0),
+        ("constant", 9, 1.0),
+        ("linear", 0, 0.5),
+        ("linear", 2, 1.0),
+        ("linear", 4, 0.1 + 0.9 * 0.75),
+        ("linear", 10, 0.1),
+        ("linear", 50, 0.1),  # past the end: the floor
+        ("cosine", 1, 1.0),
+        ("cosine", 4, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2),
+        ("cosine", 6, 0.1 + 0.9 * 0.5),
+        ("cosine", 10, 0.1),
+    ],
+)
+def test_multiplier_matches_the_closed_form(kind, step, expected):
+    assert lr_multiplier(step, 2, 10, kind, 0.1) == pytest.approx(expected, abs=1e-12)
+
+
+def test_no_warmup_starts_at_the_full_rate():
+    assert lr_multiplier(0, 0, 4, "cosine", 0.0) == 1.0
+    assert lr_multiplier(2, 0, 4, "linear", 0.0) == 0.5
+
+
+def test_the_run_length_in_optimizer_steps():
+    assert optimizer_steps_in_fit(100, None, math.inf, 2) == 100  # max_steps already counts optimizer steps
+    assert optimizer_steps_in_fit(-1, 3, 10, 2) == 60  # 3 epochs x 10 batches x 2 iterations
+    assert optimizer_steps_in_fit(50, 3, 10, 2) == 50  # whichever ends first
+    with pytest.raises(ValueError, match="set trainer.max_steps, or lr_scheduler_type: constant"):
+        optimizer_steps_in_fit(-1, -1, 10, 1)
+
+
+class LoggedRates(L.Callback):
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rates.append(float(trainer.callback_metrics["train/learning_rate"]))
+
+
+@pytest.mark.parametrize(("kind", "num_iterations"), [("cosine", 1), ("linear", 2)])
+def test_fit_logs_the_rate_each_update_used(tiny_model_dir, tmp_path, kind, num_iterations):
+    lr, warmup, steps, floor = 1e-3, 2, 6, 0.2
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=lr,
+        warmup_steps=warmup,
+        lr_scheduler_type=kind,
+        min_lr_ratio=floor,
+        num_iterations=num_iterations,
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=2, arithmetic_size=20)
+    logged = LoggedRates()
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=[logged], default_root_dir=str(tmp_path)
+    )
+    trainer.fit(module, data)
+    # Each training step logs the rate of its last optimizer step (of num_iterations).
+    last_steps = range(num_iterations - 1, steps, num_iterations)
+    assert logged.rates == pytest.approx(
+        [lr * lr_multiplier(s, warmup, steps, kind, floor) for s in last_steps]
+    )
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr * floor)  # after the last step
+
+
+def test_epochs_bound_the_schedule(tiny_model_dir, tmp_path):
+    """No max_steps: 2 epochs of 10 rows in batches of 5 are 4 training steps, the length of the schedule."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    data = GSM8KDataModule(source="arithmetic", batch_size=5, val_size=2, arithmetic_size=10)
+    logged = LoggedRates()
+    trainer = quiet_trainer(
+        max_epochs=2, limit_val_batches=0, callbacks=[logged], default_root_dir=str(tmp_path)
+    )
+    trainer.fit(module, data)
+    assert logged.rates == pytest.approx([1e-3 * (1 - s / 4) for s in range(4)])
+
+
+def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path):
+    """Resumed from a checkpoint of step 2 of 5: the remaining steps use the uninterrupted run's rates."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps: int, save: bool = False, ckpt_path: str | None = None) -> list[float]:
+        grpo = GRPOConfig(
+            num_generations=2,
+            max_completion_length=4,
+            learning_rate=1e-3,
+            warmup_steps=1,
+            lr_scheduler_type="cosine",
+            min_lr_ratio=0.1,
+            preflight=False,
+        )
+        logged = LoggedRates()
+        every_2 = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
+        callbacks = [logged] + ([every_2] if save else [])
+        trainer = quiet_trainer(
+            max_steps=max_steps,
+            max_epochs=None,
+            limit_val_batches=0,
+            callbacks=callbacks,
+            enable_checkpointing=save,
+            default_root_dir=str(tmp_path),
+        )
+        data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=2, arithmetic_size=20)
+        trainer.fit(GRPOModule(tiny_model_dir, grpo=grpo), data, ckpt_path=ckpt_path)
+        return logged.rates
+
+    straight = fit(5, save=True)
+    resumed = fit(5, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert resumed == pytest.approx(straight[2:])
+    assert straight == pytest.approx([1e-3 * lr_multiplier(s, 1, 5, "cosine", 0.1) for s in range(5)])
