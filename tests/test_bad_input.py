@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli, main
-from grpo_lightning.core.audit import RewardAuditCallback
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards import completion_text, normalize_number, reference_answer
@@ -33,6 +32,7 @@ from grpo_lightning.core.scoring import (
 )
 from grpo_lightning.io.export import ExportBestCallback, export_policy, read_checkpoint
 from grpo_lightning.io.models import check_loaded_model
+from grpo_lightning.training.audit_callback import RewardAuditCallback
 from grpo_lightning.training.data import (
     CHAT_ROLES,
     GSM8KDataModule,

@@ -10,7 +10,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.schedules import lr_multiplier, optimizer_steps_in_fit
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 
 @pytest.mark.parametrize(

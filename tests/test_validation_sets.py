@@ -17,7 +17,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.validation_sets import COUNTED, SetScores, ValidationSet, rank_share
-from tests.conftest import GSM8K_DIR, gsm8k_rows
+from tests.helpers import GSM8K_DIR, gsm8k_rows
 from tests.test_distributed import launch
 
 MARKS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]  # 7 rows: 3/7 right; Lightning's padding would count row 0 twice
