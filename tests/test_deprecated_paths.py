@@ -1,7 +1,7 @@
-"""Old paths: 0.1.0's flat module paths (`grpo_lightning.data`, ...) and the names that moved out of
-`grpo_lightning.callbacks` and `grpo_lightning.credit` resolve to the very same objects, with a
-`FutureWarning` naming the new path and the release that drops the old one. Class paths in YAML configs are
-public API, and checkpoints pickle the class path of dynamic sampling's buffered groups."""
+"""Old paths: 0.1.0's flat module paths (an old path: `grpo_lightning.data`, ...) and the names that moved
+out of `grpo_lightning.callbacks` and (old path) `grpo_lightning.credit` resolve to the very same objects,
+with a `FutureWarning` naming the new path and the release that drops the old one. Class paths in YAML
+configs are public API, and checkpoints pickle the class path of dynamic sampling's buffered groups."""
 
 from __future__ import annotations
 
@@ -84,9 +84,9 @@ def test_old_module_path_is_the_moved_module_with_a_warning(old, new, monkeypatc
 
 
 def test_from_an_old_module_path_import_a_name(monkeypatch):
-    monkeypatch.delitem(sys.modules, "grpo_lightning.module", raising=False)
+    monkeypatch.delitem(sys.modules, "grpo_lightning.module", raising=False)  # old path
     with pytest.warns(FutureWarning, match="grpo_lightning.training.module"):
-        from grpo_lightning.module import GRPOModule
+        from grpo_lightning.module import GRPOModule  # old path
     assert (
         GRPOModule is grpo_lightning.GRPOModule and GRPOModule.__module__ == "grpo_lightning.training.module"
     )
@@ -120,11 +120,12 @@ def test_a_name_that_never_lived_there_is_missing():
 
 
 def test_old_module_path_in_a_yaml_class_path_still_builds_the_data_module(monkeypatch):
-    monkeypatch.delitem(sys.modules, "grpo_lightning.data", raising=False)
+    monkeypatch.delitem(sys.modules, "grpo_lightning.data", raising=False)  # old path
     parser = ArgumentParser()
     parser.add_argument("--data", type=L.LightningDataModule)
-    config = {"class_path": "grpo_lightning.data.GSM8KDataModule", "init_args": {"source": "arithmetic"}}
-    with pytest.warns(FutureWarning, match="grpo_lightning.data moved to grpo_lightning.training.data"):
+    old_path = "grpo_lightning.data"  # an old path, on purpose
+    config = {"class_path": f"{old_path}.GSM8KDataModule", "init_args": {"source": "arithmetic"}}
+    with pytest.warns(FutureWarning, match=f"{old_path} moved to grpo_lightning.training.data"):
         data = parser.instantiate_classes(parser.parse_object({"data": config})).data
     assert type(data) is grpo_lightning.GSM8KDataModule and data.hparams.source == "arithmetic"
 
