@@ -11,6 +11,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "loo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+GENERATION_BACKENDS = ("auto", "eager", "static")
 
 
 # ------------------------------------------------------------------------------------------ option rules
@@ -209,6 +210,17 @@ class GRPOConfig:
             (tests/test_share_prompt.py). A model that cannot share (attention without a KV cache,
             sliding-window layers, gradient checkpointing in transformers < 5) keeps the unshared path,
             with a warning. Default True.
+        generation_backend: how rollouts are decoded. "eager": `generate` on the training policy with a
+            dynamic KV cache (`sampling.generate_completions`, the reference path). "static": `generate`
+            with a static KV cache on an inference copy of the policy in the compute dtype (bf16 under
+            `bf16-mixed`, LoRA adapters merged into it), overwritten in place after every optimizer step;
+            on CUDA its decoding step is compiled once (`torch.compile` with CUDA graphs, through
+            transformers' `CompileConfig`), on CPU it runs uncompiled (`grpo_lightning.static_rollout`).
+            Same sampling (the tokens' distribution is the policy's, tests/test_static_rollout.py); costs
+            one more copy of the weights in the compute dtype, on every rank under FSDP2, and a compile
+            warm-up (tens of seconds) per batch shape. "auto": "static" on CUDA, "eager" elsewhere. A model
+            the static path cannot serve (sliding-window or linear-attention layers, a quantized base,
+            DoRA) falls back to "eager" with a warning. Default "auto".
 
     Optimisation:
         learning_rate: AdamW learning rate. Default 1e-6 (TRL's GRPO default).
@@ -262,6 +274,7 @@ class GRPOConfig:
     micro_batch_size: int | None = None
     max_bad_steps: int = 3
     share_prompt: bool = True
+    generation_backend: str = "auto"
     log_completions_every: int = 50
     preflight: bool = True
 
@@ -324,4 +337,5 @@ GRPO_RULES = {
     "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
     "preflight": Rule(bool),
     "share_prompt": Rule(bool),
+    "generation_backend": Rule(str, choices=GENERATION_BACKENDS),
 }

@@ -56,6 +56,7 @@ from grpo_lightning.shared_prompt import (
     rows_share_prompts,
     sharing_unsupported,
 )
+from grpo_lightning.static_rollout import StaticEngine, static_unsupported
 
 REFERENCE_PREFIX = "reference."
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
@@ -150,6 +151,7 @@ class GRPOModule(L.LightningModule):
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._rng_outside_validation: dict | None = None
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
+        self._rollout_engine: _EagerRollouts | StaticEngine | None = None  # built at the first rollout
 
     def _dynamic_sampling_metric_column(self) -> int | None:
         metric = self.grpo.dynamic_sampling_metric
@@ -329,30 +331,47 @@ class GRPOModule(L.LightningModule):
             self._share_prompt = self.grpo.share_prompt and reason is None
         return self._share_prompt
 
+    def rollout_engine(self) -> _EagerRollouts | StaticEngine:
+        """What samples the rollouts (`grpo.generation_backend`), decided and built at the first rollout."""
+        if self._rollout_engine is not None:
+            return self._rollout_engine
+        cfg = self.grpo
+        backend = cfg.generation_backend
+        if backend == "auto":
+            backend = "static" if self.device.type == "cuda" else "eager"
+        reason = static_unsupported(self.policy) if backend == "static" else None
+        if reason is not None:
+            warnings.warn(
+                f"grpo.generation_backend={cfg.generation_backend!r}: {reason}; rollouts use eager decoding",
+                stacklevel=2,
+            )
+            backend = "eager"
+        settings = {
+            "max_new_tokens": cfg.max_completion_length,
+            "min_new_tokens": cfg.min_completion_length,
+            "eos_token_ids": tuple(self.eos_token_ids()),
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "share_prompt": self.shares_prompt(),
+        }
+        if backend == "eager":
+            self._rollout_engine = _EagerRollouts(**settings)
+        else:
+            precision = str(self.trainer.precision) if self._trainer is not None else ""
+            dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0])
+            self._rollout_engine = StaticEngine(**settings, dtype=dtype, compile=self.device.type == "cuda")
+        return self._rollout_engine
+
     def sample(
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
-        cfg = self.grpo
         ids, mask = self.encode_prompts(prompts)
         with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
-            prefill = (
-                prefill_groups(self.policy, ids, mask, num_generations) if self.shares_prompt() else None
-            )
-            rollout = generate_completions(
-                self.policy,
-                ids,
-                mask,
-                num_generations=num_generations,
-                max_new_tokens=cfg.max_completion_length,
-                min_new_tokens=cfg.min_completion_length,
-                eos_token_ids=self.eos_token_ids(),
-                pad_token_id=self.tokenizer.pad_token_id,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                do_sample=do_sample,
-                prompt_cache=prefill,
+            rollout = self.rollout_engine().generate(
+                self.policy, ids, mask, num_generations=num_generations, do_sample=do_sample
             )
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return rollout, completions
@@ -517,11 +536,21 @@ class GRPOModule(L.LightningModule):
     def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
         """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
         if not any(text.strip() for text in completions):
-            warnings.warn(
-                f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
-                f"the chat template and the end-of-sequence ids {self.eos_token_ids()}",
-                stacklevel=2,
-            )
+            lengths = rollout.completion_mask.sum(dim=1)  # [B] tokens, the EOS included
+            ended_at_once = int(((lengths == 1) & ~rollout.truncated).sum())
+            if ended_at_once == len(completions):
+                cause = (
+                    "the policy ends at once; check the chat template and the end-of-sequence ids "
+                    f"{self.eos_token_ids()}"
+                )
+            else:
+                cause = (
+                    f"{len(completions) - ended_at_once} have tokens ({int(lengths.sum())} in all) that decode to "
+                    "nothing (whitespace, special tokens, or ids past the tokenizer's "
+                    f"{len(self.tokenizer)}: the model's vocabulary has {self.policy.config.vocab_size})"
+                    + (f", {ended_at_once} end at once" if ended_at_once else "")
+                )
+            warnings.warn(f"all {len(completions)} completions of this step are empty: {cause}", stacklevel=2)
         elif bool(rollout.truncated.all()):
             warnings.warn(
                 f"all {len(completions)} completions of this step reached max_completion_length="
@@ -589,6 +618,9 @@ class GRPOModule(L.LightningModule):
             return sums, None
         self._bad_steps = 0
         optimizer.step()
+        if isinstance(self._rollout_engine, StaticEngine):  # the eager engine samples from the policy itself
+            with gathered_for_generation(self.policy):
+                self._rollout_engine.weights_updated(self.policy)
         return sums, grad_norm
 
     def _log_step(
@@ -664,3 +696,36 @@ class GRPOModule(L.LightningModule):
             self.log(f"val/{key}", value, prog_bar=key == "accuracy")
         restore_rng_states(self._rng_outside_validation)
         self._rng_outside_validation = None  # back on the training stream
+
+
+class _EagerRollouts:
+    """Rollouts through `generate` on the policy itself with a dynamic KV cache (`generate_completions`), each
+    group's prompt prefilled once with `share_prompt`: the reference path behind the rollout seam."""
+
+    def __init__(self, *, share_prompt: bool, eos_token_ids: tuple[int, ...], **sampling) -> None:
+        self.share_prompt = share_prompt
+        self.sampling = {**sampling, "eos_token_ids": list(eos_token_ids)}
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample=True,
+    ) -> Rollout:
+        G = num_generations
+        prefill = prefill_groups(model, prompt_ids, prompt_mask, G) if self.share_prompt else None
+        return generate_completions(
+            model,
+            prompt_ids,
+            prompt_mask,
+            num_generations=G,
+            do_sample=do_sample,
+            prompt_cache=prefill,
+            **self.sampling,
+        )
+
+    def weights_updated(self, model: PreTrainedModel) -> None:
+        """Nothing to do: generation reads the policy's own weights."""

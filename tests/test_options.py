@@ -81,6 +81,7 @@ REFUSED = {
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
         "share_prompt": NOT_A_FLAG,
+        "generation_backend": st.sampled_from(["vllm", "Static", "compiled", "", None, True]),
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),
