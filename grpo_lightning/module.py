@@ -544,10 +544,11 @@ class GRPOModule(L.LightningModule):
                     f"{self.eos_token_ids()}"
                 )
             else:
+                written, tokens = len(completions) - ended_at_once, int(lengths.sum())
+                vocab, known = self.policy.config.vocab_size, len(self.tokenizer)
                 cause = (
-                    f"{len(completions) - ended_at_once} have tokens ({int(lengths.sum())} in all) that decode to "
-                    "nothing (whitespace, special tokens, or ids past the tokenizer's "
-                    f"{len(self.tokenizer)}: the model's vocabulary has {self.policy.config.vocab_size})"
+                    f"{written} have tokens ({tokens} in all) that decode to nothing (whitespace, special "
+                    f"tokens, or ids past the tokenizer's {known}: the model's vocabulary has {vocab})"
                     + (f", {ended_at_once} end at once" if ended_at_once else "")
                 )
             warnings.warn(f"all {len(completions)} completions of this step are empty: {cause}", stacklevel=2)
