@@ -1,7 +1,8 @@
 """GPU checks on a random ~0.5B model (150k vocabulary): throughput of bf16 FSDP2 and LoRA steps, and the
 numerics that only show on a GPU in bf16.
 
-    bash scripts/gpu_check.sh                      # one GPU, about 5 minutes on an H200
+    bash scripts/gpu_check.sh                      # one GPU, all three parts
+    bash scripts/gpu_check.sh --only rollouts      # eager vs static-cache rollouts alone
     bash scripts/gpu_check.sh --only numerics      # the numeric checks alone
     bash scripts/gpu_check.sh --cpu --tiny         # the same code paths on CPU in seconds (tests run this)
 
@@ -12,13 +13,24 @@ Throughput: per run, the mean over the steps after the first (warm-up) of the st
 reference log-probs / the rest, which is the policy's forward-backward and the optimizer step), completion
 tokens per second, and peak memory.
 
+Rollouts: the rollout engines side by side on one workload (issue 20's: 8 prompts x 8 completions, 150
+prompt tokens, exactly 256 new tokens, bf16, random weights of Qwen2.5-0.5B and -1.5B shapes, and the 0.5B
+shape with LoRA r=16): "eager" (`generate` with a dynamic cache on the model itself, the module's eager
+path) and "compiled" (`static_rollout.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
+"static" is the same uncompiled). Per row: warm-up seconds (the first call, compilation included),
+completion tokens per second over the next calls (each after an in-place weight refresh, as after an
+optimizer step), milliseconds per decoding step, graphs compiled after warm-up (FAIL if any) and peak
+memory.
+
 Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
 - on-policy: float32 weights under bf16 autocast, a checkpoint generation config as Qwen2.5-Instruct's
   (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7) plus every other token suppressed; the
   log-prob of each sampled token under the distribution it was drawn from equals `completion_logprobs`',
   and the share of suppressed tokens sampled equals the raw policy's probability of them;
 - weights move: 2 GRPO steps at the shipped one-GPU config's lr 1e-6 with 10 warm-up steps, under its
-  precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true;
+  precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true; the model's vocabulary is the
+  tokenizer's (with the 150k one, sampled ids past the tokenizer's 1,024 decode to nothing, the length
+  reward is 0 everywhere and no weight moves, whatever the precision);
 - head gradients: `completion_logprobs`' written LM-head backward under bf16 autocast, with the chunk's
   logits kept and recomputed, against autograd through the same autocast ops (relative error under 5e-3;
   before the backward ran under autocast, recomputed logits gave 1.3e-2 on the tiny CPU model).
@@ -38,20 +50,71 @@ from unittest import mock
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning import sampling
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, arithmetic_problems, chat_prompt
 from grpo_lightning.distributed import close_process_group
-from grpo_lightning.models import LoraOptions, ModelOptions
-from grpo_lightning.module import GRPOModule
+from grpo_lightning.models import LoraOptions, ModelOptions, apply_lora
+from grpo_lightning.module import GRPOModule, _EagerRollouts
 from grpo_lightning.rewards import completion_text
+from grpo_lightning.static_rollout import StaticEngine
 from grpo_lightning.tiny import build_model, build_tokenizer
 
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.
 FULL = {"vocab": 151936, "hidden_size": 896, "num_layers": 24, "num_heads": 14}
 TINY = {"vocab": 1024, "hidden_size": 64, "num_layers": 2, "num_heads": 4}
+# Random-weight models for the rollout comparison: the shapes of Qwen2.5-0.5B's and -1.5B's config.json,
+# SmolLM2-135M's (for CPU figures), and a tiny one.
+ROLLOUT_SHAPES = {
+    "qwen2.5-0.5b": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "qwen2.5-1.5b": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "smollm2-135m": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        {
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        },
+    ),
+    "tiny": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    ),
+}
 # Qwen2.5-Instruct's generation_config.json: what `generate` would apply unless told otherwise.
 QWEN_GENERATION_CONFIG = {
     "do_sample": True,
@@ -78,9 +141,7 @@ class TimedGRPOModule(GRPOModule):
         self.times: list[StepTimes] = []
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return now(self.device.type)
 
     def training_step(self, batch, batch_idx):
         self.times.append(StepTimes())
@@ -102,6 +163,13 @@ class TimedGRPOModule(GRPOModule):
         logprobs = super()._frozen_logprobs(rollout, model)
         self.times[-1].reference += self._now() - start
         return logprobs
+
+
+def now(device: str) -> float:
+    """The clock, once the device has finished what was queued."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def peak_memory_gib(device: str) -> float:
@@ -165,6 +233,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     n = len(measured)
     mean = {key: sum(getattr(t, key) for t in measured) / n for key in ("generate", "reference", "step")}
     tokens = sum(t.tokens for t in measured) / n
+    engine = module.rollout_engine()
     close_process_group()  # the next run starts its own (or none)
     return {
         "run": name,
@@ -176,7 +245,96 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
         "tokens_per_s": tokens / mean["step"],
         "gen_tokens_per_s": tokens / mean["generate"],
         "peak_GiB": peak_memory_gib("cuda" if gpu else "cpu"),
+        "static": int(isinstance(engine, StaticEngine)),  # 1: the static-cache engine generated
+        "recompiles": getattr(engine, "recompiles", 0),
     }
+
+
+# ----------------------------------------------------------------------------------------- rollouts
+def rollout_model(shape: str, dtype: torch.dtype, device: str, lora: bool) -> torch.nn.Module:
+    model_class, config_class, sizes = ROLLOUT_SHAPES[shape]
+    config = config_class(**{"vocab_size": 151936, "tie_word_embeddings": True, **sizes})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype)
+    return apply_lora(model, LoraOptions(r=16)) if lora else model  # float32 adapters over the base
+
+
+def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace) -> dict:
+    """Warm-up seconds, then tokens/s over `args.rollout_calls` calls of one engine on one workload."""
+    device = "cpu" if args.cpu else "cuda"
+    gc.collect()  # the previous row's models and caches
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dtype = getattr(torch, args.rollout_dtype)
+    model = rollout_model(shape, dtype, device, lora)
+    vocab = model.config.vocab_size
+    new = args.new_tokens
+    settings = {
+        "max_new_tokens": new,
+        "min_new_tokens": new,  # exactly `new` tokens per completion: EOS is never drawn
+        "eos_token_ids": (1,),
+        "pad_token_id": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "share_prompt": True,
+    }
+    if backend == "eager":
+        engine = _EagerRollouts(**settings)
+    else:
+        engine = StaticEngine(**settings, dtype=dtype, compile=backend == "compiled")
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, vocab, (args.rollout_prompts, args.prompt_tokens), generator=generator)
+    prompt_ids = prompt_ids.to(device)  # [N, P]
+    mask = torch.ones_like(prompt_ids)
+
+    def call() -> tuple[float, int]:
+        start = now(device)
+        rollout = engine.generate(model, prompt_ids, mask, num_generations=args.rollout_generations)
+        return now(device) - start, int(rollout.completion_mask.sum())
+
+    warmup, _ = call()
+    seconds, tokens = 0.0, 0
+    for _ in range(args.rollout_calls):
+        engine.weights_updated(model)  # as after every optimizer step: in place, no recompilation
+        elapsed, count = call()
+        seconds, tokens = seconds + elapsed, tokens + count
+    return {
+        "rollout": shape + ("+lora" if lora else ""),
+        "backend": backend,
+        "warmup_s": warmup,
+        "tokens_per_s": tokens / seconds,
+        "ms_per_step": 1000 * seconds / (args.rollout_calls * new),
+        "tokens": tokens // args.rollout_calls,
+        "recompiles": getattr(engine, "recompiles", 0),
+        "peak_GiB": peak_memory_gib(device),
+    }
+
+
+def rollouts(args: argparse.Namespace) -> tuple[list[dict], list[Check]]:
+    """Each shape (and the first one with LoRA) through each backend; the speed-up over eager per row."""
+    rows = []
+    for i, shape in enumerate(args.rollout_shapes.split(",")):
+        for lora in (False, True) if i == 0 else (False,):
+            group = [
+                time_rollouts(shape, backend, lora, args) for backend in args.rollout_backends.split(",")
+            ]
+            eager = next((row["tokens_per_s"] for row in group if row["backend"] == "eager"), None)
+            for row in group:
+                row["vs_eager"] = row["tokens_per_s"] / eager if eager else float("nan")
+            rows += group
+    checks = [
+        Check(
+            f"no recompilation after warm-up, {row['rollout']} {row['backend']}",
+            row["recompiles"] == 0,
+            f"{row['recompiles']} graphs compiled after the first call",
+        )
+        for row in rows
+        if row["backend"] != "eager"
+    ]
+    return rows, checks
 
 
 # ----------------------------------------------------------------------------------------- numerics
@@ -265,7 +423,8 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
         ("bf16-mixed", torch.float32, True),
         ("bf16-true", torch.bfloat16, False),
     ):
-        model = tiny_policy(shape, tokenizer, "cpu").to(dtype)
+        # The tokenizer's vocabulary: ids it does not know would decode to nothing (see the docstring).
+        model = tiny_policy({**shape, "vocab": len(tokenizer)}, tokenizer, "cpu").to(dtype)
         module = GRPOModule(
             model,
             tokenizer=tokenizer,
@@ -278,6 +437,7 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
                 epsilon_high=0.28,
                 log_completions_every=0,
                 preflight=False,
+                generation_backend="eager",  # the optimizer's precision is checked here, not the rollouts
             ),
         )
         before = {n: p.detach().clone() for n, p in model.named_parameters() if "embed_tokens" not in n}
@@ -386,11 +546,26 @@ def main() -> None:
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--max_completion_length", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=16)
-    parser.add_argument("--only", choices=["throughput", "numerics"], help="one part; default both")
+    parser.add_argument(
+        "--only", choices=["throughput", "rollouts", "numerics"], help="one part; default all"
+    )
+    parser.add_argument("--rollout_shapes", help="comma-separated ROLLOUT_SHAPES; default the two Qwen2.5")
+    parser.add_argument("--rollout_backends", help="comma-separated eager, static, compiled")
+    parser.add_argument("--rollout_dtype", help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--rollout_prompts", type=int, default=8)
+    parser.add_argument("--rollout_generations", type=int, default=8)
+    parser.add_argument("--prompt_tokens", type=int, default=150)
+    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--rollout_calls", type=int, default=3, help="timed calls after the warm-up call")
     args = parser.parse_args()
+    args.rollout_shapes = args.rollout_shapes or ("tiny" if args.tiny else "qwen2.5-0.5b,qwen2.5-1.5b")
+    args.rollout_backends = args.rollout_backends or ("eager,static" if args.cpu else "eager,compiled")
+    args.rollout_dtype = args.rollout_dtype or ("float32" if args.cpu else "bfloat16")
     if args.tiny:
         args.steps, args.batch_size, args.num_generations = min(args.steps, 2), 2, 2
         args.max_completion_length, args.micro_batch_size = 8, 4
+        args.rollout_prompts, args.rollout_generations, args.prompt_tokens = 2, 2, 12
+        args.new_tokens, args.rollout_calls = 8, 2
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: pass --cpu (and --tiny for a quick run)")
     shape = TINY if args.tiny else FULL
@@ -399,7 +574,7 @@ def main() -> None:
     start = time.perf_counter()
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
     print(f"\nGRPO GPU check: {device}, torch {torch.__version__}")
-    if args.only != "numerics":
+    if args.only in (None, "throughput"):
         rows = [
             run("fsdp2-bf16", args, shape, tokenizer, lora=False),
             run("lora-bf16", args, shape, tokenizer, lora=True),
@@ -409,10 +584,20 @@ def main() -> None:
             f"completions x {args.max_completion_length} tokens (means over steps 2..)"
         )
         print(table(rows))
+    checks = []
+    if args.only in (None, "rollouts"):
+        rows, checks = rollouts(args)
+        print(
+            f"\nrollouts: {args.rollout_prompts} prompts x {args.rollout_generations} completions, "
+            f"{args.prompt_tokens} prompt tokens, exactly {args.new_tokens} new tokens, "
+            f"{args.rollout_dtype}, means over {args.rollout_calls} calls after the warm-up call"
+        )
+        print(table(rows))
     failed = False
-    if args.only != "throughput":
-        checks = numerics(args, shape, tokenizer)
-        print("\nnumerics:")
+    if args.only in (None, "numerics"):
+        checks += numerics(args, shape, tokenizer)
+    if checks:
+        print("\nchecks:")
         for check in checks:
             print(f"  {'PASS' if check.passed else 'FAIL'}  {check.name}: {check.numbers}")
         failed = not all(check.passed for check in checks)
