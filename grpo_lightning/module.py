@@ -361,7 +361,12 @@ class GRPOModule(L.LightningModule):
         else:
             precision = str(self.trainer.precision) if self._trainer is not None else ""
             dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0])
-            self._rollout_engine = StaticEngine(**settings, dtype=dtype, compile=self.device.type == "cuda")
+            self._rollout_engine = StaticEngine(
+                **settings,
+                dtype=dtype,
+                compile=self.device.type == "cuda",
+                max_prompt_tokens=cfg.max_prompt_length,
+            )
         return self._rollout_engine
 
     def sample(

@@ -127,6 +127,13 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _compile_config(device: torch.device) -> CompileConfig:
+    # CUDA graphs on GPU ("reduce-overhead"); dynamic=False: one graph per cache shape, no symbolic sizes.
+    config = CompileConfig(dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    return config
+
+
 class StaticEngine:
     """Rollouts of `num_generations` completions per prompt through `generate` with a static KV cache, on an
     inference copy of the policy refreshed in place after every optimizer step (see the module docstring).
@@ -135,7 +142,9 @@ class StaticEngine:
     once. `dtype`: the inference copy's (None: the policy's parameters'). `compile`: compile the decoding
     step (`torch.compile` through transformers' `CompileConfig`, CUDA graphs on GPU); off, the static cache
     is used eagerly. `prompt_bucket`: prompts are left-padded to a multiple of it, so that prompt lengths
-    within a bucket share one compiled shape.
+    within a bucket share one cache length. `max_prompt_tokens`: the longest prompt to expect; compiling,
+    the cache is that long (plus `max_new_tokens`) from the first call, so that no longer prompt changes
+    its shape (the decoding step's shapes are the cache's: a shorter prompt in it needs no new graph).
     """
 
     def __init__(
@@ -152,6 +161,7 @@ class StaticEngine:
         dtype: torch.dtype | None = None,
         compile: bool = False,
         prompt_bucket: int = 64,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.sampling = {
             "max_new_tokens": max_new_tokens,
@@ -166,7 +176,11 @@ class StaticEngine:
         self.dtype = dtype
         self.compile = compile
         self.prompt_bucket = prompt_bucket
+        self.max_prompt_tokens = max_prompt_tokens
         self.copy: InferenceCopy | None = None
+        self._compile_config: CompileConfig | None = (
+            None  # one object: transformers compiles again for another
+        )
         self._caches: dict[int, tuple[StaticCache, int]] = {}  # rows -> that batch size's cache, its length
         self._warm: set[tuple[int, int]] = set()  # (rows, length) shapes generated with at least once
         self.warmup_compiles = 0  # graphs compiled on the first call of each cache shape
@@ -207,13 +221,17 @@ class StaticEngine:
         pad = self.sampling["pad_token_id"]
         ids = F.pad(prompt_ids, (width - P, 0), value=pad)  # [N, W]
         mask = F.pad(prompt_mask, (width - P, 0), value=0)  # [N, W]
-        cache, cache_rows, length = self._cache(twin, rows, width + self.sampling["max_new_tokens"])
+        longest = max(
+            width, _round_up(self.max_prompt_tokens or 0, self.prompt_bucket) if self.compile else 0
+        )
+        cache, cache_rows, length = self._cache(twin, rows, longest + self.sampling["max_new_tokens"])
         prompt_of_row = torch.arange(cache_rows, device=ids.device) // G  # [R] padding rows repeat prompt 0
         prompt_of_row[rows:] = 0
         cache.reset()
         if self.share_prompt and width > 1:
             self._prefill(twin, ids, mask, prompt_of_row, cache)
-        compile_config = self._compile_config(ids.device) if self.compile else None
+        if self.compile and self._compile_config is None:
+            self._compile_config = _compile_config(ids.device)
         graphs = counters["stats"]["unique_graphs"]
         output = generate_completions(
             twin,
@@ -222,7 +240,7 @@ class StaticEngine:
             num_generations=1,  # the rows are repeated already
             do_sample=do_sample,
             prompt_cache={cache_argument(twin): cache},
-            compile_config=compile_config,
+            compile_config=self._compile_config,
             **self.sampling,
         )
         compiled = counters["stats"]["unique_graphs"] - graphs
@@ -265,10 +283,3 @@ class StaticEngine:
             static.keys[:, :, :cached].copy_(keys)
             static.values[:, :, :cached].copy_(values)
             static.cumulative_length.fill_(cached)
-
-    @staticmethod
-    def _compile_config(device: torch.device) -> CompileConfig:
-        # CUDA graphs on GPU ("reduce-overhead"); dynamic=False: one graph per cache shape, no symbolic sizes.
-        config = CompileConfig(dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-        config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-        return config

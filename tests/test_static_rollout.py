@@ -242,18 +242,19 @@ def test_copy_follows_optimizer_steps_in_place(lora):
 
 def test_compiled_decoding_never_recompiles_after_warm_up():
     """One compile (CPU inductor, tens of seconds), then rollouts after weight refreshes, greedy and sampled,
-    with prompts of two lengths in one bucket: no graph is compiled again."""
+    with prompts in two length buckets (one cache length: `max_prompt_tokens`) and 6 rows (padded to 8):
+    no graph is compiled again."""
     model = tiny()
-    rollouts = engine(compile=True)
+    rollouts = engine(compile=True, max_prompt_tokens=16)
     pointers = None
     for step in range(3):
-        ids, mask = prompts(3, length=7 if step % 2 else 6, seed=step)
+        ids, mask = prompts(3, length=12 if step % 2 else 6, seed=step)
         static = rollouts.generate(model, ids, mask, num_generations=2, do_sample=False)
         assert torch.equal(static.completion_ids, eager_greedy(model, ids, mask).completion_ids), step
         rollouts.generate(model, ids, mask, num_generations=2)  # sampled, same compiled step
         pointers = pointers or [p.data_ptr() for p in rollouts.copy.model.parameters()]
         train_steps(model, 1, lambda: rollouts.weights_updated(model), seed=step)
-    assert rollouts.warmup_compiles >= 1
+    assert rollouts.warmup_compiles == 1, "one graph for both prompt lengths"
     assert rollouts.recompiles == 0
     assert [p.data_ptr() for p in rollouts.copy.model.parameters()] == pointers
 
