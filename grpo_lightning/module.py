@@ -719,7 +719,7 @@ class _EagerRollouts:
         prompt_mask: Tensor,
         *,
         num_generations: int,
-        do_sample=True,
+        do_sample: bool = True,
     ) -> Rollout:
         G = num_generations
         prefill = prefill_groups(model, prompt_ids, prompt_mask, G) if self.share_prompt else None
