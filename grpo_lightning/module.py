@@ -374,8 +374,12 @@ class GRPOModule(L.LightningModule):
     ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
         ids, mask = self.encode_prompts(prompts)
-        with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
-            rollout = self.rollout_engine().generate(
+        engine = self.rollout_engine()
+        # Sharded: full weights once, no collective per token. The static engine generates on its own copy
+        # of them, filled from the gathered weights once and refreshed after each optimizer step.
+        gather = not isinstance(engine, StaticEngine) or engine.copy is None
+        with gathered_for_generation(self.policy) if gather else nullcontext():
+            rollout = engine.generate(
                 self.policy, ids, mask, num_generations=num_generations, do_sample=do_sample
             )
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)

@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -25,7 +26,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from grpo_lightning import sampling
 from grpo_lightning.config import GRPOConfig
 from grpo_lightning.data import GSM8KDataModule
-from grpo_lightning.distributed import call_in_root_forward, gathered_for_generation, shard_model
+from grpo_lightning.distributed import (
+    call_in_root_forward,
+    close_process_group,
+    gathered_for_generation,
+    shard_model,
+)
 from grpo_lightning.models import LoraOptions, apply_lora
 from grpo_lightning.module import GRPOModule, _EagerRollouts
 from grpo_lightning.sampling import completion_logprobs, generate_completions
@@ -342,6 +348,38 @@ def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
 
 
 # ----------------------------------------------------------------------------------------- FSDP2
+def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):
+    """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 and, after two optimizer
+    steps, equals the float32 shards gathered and cast."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        generation_backend="static",
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
+    )
+    strategy = ModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo"
+    )
+    trainer = quiet_trainer(
+        max_steps=2, strategy=strategy, devices=1, precision="bf16-mixed", limit_val_batches=0
+    )
+    try:
+        trainer.fit(module, data)
+        weights = {n: v.full_tensor() for n, v in named_generation_weights(module.policy)}
+    finally:
+        close_process_group()
+    copy = dict(module.rollout_engine().copy.model.named_parameters())
+    assert set(copy) == set(weights)
+    for name, value in weights.items():
+        assert copy[name].dtype == torch.bfloat16
+        assert torch.equal(copy[name], value.to(torch.bfloat16)), name
+
+
 def fsdp_rank(rank: int, cfg: dict) -> None:
     """One of two gloo ranks: a sharded tiny policy (bf16 all-gathers, as `bf16-mixed`), without and with
     LoRA, two optimizer steps on rank-specific data each, the copy refreshed from the gathered weights after
