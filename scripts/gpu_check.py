@@ -19,11 +19,12 @@ shape with LoRA r=16): "eager" (`generate` with a dynamic cache on the model its
 path) and "compiled" (`static_rollout.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
 "static" is the same uncompiled). Per row: warm-up seconds (the first call, compilation included),
 completion tokens per second over the next calls (each after an in-place weight refresh, as after an
-optimizer step), milliseconds per decoding step, graphs compiled after warm-up (FAIL if any) and peak
-memory.
+optimizer step), milliseconds per decoding step (wall, and the process's CPU time), graphs compiled after
+warm-up (FAIL if any) and peak memory.
 
 Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
-- on-policy: float32 weights under bf16 autocast, a checkpoint generation config as Qwen2.5-Instruct's
+- on-policy, sampled by the eager path and by the static engine: float32 weights under bf16 autocast (the
+  static engine samples from its bf16 copy), a checkpoint generation config as Qwen2.5-Instruct's
   (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7) plus every other token suppressed; the
   log-prob of each sampled token under the distribution it was drawn from equals `completion_logprobs`',
   and the share of suppressed tokens sampled equals the raw policy's probability of them;
@@ -39,6 +40,7 @@ Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import resource
@@ -290,23 +292,24 @@ def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace
     prompt_ids = prompt_ids.to(device)  # [N, P]
     mask = torch.ones_like(prompt_ids)
 
-    def call() -> tuple[float, int]:
-        start = now(device)
+    def call() -> tuple[float, float, int]:
+        start, cpu_start = now(device), time.process_time()
         rollout = engine.generate(model, prompt_ids, mask, num_generations=args.rollout_generations)
-        return now(device) - start, int(rollout.completion_mask.sum())
+        return now(device) - start, time.process_time() - cpu_start, int(rollout.completion_mask.sum())
 
-    warmup, _ = call()
-    seconds, tokens = 0.0, 0
+    warmup, _, _ = call()
+    seconds, cpu_seconds, tokens = 0.0, 0.0, 0
     for _ in range(args.rollout_calls):
         engine.weights_updated(model)  # as after every optimizer step: in place, no recompilation
-        elapsed, count = call()
-        seconds, tokens = seconds + elapsed, tokens + count
+        elapsed, cpu, count = call()
+        seconds, cpu_seconds, tokens = seconds + elapsed, cpu_seconds + cpu, tokens + count
     return {
         "rollout": shape + ("+lora" if lora else ""),
         "backend": backend,
         "warmup_s": warmup,
         "tokens_per_s": tokens / seconds,
         "ms_per_step": 1000 * seconds / (args.rollout_calls * new),
+        "cpu_ms_per_step": 1000 * cpu_seconds / (args.rollout_calls * new),  # on a busy CPU, the steadier
         "tokens": tokens // args.rollout_calls,
         "recompiles": getattr(engine, "recompiles", 0),
         "peak_GiB": peak_memory_gib(device),
@@ -366,7 +369,11 @@ class RecordingSampler(sampling.InverseCDFSampler):
         return out
 
 
-def check_on_policy(shape: dict, tokenizer, device: str, completions: int, length: int) -> Check:
+def check_on_policy(
+    shape: dict, tokenizer, device: str, completions: int, length: int, static: bool
+) -> Check:
+    """`static`: sampled by `StaticEngine` (a bf16 copy, compiled on GPU), else by the eager path under
+    autocast; scored by `completion_logprobs` of the float32 weights under autocast either way."""
     model = tiny_policy(shape, tokenizer, device).eval()
     special = set(tokenizer.all_special_ids)
     suppressed = [i for i in range(0, shape["vocab"], 2) if i not in special]
@@ -384,14 +391,26 @@ def check_on_policy(shape: dict, tokenizer, device: str, completions: int, lengt
         torch.autocast(device, dtype=torch.bfloat16),
         mock.patch.object(sampling, "InverseCDFSampler", RecordingSampler),
     ):
-        rollout = sampling.generate_completions(
-            model,
-            enc["input_ids"],
-            enc["attention_mask"],
-            num_generations=completions // len(texts),
-            max_new_tokens=length,
-            eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id,
+        settings = {"max_new_tokens": length, "pad_token_id": tokenizer.pad_token_id}
+        if static:
+            engine = StaticEngine(
+                **settings,
+                min_new_tokens=0,
+                eos_token_ids=(tokenizer.eos_token_id,),
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                share_prompt=True,
+                dtype=torch.bfloat16,
+                compile=device == "cuda",
+            )
+            generate = engine.generate
+        else:
+            generate = functools.partial(
+                sampling.generate_completions, eos_token_ids=[tokenizer.eos_token_id], **settings
+            )
+        rollout = generate(
+            model, enc["input_ids"], enc["attention_mask"], num_generations=completions // len(texts)
         )
         T = rollout.completion_ids.size(1)
         with torch.no_grad():
@@ -412,7 +431,8 @@ def check_on_policy(shape: dict, tokenizer, device: str, completions: int, lengt
         f"suppressed tokens sampled {observed:.3f}, the raw policy's mass on them {expected:.3f} "
         f"(+-{tolerance:.3f})"
     )
-    return Check("on-policy sampling (Qwen-like generation config)", passed, numbers)
+    path = "static bf16 copy" if static else "eager, autocast"
+    return Check(f"on-policy sampling (Qwen-like generation config), {path}", passed, numbers)
 
 
 def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
@@ -522,7 +542,9 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
 def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
     device = "cpu" if args.cpu else "cuda"
     completions, length = (8, 8) if args.tiny else (64, 64)
-    checks = [check_on_policy(shape, tokenizer, device, completions, length)]
+    checks = [
+        check_on_policy(shape, tokenizer, device, completions, length, static) for static in (False, True)
+    ]
     checks += check_weights_move(shape, tokenizer, device)
     checks += check_head_gradients(shape, device)
     return checks
