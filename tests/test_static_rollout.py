@@ -89,16 +89,16 @@ def train_steps(model, steps: int, on_step=None, seed: int = 0) -> None:
             on_step()
 
 
-class RecordingSampler(sampling.InverseCDFSampler):
-    """Records each drawn token's log-prob under the scores it was drawn from."""
+def recording_draws(recorded: list) -> mock._patch:
+    """Patches `InverseCDFSampler` to append each drawn token's log-prob under the scores it came from."""
+    draw = sampling.InverseCDFSampler.__call__
 
-    recorded: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = super().__call__(input_ids, scores)
-        drawn = out.argmax(-1, keepdim=True)  # [B, 1]
-        RecordingSampler.recorded.append(torch.log_softmax(scores.float(), -1).gather(-1, drawn).squeeze(-1))
+    def recording(sampler, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = draw(sampler, input_ids, scores)  # [B, V] 0 at the drawn token, -inf elsewhere
+        recorded.append(scores.float().log_softmax(-1).gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1))
         return out
+
+    return mock.patch.object(sampling.InverseCDFSampler, "__call__", recording)
 
 
 # ----------------------------------------------------------------------------------------- distribution
@@ -113,9 +113,9 @@ def test_each_drawn_token_is_scored_as_it_was_drawn(dtype, share_prompt, toleran
     model.generation_config.update(do_sample=True, repetition_penalty=1.5, top_k=5, suppress_tokens=[3, 4, 5])
     ids, mask = prompts()
     rollouts = engine(share_prompt, temperature=0.7, dtype=dtype)
-    RecordingSampler.recorded = []
+    recorded = []
     torch.manual_seed(0)
-    with mock.patch.object(sampling, "InverseCDFSampler", RecordingSampler):
+    with recording_draws(recorded):
         rollout = rollouts.generate(model, ids, mask, num_generations=4)
     T = rollout.completion_ids.size(1)
     assert rollout.prompt_ids.shape == (12, 7) and torch.equal(
@@ -124,7 +124,7 @@ def test_each_drawn_token_is_scored_as_it_was_drawn(dtype, share_prompt, toleran
     with torch.no_grad():
         scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T, temperature=0.7)
     drawn = rollout.completion_mask.bool()  # [B, T]
-    recorded = torch.stack(RecordingSampler.recorded, dim=1)[:, :T]  # [B, T]
+    recorded = torch.stack(recorded, dim=1)[:, :T]  # [B, T]
     difference = (recorded - scored)[drawn].abs()
     assert difference.max() < tolerance, difference.max()
     assert drawn.sum() > 40  # enough tokens to mean something
@@ -266,18 +266,11 @@ def test_compiled_decoding_never_recompiles_after_warm_up():
 
 # ----------------------------------------------------------------------------------------- the module
 def sliding_window_model(vocab: int = VOCAB) -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-    )
-    return Qwen2ForCausalLM(config)
+    """A Qwen2 whose second layer attends over a sliding window of 4 tokens."""
+    layers = ["full_attention", "sliding_attention"]
+    window = {"use_sliding_window": True, "sliding_window": 4, "layer_types": layers}
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_hidden_layers=2, **sizes, **window))
 
 
 def test_unsupported_models_say_why():
