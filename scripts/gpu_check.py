@@ -265,6 +265,7 @@ def rollout_model(shape: str, dtype: torch.dtype, device: str, lora: bool) -> to
 def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace) -> dict:
     """Warm-up seconds, then tokens/s over `args.rollout_calls` calls of one engine on one workload."""
     device = "cpu" if args.cpu else "cuda"
+    torch._dynamo.reset()  # the previous row's graphs and CUDA graph pools: each row warms up alone
     gc.collect()  # the previous row's models and caches
     if device == "cuda":
         torch.cuda.empty_cache()
