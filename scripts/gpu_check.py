@@ -1,7 +1,8 @@
 """GPU checks on a random ~0.5B model (150k vocabulary): throughput of bf16 FSDP2 and LoRA steps, and the
 numerics that only show on a GPU in bf16.
 
-    bash scripts/gpu_check.sh                      # one GPU, about 5 minutes on an H200
+    bash scripts/gpu_check.sh                      # one GPU, all three parts
+    bash scripts/gpu_check.sh --only rollouts      # eager vs static-cache rollouts alone
     bash scripts/gpu_check.sh --only numerics      # the numeric checks alone
     bash scripts/gpu_check.sh --cpu --tiny         # the same code paths on CPU in seconds (tests run this)
 
@@ -12,13 +13,25 @@ Throughput: per run, the mean over the steps after the first (warm-up) of the st
 reference log-probs / the rest, which is the policy's forward-backward and the optimizer step), completion
 tokens per second, and peak memory.
 
+Rollouts: the rollout engines side by side on one workload (issue 20's: 8 prompts x 8 completions, 150
+prompt tokens, exactly 256 new tokens, bf16, random weights of Qwen2.5-0.5B and -1.5B shapes, and the 0.5B
+shape with LoRA r=16): "eager" (`generate` with a dynamic cache on the model itself, the module's eager
+path) and "compiled" (`static_rollout.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
+"static" is the same uncompiled). Per row: warm-up seconds (the first call, compilation included),
+completion tokens per second over the next calls (each after an in-place weight refresh, as after an
+optimizer step), milliseconds per decoding step (wall, and the process's CPU time), graphs compiled after
+warm-up (FAIL if any) and peak memory.
+
 Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
-- on-policy: float32 weights under bf16 autocast, a checkpoint generation config as Qwen2.5-Instruct's
+- on-policy, sampled by the eager path and by the static engine: float32 weights under bf16 autocast (the
+  static engine samples from its bf16 copy), a checkpoint generation config as Qwen2.5-Instruct's
   (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7) plus every other token suppressed; the
   log-prob of each sampled token under the distribution it was drawn from equals `completion_logprobs`',
   and the share of suppressed tokens sampled equals the raw policy's probability of them;
 - weights move: 2 GRPO steps at the shipped one-GPU config's lr 1e-6 with 10 warm-up steps, under its
-  precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true;
+  precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true; the model's vocabulary is the
+  tokenizer's (with the 150k one, sampled ids past the tokenizer's 1,024 decode to nothing, the length
+  reward is 0 everywhere and no weight moves, whatever the precision);
 - head gradients: `completion_logprobs`' written LM-head backward under bf16 autocast, with the chunk's
   logits kept and recomputed, against autograd through the same autocast ops (relative error under 5e-3;
   before the backward ran under autocast, recomputed logits gave 1.3e-2 on the tiny CPU model).
@@ -27,6 +40,7 @@ Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import resource
@@ -38,13 +52,15 @@ from unittest import mock
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core import sampling
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.rollout import EagerEngine, SamplingSettings
+from grpo_lightning.core.static_rollout import StaticEngine
 from grpo_lightning.io.distributed import close_process_group
-from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.io.models import LoraOptions, ModelOptions, apply_lora
 from grpo_lightning.io.tiny import build_model, build_tokenizer
 from grpo_lightning.training.data import (
     DEFAULT_SYSTEM_PROMPT,
@@ -57,6 +73,56 @@ from grpo_lightning.training.module import GRPOModule
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.
 FULL = {"vocab": 151936, "hidden_size": 896, "num_layers": 24, "num_heads": 14}
 TINY = {"vocab": 1024, "hidden_size": 64, "num_layers": 2, "num_heads": 4}
+# Random-weight models for the rollout comparison: the shapes of Qwen2.5-0.5B's and -1.5B's config.json,
+# SmolLM2-135M's (for CPU figures), and a tiny one.
+ROLLOUT_SHAPES = {
+    "qwen2.5-0.5b": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "qwen2.5-1.5b": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "smollm2-135m": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        {
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        },
+    ),
+    "tiny": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {
+            "vocab_size": 1024,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    ),
+}
 # Qwen2.5-Instruct's generation_config.json: what `generate` would apply unless told otherwise.
 QWEN_GENERATION_CONFIG = {
     "do_sample": True,
@@ -83,9 +149,7 @@ class TimedGRPOModule(GRPOModule):
         self.times: list[StepTimes] = []
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return now(self.device.type)
 
     def training_step(self, batch, batch_idx):
         self.times.append(StepTimes())
@@ -107,6 +171,13 @@ class TimedGRPOModule(GRPOModule):
         logprobs = super()._frozen_logprobs(rollout, model)
         self.times[-1].reference += self._now() - start
         return logprobs
+
+
+def now(device: str) -> float:
+    """The clock, once the device has finished what was queued."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def peak_memory_gib(device: str) -> float:
@@ -170,6 +241,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     n = len(measured)
     mean = {key: sum(getattr(t, key) for t in measured) / n for key in ("generate", "reference", "step")}
     tokens = sum(t.tokens for t in measured) / n
+    engine = module.rollout_engine()
     close_process_group()  # the next run starts its own (or none)
     return {
         "run": name,
@@ -181,7 +253,95 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
         "tokens_per_s": tokens / mean["step"],
         "gen_tokens_per_s": tokens / mean["generate"],
         "peak_GiB": peak_memory_gib("cuda" if gpu else "cpu"),
+        "static": int(isinstance(engine, StaticEngine)),  # 1: the static-cache engine generated
+        "recompiles": getattr(engine, "recompiles", 0),
     }
+
+
+# ----------------------------------------------------------------------------------------- rollouts
+def rollout_model(shape: str, dtype: torch.dtype, device: str, lora: bool) -> torch.nn.Module:
+    model_class, config_class, sizes = ROLLOUT_SHAPES[shape]
+    config = config_class(**{"vocab_size": 151936, "tie_word_embeddings": True, **sizes})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype)
+    return apply_lora(model, LoraOptions(r=16)) if lora else model  # float32 adapters over the base
+
+
+def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace) -> dict:
+    """Warm-up seconds, then tokens/s over `args.rollout_calls` calls of one engine on one workload."""
+    device = "cpu" if args.cpu else "cuda"
+    torch._dynamo.reset()  # the previous row's graphs and CUDA graph pools: each row warms up alone
+    gc.collect()  # the previous row's models and caches
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dtype = getattr(torch, args.rollout_dtype)
+    model = rollout_model(shape, dtype, device, lora)
+    vocab = model.config.vocab_size
+    new = args.new_tokens
+    settings = SamplingSettings(
+        max_new_tokens=new,
+        min_new_tokens=new,  # exactly `new` tokens per completion: EOS is never drawn
+        eos_token_ids=(1,),
+        pad_token_id=0,
+        share_prompt=True,
+    )
+    if backend == "eager":
+        engine = EagerEngine(settings)
+    else:
+        engine = StaticEngine(settings, dtype=dtype, compile=backend == "compiled")
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, vocab, (args.rollout_prompts, args.prompt_tokens), generator=generator)
+    prompt_ids = prompt_ids.to(device)  # [N, P]
+    mask = torch.ones_like(prompt_ids)
+
+    def call() -> tuple[float, float, int]:
+        start, cpu_start = now(device), time.process_time()
+        rollout = engine.generate(model, prompt_ids, mask, num_generations=args.rollout_generations)
+        return now(device) - start, time.process_time() - cpu_start, int(rollout.completion_mask.sum())
+
+    warmup, _, _ = call()
+    seconds, cpu_seconds, tokens = 0.0, 0.0, 0
+    for _ in range(args.rollout_calls):
+        engine.weights_updated(model)  # as after every optimizer step: in place, no recompilation
+        elapsed, cpu, count = call()
+        seconds, cpu_seconds, tokens = seconds + elapsed, cpu_seconds + cpu, tokens + count
+    return {
+        "rollout": shape + ("+lora" if lora else ""),
+        "backend": backend,
+        "warmup_s": warmup,
+        "tokens_per_s": tokens / seconds,
+        "ms_per_step": 1000 * seconds / (args.rollout_calls * new),
+        "cpu_ms_per_step": 1000 * cpu_seconds / (args.rollout_calls * new),  # on a busy CPU, the steadier
+        "tokens": tokens // args.rollout_calls,
+        "recompiles": getattr(engine, "recompiles", 0),
+        "peak_GiB": peak_memory_gib(device),
+    }
+
+
+def rollouts(args: argparse.Namespace) -> tuple[list[dict], list[Check]]:
+    """Each shape (and the first one with LoRA) through each backend; the speed-up over eager per row."""
+    rows = []
+    for i, shape in enumerate(args.rollout_shapes.split(",")):
+        for lora in (False, True) if i == 0 else (False,):
+            group = [
+                time_rollouts(shape, backend, lora, args) for backend in args.rollout_backends.split(",")
+            ]
+            eager = next((row["tokens_per_s"] for row in group if row["backend"] == "eager"), None)
+            for row in group:
+                row["vs_eager"] = row["tokens_per_s"] / eager if eager else float("nan")
+            rows += group
+    checks = [
+        Check(
+            f"no recompilation after warm-up, {row['rollout']} {row['backend']}",
+            row["recompiles"] == 0,
+            f"{row['recompiles']} graphs compiled after the first call",
+        )
+        for row in rows
+        if row["backend"] != "eager"
+    ]
+    return rows, checks
 
 
 # ----------------------------------------------------------------------------------------- numerics
@@ -213,7 +373,11 @@ class RecordingSampler(sampling.InverseCDFSampler):
         return out
 
 
-def check_on_policy(shape: dict, tokenizer, device: str, completions: int, length: int) -> Check:
+def check_on_policy(
+    shape: dict, tokenizer, device: str, completions: int, length: int, static: bool
+) -> Check:
+    """`static`: sampled by `StaticEngine` (a bf16 copy, compiled on GPU), else by the eager path under
+    autocast; scored by `completion_logprobs` of the float32 weights under autocast either way."""
     model = tiny_policy(shape, tokenizer, device).eval()
     special = set(tokenizer.all_special_ids)
     suppressed = [i for i in range(0, shape["vocab"], 2) if i not in special]
@@ -231,14 +395,26 @@ def check_on_policy(shape: dict, tokenizer, device: str, completions: int, lengt
         torch.autocast(device, dtype=torch.bfloat16),
         mock.patch.object(sampling, "InverseCDFSampler", RecordingSampler),
     ):
-        rollout = sampling.generate_completions(
-            model,
-            enc["input_ids"],
-            enc["attention_mask"],
-            num_generations=completions // len(texts),
-            max_new_tokens=length,
-            eos_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id,
+        settings = {"max_new_tokens": length, "pad_token_id": tokenizer.pad_token_id}
+        if static:
+            engine = StaticEngine(
+                **settings,
+                min_new_tokens=0,
+                eos_token_ids=(tokenizer.eos_token_id,),
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                share_prompt=True,
+                dtype=torch.bfloat16,
+                compile=device == "cuda",
+            )
+            generate = engine.generate
+        else:
+            generate = functools.partial(
+                sampling.generate_completions, eos_token_ids=[tokenizer.eos_token_id], **settings
+            )
+        rollout = generate(
+            model, enc["input_ids"], enc["attention_mask"], num_generations=completions // len(texts)
         )
         T = rollout.completion_ids.size(1)
         with torch.no_grad():
@@ -259,7 +435,8 @@ def check_on_policy(shape: dict, tokenizer, device: str, completions: int, lengt
         f"suppressed tokens sampled {observed:.3f}, the raw policy's mass on them {expected:.3f} "
         f"(+-{tolerance:.3f})"
     )
-    return Check("on-policy sampling (Qwen-like generation config)", passed, numbers)
+    path = "static bf16 copy" if static else "eager, autocast"
+    return Check(f"on-policy sampling (Qwen-like generation config), {path}", passed, numbers)
 
 
 def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
@@ -270,7 +447,8 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
         ("bf16-mixed", torch.float32, True),
         ("bf16-true", torch.bfloat16, False),
     ):
-        model = tiny_policy(shape, tokenizer, "cpu").to(dtype)
+        # The tokenizer's vocabulary: ids it does not know would decode to nothing (see the docstring).
+        model = tiny_policy({**shape, "vocab": len(tokenizer)}, tokenizer, "cpu").to(dtype)
         module = GRPOModule(
             model,
             tokenizer=tokenizer,
@@ -283,6 +461,7 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
                 epsilon_high=0.28,
                 log_completions_every=0,
                 preflight=False,
+                generation_backend="eager",  # the optimizer's precision is checked here, not the rollouts
             ),
         )
         before = {n: p.detach().clone() for n, p in model.named_parameters() if "embed_tokens" not in n}
@@ -367,7 +546,9 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
 def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
     device = "cpu" if args.cpu else "cuda"
     completions, length = (8, 8) if args.tiny else (64, 64)
-    checks = [check_on_policy(shape, tokenizer, device, completions, length)]
+    checks = [
+        check_on_policy(shape, tokenizer, device, completions, length, static) for static in (False, True)
+    ]
     checks += check_weights_move(shape, tokenizer, device)
     checks += check_head_gradients(shape, device)
     return checks
@@ -391,11 +572,26 @@ def main() -> None:
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--max_completion_length", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=16)
-    parser.add_argument("--only", choices=["throughput", "numerics"], help="one part; default both")
+    parser.add_argument(
+        "--only", choices=["throughput", "rollouts", "numerics"], help="one part; default all"
+    )
+    parser.add_argument("--rollout_shapes", help="comma-separated ROLLOUT_SHAPES; default the two Qwen2.5")
+    parser.add_argument("--rollout_backends", help="comma-separated eager, static, compiled")
+    parser.add_argument("--rollout_dtype", help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--rollout_prompts", type=int, default=8)
+    parser.add_argument("--rollout_generations", type=int, default=8)
+    parser.add_argument("--prompt_tokens", type=int, default=150)
+    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--rollout_calls", type=int, default=3, help="timed calls after the warm-up call")
     args = parser.parse_args()
+    args.rollout_shapes = args.rollout_shapes or ("tiny" if args.tiny else "qwen2.5-0.5b,qwen2.5-1.5b")
+    args.rollout_backends = args.rollout_backends or ("eager,static" if args.cpu else "eager,compiled")
+    args.rollout_dtype = args.rollout_dtype or ("float32" if args.cpu else "bfloat16")
     if args.tiny:
         args.steps, args.batch_size, args.num_generations = min(args.steps, 2), 2, 2
         args.max_completion_length, args.micro_batch_size = 8, 4
+        args.rollout_prompts, args.rollout_generations, args.prompt_tokens = 2, 2, 12
+        args.new_tokens, args.rollout_calls = 8, 2
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: pass --cpu (and --tiny for a quick run)")
     shape = TINY if args.tiny else FULL
@@ -404,7 +600,7 @@ def main() -> None:
     start = time.perf_counter()
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
     print(f"\nGRPO GPU check: {device}, torch {torch.__version__}")
-    if args.only != "numerics":
+    if args.only in (None, "throughput"):
         rows = [
             run("fsdp2-bf16", args, shape, tokenizer, lora=False),
             run("lora-bf16", args, shape, tokenizer, lora=True),
@@ -414,10 +610,20 @@ def main() -> None:
             f"completions x {args.max_completion_length} tokens (means over steps 2..)"
         )
         print(table(rows))
+    checks = []
+    if args.only in (None, "rollouts"):
+        rows, checks = rollouts(args)
+        print(
+            f"\nrollouts: {args.rollout_prompts} prompts x {args.rollout_generations} completions, "
+            f"{args.prompt_tokens} prompt tokens, exactly {args.new_tokens} new tokens, "
+            f"{args.rollout_dtype}, means over {args.rollout_calls} calls after the warm-up call"
+        )
+        print(table(rows))
     failed = False
-    if args.only != "throughput":
-        checks = numerics(args, shape, tokenizer)
-        print("\nnumerics:")
+    if args.only in (None, "numerics"):
+        checks += numerics(args, shape, tokenizer)
+    if checks:
+        print("\nchecks:")
         for check in checks:
             print(f"  {'PASS' if check.passed else 'FAIL'}  {check.name}: {check.numbers}")
         failed = not all(check.passed for check in checks)

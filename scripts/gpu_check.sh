@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # bf16 FSDP2 (world size 1) and LoRA on a random ~0.5B model with a 150k vocabulary: step-time split,
-# tokens/s and peak GPU memory; then the bf16 numerics (on-policy sampling under a Qwen-like generation
-# config, weights moving under the shipped precision, LM-head gradients under autocast), PASS/FAIL each.
-# Offline; the throughput part took 122 s on one H200, the numerics are not yet measured there.
-#   bash scripts/gpu_check.sh                   # GPU, both parts
+# tokens/s and peak GPU memory; then eager vs static-cache (compiled, CUDA graphs) rollouts on random
+# Qwen2.5-0.5B and -1.5B shapes (tokens/s, warm-up, recompiles after warm-up, peak memory, and LoRA); then
+# the bf16 numerics (on-policy sampling under a Qwen-like generation config, weights moving under the
+# shipped precision, LM-head gradients under autocast), PASS/FAIL each.
+# Offline; the throughput part took 122 s on one H200 (before the static rollouts), the rest is not yet
+# measured there.
+#   bash scripts/gpu_check.sh                   # GPU, all three parts
+#   bash scripts/gpu_check.sh --only rollouts   # GPU, the rollout comparison alone (issue 20's table)
 #   bash scripts/gpu_check.sh --only numerics   # GPU, the numeric checks alone
 #   bash scripts/gpu_check.sh --cpu --tiny      # CPU smoke run, seconds
 set -euo pipefail
@@ -12,4 +16,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PYTHON="${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python )}"
-exec timeout 540 "$PYTHON" "$ROOT/scripts/gpu_check.py" "$@"
+exec timeout 900 "$PYTHON" "$ROOT/scripts/gpu_check.py" "$@"

@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -276,6 +277,26 @@ def test_every_completion_empty_warns(tiny_model_dir, tmp_path):
     rollout, completions = module.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
     assert completions == ["", ""]
     with pytest.warns(UserWarning, match="all 2 completions of this step are empty: the policy ends at once"):
+        module._check_rollout(rollout, completions)
+
+
+def test_completions_that_decode_to_nothing_warn_as_such(tiny_model_dir):
+    # The model's vocabulary is larger than the tokenizer's and the policy writes only ids the tokenizer lacks
+    # (as gpu_check's 151,936-token model with a 1,024-token tokenizer did): it did not end at once.
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=4))
+    module.configure_model()
+    unknown = len(module.tokenizer)
+    module.policy.resize_token_embeddings(unknown + 1)
+    end_early(module, eos_logit=-100.0)
+    module.policy.get_output_embeddings().bias.data[unknown] = 100.0  # always the unknown id
+    rollout, completions = module.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
+    assert completions == ["", ""] and rollout.completion_mask.sum() == 8
+    message = (
+        f"all 2 completions of this step are empty: 2 have tokens (8 in all) that decode to nothing "
+        f"(whitespace, special tokens, or ids past the tokenizer's {unknown}: the model's vocabulary has "
+        f"{unknown + 1})"
+    )
+    with pytest.warns(UserWarning, match=re.escape(message) + "$"):
         module._check_rollout(rollout, completions)
 
 

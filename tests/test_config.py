@@ -88,6 +88,7 @@ REFUSED = {
         "ref_model_mixup_alpha": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,
         "cpu_offload": NOT_A_FLAG,
+        "generation_backend": st.sampled_from(["vllm", "Static", "compiled", "", None, True]),
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),

@@ -381,9 +381,10 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_
 
 
 def test_gpu_check_script_runs_on_cpu():
-    """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish."""
+    """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish, and the
+    rollout comparison's engines each write the workload's tokens."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
-    done = subprocess.run(["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["run", "params_M"])
@@ -394,6 +395,17 @@ def test_gpu_check_script_runs_on_cpu():
         # Seconds printed to 2 decimals: the tiny model's reference pass can round to 0.00 on a quiet CPU.
         assert params > 0 and generate > 0 and reference >= 0 and rest > 0
         assert abs(generate + reference + rest - step) < 0.02 + 1e-3 * step
+    # The rollout comparison: each engine wrote exactly 2 prompts x 2 completions x 8 tokens per call.
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rollout", "backend"])
+    table = [line.split() for line in lines[header + 1 : header + 5]]
+    assert [(row[0], row[1]) for row in table] == [
+        ("tiny", "eager"),
+        ("tiny", "static"),
+        ("tiny+lora", "eager"),
+        ("tiny+lora", "static"),
+    ]
+    for _, _, warmup, tokens_per_s, _, _, tokens, recompiles, *_ in table:
+        assert float(warmup) > 0 and float(tokens_per_s) > 0 and int(tokens) == 32 and int(recompiles) == 0
 
 
 if __name__ == "__main__":

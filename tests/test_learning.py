@@ -6,6 +6,7 @@ share on held-out problems by a clear margin.
 
 import random
 
+import pytest
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
@@ -56,7 +57,8 @@ def heldout_format_rate(module: GRPOModule, rows, samples: int = 8) -> float:
     return sum(format_reward(completions)) / len(completions)
 
 
-def test_grpo_raises_heldout_reward():
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_grpo_raises_heldout_reward(backend):
     rows = arithmetic_problems(400, seed=0)
     texts = [r["question"] + "\n" + r["answer"] + "\nThe answer is 12." for r in rows]
     tokenizer = build_tokenizer(texts + [DEFAULT_SYSTEM_PROMPT] * 5, vocab_size=400)
@@ -69,7 +71,13 @@ def test_grpo_raises_heldout_reward():
         model,
         tokenizer,
         reward_funcs=[format_reward],
-        grpo=GRPOConfig(num_generations=8, max_completion_length=12, learning_rate=2e-3, beta=0.04),
+        grpo=GRPOConfig(
+            num_generations=8,
+            max_completion_length=12,
+            learning_rate=2e-3,
+            beta=0.04,
+            generation_backend=backend,
+        ),
     )
     heldout = arithmetic_problems(24, seed=99)
     before = heldout_format_rate(module, heldout)
@@ -77,6 +85,6 @@ def test_grpo_raises_heldout_reward():
     trainer = quiet_trainer(max_steps=25, limit_val_batches=0)
     trainer.fit(module, data)
     after = heldout_format_rate(module, heldout)
-    print(f"held-out format reward: before {before:.3f}, after {after:.3f}")
+    print(f"{backend}: held-out format reward: before {before:.3f}, after {after:.3f}")
     assert 0.1 < before < 0.6, before  # the warm start left room to learn
     assert after >= before + 0.25, (before, after)

@@ -15,6 +15,8 @@ from grpo_lightning.core.loss import (
 from grpo_lightning.core.options import Rule, check_options, option_differences, option_error, plain_options
 from grpo_lightning.core.schedules import SCHEDULES
 
+GENERATION_BACKENDS = ("auto", "eager", "static")
+
 # The option machinery lives in `options`; these names stay importable from here.
 __all__ = [
     "GRPOConfig",
@@ -198,6 +200,18 @@ class GRPOConfig:
     (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
     """
+    generation_backend: str = "auto"
+    """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
+    (`core.rollout.EagerEngine`, the reference path). "static": `generate` with a static KV cache on an
+    inference copy of the policy in the compute dtype (bf16 under `bf16-mixed`, LoRA adapters merged into
+    it), overwritten in place after every optimizer step; on CUDA its decoding step is compiled once
+    (`torch.compile` with CUDA graphs, through transformers' `CompileConfig`), on CPU it runs uncompiled
+    (`grpo_lightning.core.static_rollout`). Same sampling (the tokens' distribution is the policy's,
+    tests/test_static_rollout.py); costs one more copy of the weights in the compute dtype, on every rank
+    under FSDP2, and a compile warm-up (tens of seconds) per batch shape. "auto": "static" on CUDA, "eager"
+    elsewhere. A model the static path cannot serve (sliding-window or linear-attention layers, a quantized
+    base, DoRA) falls back to "eager" with one warning.
+    """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
     in CPU memory, copied to the GPU per layer for forward and backward
@@ -287,4 +301,5 @@ GRPO_RULES = {
     "ref_model_mixup_alpha": Rule(float, ">= 0, <= 1", why="the policy's share of the mixture"),
     "ref_model_sync_steps": Rule(int, ">= 1"),
     "cpu_offload": Rule(bool),
+    "generation_backend": Rule(str, choices=GENERATION_BACKENDS),
 }

@@ -65,8 +65,15 @@ class RolloutEngine(Protocol):
 
     def weights_updated(self, model: PreTrainedModel) -> None:
         """Called after every optimizer step that changed `model`'s weights (with full weights when
-        sharded), before the next `generate`."""
+        sharded, if `reads_live_weights` is False), before the next `generate`."""
         ...
+
+    @property
+    def reads_live_weights(self) -> bool:
+        """Whether the next `generate` reads `model`'s own weights (the caller gathers sharded weights around
+        it), or a copy of the engine's own that `weights_updated` keeps current (the caller gathers them
+        around that instead)."""
+        return True
 
 
 class EagerEngine(RolloutEngine):
@@ -247,13 +254,33 @@ def micro_batches(size: int, micro_batch_size: int | None) -> list[slice]:
 
 
 def warn_if_unteachable(
-    rollout: Rollout, completions: list[str], eos_token_ids: Sequence[int], max_new_tokens: int
+    rollout: Rollout,
+    completions: list[str],
+    eos_token_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    tokenizer_size: int,
+    vocab_size: int,
 ) -> None:
-    """Warn when a rollout cannot teach anything: every completion empty, or every one cut off."""
+    """Warn when a rollout cannot teach anything: every completion empty (saying whether the policy ended
+    at once or wrote tokens that decode to nothing), or every one cut off."""
     if not any(text.strip() for text in completions):
+        lengths = rollout.completion_mask.sum(dim=1)  # [B] tokens, the EOS included
+        ended_at_once = int(((lengths == 1) & ~rollout.truncated).sum())
+        if ended_at_once == len(completions):
+            cause = (
+                "the policy ends at once; check the chat template and the end-of-sequence ids "
+                f"{list(eos_token_ids)}"
+            )
+        else:
+            written, tokens = len(completions) - ended_at_once, int(lengths.sum())
+            cause = (
+                f"{written} have tokens ({tokens} in all) that decode to nothing (whitespace, special "
+                f"tokens, or ids past the tokenizer's {tokenizer_size}: the model's vocabulary has "
+                f"{vocab_size})" + (f", {ended_at_once} end at once" if ended_at_once else "")
+            )
         warnings.warn(
-            f"all {len(completions)} completions of this step are empty: the policy ends at once; check "
-            f"the chat template and the end-of-sequence ids {list(eos_token_ids)}",
+            f"all {len(completions)} completions of this step are empty: {cause}",
             stacklevel=3,
         )
     elif bool(rollout.truncated.all()):

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import (
     Cache,
+    CompileConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -130,6 +131,7 @@ def generate_completions(
     min_new_tokens: int = 0,
     do_sample: bool = True,
     prompt_cache: dict[str, Cache] | None = None,
+    compile_config: CompileConfig | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
 
@@ -138,7 +140,9 @@ def generate_completions(
     changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
     only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
-    token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes.
+    token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes;
+    or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
+    step over a static cache; None never compiles.
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
@@ -149,6 +153,8 @@ def generate_completions(
         eos_token_id=eos_token_ids,
         pad_token_id=pad_token_id,
         use_cache=True,
+        compile_config=compile_config,
+        disable_compile=compile_config is None,
     )
     processors = sampling_processors(temperature, top_p, top_k) if do_sample else None
     was_training = model.training

@@ -43,6 +43,7 @@ from grpo_lightning.core.scoring import (
     trainer_state,
 )
 from grpo_lightning.core.shared_prompt import sharing_unsupported
+from grpo_lightning.core.static_rollout import StaticEngine, compute_dtype, resolve_backend
 from grpo_lightning.core.step_metrics import training_step_metrics
 from grpo_lightning.core.trajectory import Trajectory, build_trajectory
 from grpo_lightning.core.update import MicroBatchSums, StepGuard, micro_batch_loss
@@ -337,7 +338,8 @@ class GRPOModule(L.LightningModule):
         return self._share_prompt
 
     def build_rollout_engine(self) -> RolloutEngine:
-        """The engine that generates the rollouts, built once the policy is loaded."""
+        """The engine that generates the rollouts (`grpo.generation_backend`), built once the policy is
+        loaded."""
         cfg = self.grpo
         settings = SamplingSettings(
             max_new_tokens=cfg.max_completion_length,
@@ -349,7 +351,14 @@ class GRPOModule(L.LightningModule):
             top_k=cfg.top_k,
             share_prompt=self.shares_prompt(),
         )
-        return EagerEngine(settings)
+        if resolve_backend(cfg.generation_backend, self.policy, self.device) == "eager":
+            return EagerEngine(settings)
+        return StaticEngine(
+            settings,
+            dtype=compute_dtype(self.trainer.precision) if self._trainer is not None else None,
+            compile=self.device.type == "cuda",
+            max_prompt_tokens=cfg.max_prompt_length,
+        )
 
     @property
     def rollout_engine(self) -> RolloutEngine:
@@ -377,8 +386,11 @@ class GRPOModule(L.LightningModule):
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
-        sampler = PromptSampler(self.prompt_encoder, self.rollout_engine)
-        with gathered_for_generation(self.policy):  # sharded: full weights once, no collective per token
+        engine = self.rollout_engine
+        sampler = PromptSampler(self.prompt_encoder, engine)
+        # Sharded: full weights once, no collective per token; an engine with a copy of its own needs them
+        # only to build it.
+        with gathered_for_generation(self.policy) if engine.reads_live_weights else nullcontext():
             return sampler.sample(
                 self.policy, prompts, num_generations, do_sample=do_sample, device=self.device
             )
@@ -396,9 +408,8 @@ class GRPOModule(L.LightningModule):
         engine = self._rollout_engine
         if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
             return
-        # The eager engine reads the live weights; another one may copy them, whole.
-        gathered = nullcontext() if isinstance(engine, EagerEngine) else gathered_for_generation(self.policy)
-        with gathered:
+        # An engine that reads the live weights has nothing to copy; another one copies them, whole.
+        with nullcontext() if engine.reads_live_weights else gathered_for_generation(self.policy):
             engine.weights_updated(self.policy)
 
     # ----------------------------------------------------------------------------------------- training
@@ -526,7 +537,14 @@ class GRPOModule(L.LightningModule):
 
     def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
         eos = stop_token_ids(self.policy, self.tokenizer)
-        warn_if_unteachable(rollout, completions, eos, self.grpo.max_completion_length)
+        warn_if_unteachable(
+            rollout,
+            completions,
+            eos,
+            self.grpo.max_completion_length,
+            tokenizer_size=len(self.tokenizer),
+            vocab_size=self.policy.config.vocab_size,
+        )
 
     def _optimizer_step(
         self, optimizer, trajectory: Trajectory, total_tokens: Tensor, total_sequences: Tensor

@@ -1,0 +1,440 @@
+"""The static-cache rollout engine samples what the eager path samples, from the weights the optimizer just
+wrote: the same distribution (each drawn token's log-prob is what `completion_logprobs` scores, token
+frequencies as eager's), the same greedy rollouts after optimizer steps (full model, LoRA merged, FSDP2),
+an inference copy refreshed in place, and a compiled decoding step that never recompiles after warm-up.
+
+The FSDP2 test runs this file as a script (`python tests/test_static_rollout.py '<json>'`), which spawns
+two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from grpo_lightning.core import sampling
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rollout import EagerEngine, SamplingSettings
+from grpo_lightning.core.sampling import completion_logprobs, generate_completions
+from grpo_lightning.core.static_rollout import StaticEngine, named_generation_weights, static_unsupported
+from grpo_lightning.io.distributed import (
+    call_in_root_forward,
+    close_process_group,
+    gathered_for_generation,
+    shard_model,
+)
+from grpo_lightning.io.models import LoraOptions, apply_lora
+from grpo_lightning.io.tiny import build_model
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
+from tests.helpers import digit_reward, quiet_trainer
+
+VOCAB, EOS, PAD = 300, 2, 0
+SAMPLING = {
+    "max_new_tokens": 8,
+    "min_new_tokens": 0,
+    "eos_token_ids": (EOS,),
+    "pad_token_id": PAD,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+}
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    return build_model(VOCAB, hidden_size=32, num_layers=2, num_heads=4, seed=seed)
+
+
+def prompts(n: int = 3, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[n, length]` left-padded prompts of different lengths (row i has i pad columns)."""
+    ids = torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for i in range(n):
+        ids[i, :i], mask[i, :i] = PAD, 0
+    return ids, mask
+
+
+def engine(share_prompt: bool = True, **options) -> StaticEngine:
+    settings = {**SAMPLING, **{k: v for k, v in options.items() if k in SAMPLING}}
+    extra = {k: v for k, v in options.items() if k not in SAMPLING}
+    return StaticEngine(SamplingSettings(**settings, share_prompt=share_prompt), prompt_bucket=8, **extra)
+
+
+def eager_greedy(model, ids, mask, G: int = 2, **options):
+    settings = {**SAMPLING, "eos_token_ids": list(SAMPLING["eos_token_ids"]), **options}
+    return generate_completions(model, ids, mask, num_generations=G, do_sample=False, **settings)
+
+
+def train_steps(model, steps: int, on_step=None, seed: int = 0) -> None:
+    """Real AdamW steps on a next-token loss over random text; `on_step()` after each."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(3, VOCAB, (4, 10), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if on_step is not None:
+            on_step()
+
+
+def recording_draws(recorded: list) -> mock._patch:
+    """Patches `InverseCDFSampler` to append each drawn token's log-prob under the scores it came from."""
+    draw = sampling.InverseCDFSampler.__call__
+
+    def recording(sampler, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = draw(sampler, input_ids, scores)  # [B, V] 0 at the drawn token, -inf elsewhere
+        recorded.append(scores.float().log_softmax(-1).gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1))
+        return out
+
+    return mock.patch.object(sampling.InverseCDFSampler, "__call__", recording)
+
+
+# ----------------------------------------------------------------------------------------- distribution
+@pytest.mark.parametrize(
+    ("dtype", "share_prompt", "tolerance"),
+    [(torch.float32, True, 1e-5), (torch.float32, False, 1e-5), (torch.bfloat16, True, 0.1)],
+    ids=["float32-shared", "float32", "bfloat16-shared"],
+)
+def test_each_drawn_token_is_scored_as_it_was_drawn(dtype, share_prompt, tolerance):
+    model = tiny().eval()
+    # A checkpoint generation config that would reshape sampling if `generate` applied it.
+    model.generation_config.update(do_sample=True, repetition_penalty=1.5, top_k=5, suppress_tokens=[3, 4, 5])
+    ids, mask = prompts()
+    rollouts = engine(share_prompt, temperature=0.7, dtype=dtype)
+    recorded = []
+    torch.manual_seed(0)
+    with recording_draws(recorded):
+        rollout = rollouts.generate(model, ids, mask, num_generations=4)
+    T = rollout.completion_ids.size(1)
+    assert rollout.prompt_ids.shape == (12, 7) and torch.equal(
+        rollout.prompt_ids, ids.repeat_interleave(4, 0)
+    )
+    with torch.no_grad():
+        scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T, temperature=0.7)
+    drawn = rollout.completion_mask.bool()  # [B, T]
+    recorded = torch.stack(recorded, dim=1)[:, :T]  # [B, T]
+    difference = (recorded - scored)[drawn].abs()
+    assert difference.max() < tolerance, difference.max()
+    assert drawn.sum() > 40  # enough tokens to mean something
+    if dtype == torch.bfloat16:
+        assert difference.mean() < tolerance / 10
+        assert all(p.dtype == torch.bfloat16 for p in rollouts.copy.model.parameters())
+
+
+def two_sample_chi_square(a: torch.Tensor, b: torch.Tensor, bins: int = 12) -> tuple[float, int]:
+    """Chi-square statistic of two equal-size samples of token ids over the `bins - 1` most frequent tokens
+    and the rest, and its degrees of freedom."""
+    pooled = torch.bincount(torch.cat([a, b]), minlength=VOCAB)
+    top = pooled.argsort(descending=True)[: bins - 1]
+    counts = []
+    for sample in (a, b):
+        per_token = torch.bincount(sample, minlength=VOCAB).double()
+        counts.append(torch.cat([per_token[top], (per_token.sum() - per_token[top].sum())[None]]))
+    x, y = counts
+    return float(((x - y) ** 2 / (x + y).clamp(min=1)).sum()), bins - 1
+
+
+def test_token_frequencies_match_eager_sampling():
+    model = tiny().eval()
+    with torch.no_grad():  # a peaked distribution: a few tokens carry most of the mass
+        model.lm_head.weight.mul_(40)
+    ids, mask = prompts(1, 5)  # bucket-padded to 8 columns in the static path
+    G, draws = 800, {}
+    for name in ("eager", "static"):
+        torch.manual_seed(1 if name == "eager" else 2)
+        if name == "eager":
+            settings = {**SAMPLING, "max_new_tokens": 3, "eos_token_ids": [EOS]}
+            rollout = generate_completions(model, ids, mask, num_generations=G, **settings)
+        else:
+            rollout = engine(max_new_tokens=3).generate(model, ids, mask, num_generations=G)
+        draws[name] = rollout.completion_ids  # [G, 3]
+    for position in range(3):  # the first token comes from the prefill, the others through the cache
+        a, b = draws["eager"][:, position], draws["static"][:, position]
+        statistic, df = two_sample_chi_square(a, b)
+        assert statistic < 35.0, (position, statistic)  # chi-square(11) is above 31.3 with probability 1e-3
+    # Not a vacuous comparison: a different policy's draws are told apart.
+    torch.manual_seed(3)
+    other = engine(max_new_tokens=3).generate(tiny(seed=5).eval(), ids, mask, num_generations=G)
+    assert two_sample_chi_square(draws["eager"][:, 0], other.completion_ids[:, 0])[0] > 100
+
+
+def test_min_new_tokens_and_eos_as_in_eager():
+    model = tiny().eval()
+    ends = tuple(range(3, VOCAB, 4))  # a quarter of the vocabulary ends a completion
+    options = {"eos_token_ids": ends, "min_new_tokens": 3}
+    rollout = engine(**options).generate(model, *prompts(), num_generations=2, do_sample=False)
+    expected = eager_greedy(model, *prompts(), **{**options, "eos_token_ids": list(ends)})
+    assert torch.equal(rollout.completion_ids, expected.completion_ids)
+    assert torch.equal(rollout.completion_mask, expected.completion_mask)
+    assert torch.equal(rollout.truncated, expected.truncated)
+    lengths = rollout.completion_mask.sum(1)
+    assert (lengths >= 4).all() and (lengths < SAMPLING["max_new_tokens"]).any()  # EOS at 4th token or later
+    is_end = torch.isin(rollout.completion_ids, torch.tensor(ends))
+    assert not is_end[:, :3].any()
+    after = rollout.completion_mask == 0
+    assert (rollout.completion_ids[after] == PAD).all()
+
+
+# ----------------------------------------------------------------------------------------- fresh weights
+def lora_merged_by_hand(model) -> dict[str, torch.Tensor]:
+    """base + (alpha / r) * B @ A of every LoRA layer, named as in the plain model."""
+    merged = {}
+    for name, module in model.get_base_model().named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            delta = module.lora_B["default"].weight @ module.lora_A["default"].weight
+            merged[f"{name}.weight"] = module.base_layer.weight + module.scaling["default"] * delta
+    return merged
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_copy_follows_optimizer_steps_in_place(lora):
+    model = tiny()
+    if lora:
+        model = apply_lora(model, LoraOptions(r=4, alpha=8))
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    ids, mask = prompts()
+    rollouts = engine()
+    assert torch.equal(
+        rollouts.generate(model, ids, mask, num_generations=2, do_sample=False).completion_ids,
+        eager_greedy(model, ids, mask).completion_ids,
+    )
+    pointers = {n: p.data_ptr() for n, p in rollouts.copy.model.named_parameters()}
+    before = {n: p.clone() for n, p in rollouts.copy.model.named_parameters()}
+    greedy = []
+
+    def after_step():
+        rollouts.weights_updated(model)
+        greedy.append(
+            (
+                rollouts.generate(model, ids, mask, num_generations=2, do_sample=False).completion_ids,
+                eager_greedy(model, ids, mask).completion_ids,
+            )
+        )
+
+    train_steps(model, 3, after_step)
+    copy = dict(rollouts.copy.model.named_parameters())
+    assert {n: p.data_ptr() for n, p in copy.items()} == pointers, "refreshed in place"
+    expected = dict(named_generation_weights(model))
+    assert set(expected) == set(copy)
+    for name, value in expected.items():
+        torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
+    moved = [n for n in copy if not torch.equal(copy[n], before[n])]
+    if lora:
+        by_hand = lora_merged_by_hand(model)
+        assert set(moved) == set(by_hand), "exactly the adapted weights moved"
+        for name, value in by_hand.items():
+            torch.testing.assert_close(copy[name], value.detach(), rtol=1e-6, atol=1e-6, msg=name)
+        for name, value in base.items():  # the trained base is never merged into
+            assert torch.equal(dict(model.named_parameters())[name], value), name
+    else:
+        assert len(moved) == len(copy)
+    for static, eager in greedy:
+        assert torch.equal(static, eager)
+    assert not torch.equal(greedy[0][0], greedy[-1][0]), "the steps changed what greedy decoding writes"
+
+
+def test_compiled_decoding_never_recompiles_after_warm_up():
+    """One compile (CPU inductor, tens of seconds), then rollouts after weight refreshes, greedy and sampled,
+    with prompts in two length buckets (one cache length: `max_prompt_tokens`) and 6 rows (padded to 8):
+    no graph is compiled again."""
+    model = tiny()
+    rollouts = engine(compile=True, max_prompt_tokens=16)
+    pointers = None
+    for step in range(3):
+        ids, mask = prompts(3, length=12 if step % 2 else 6, seed=step)
+        static = rollouts.generate(model, ids, mask, num_generations=2, do_sample=False)
+        assert torch.equal(static.completion_ids, eager_greedy(model, ids, mask).completion_ids), step
+        rollouts.generate(model, ids, mask, num_generations=2)  # sampled, same compiled step
+        pointers = pointers or [p.data_ptr() for p in rollouts.copy.model.parameters()]
+        train_steps(model, 1, lambda: rollouts.weights_updated(model), seed=step)
+    assert rollouts.warmup_compiles == 1, "one graph for both prompt lengths"
+    assert rollouts.recompiles == 0
+    assert [p.data_ptr() for p in rollouts.copy.model.parameters()] == pointers
+
+
+# ----------------------------------------------------------------------------------------- the module
+def sliding_window_model(vocab: int = VOCAB) -> torch.nn.Module:
+    """A Qwen2 whose second layer attends over a sliding window of 4 tokens."""
+    layers = ["full_attention", "sliding_attention"]
+    window = {"use_sliding_window": True, "sliding_window": 4, "layer_types": layers}
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_hidden_layers=2, **sizes, **window))
+
+
+def test_unsupported_models_say_why():
+    assert static_unsupported(tiny()) is None
+    assert static_unsupported(apply_lora(tiny(), LoraOptions(r=4))) is None
+    assert "not all full attention" in static_unsupported(sliding_window_model())
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(tiny(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    assert static_unsupported(dora) == "DoRA adapters do not merge as base + scaling * B @ A"
+
+
+def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
+    auto = GRPOModule(tiny_model_dir)
+    auto.configure_model()
+    assert isinstance(auto.rollout_engine, EagerEngine), "auto is eager on CPU: the default is unchanged"
+    static = GRPOModule(tiny_model_dir, grpo=GRPOConfig(generation_backend="static"))
+    static.configure_model()
+    assert isinstance(static.rollout_engine, StaticEngine)
+    assert not static.rollout_engine.compile, "no compile on CPU"
+    tokenizer = static.tokenizer
+    recwarn.clear()
+    fallback = GRPOModule(
+        sliding_window_model(len(tokenizer)),
+        tokenizer,
+        grpo=GRPOConfig(generation_backend="static", share_prompt=False),
+    )
+    fallback.sample(["1 + 1 ="], 2)
+    fallback.sample(["2 + 2 ="], 2)
+    messages = [str(w.message) for w in recwarn if "generation_backend" in str(w.message)]
+    assert messages == [
+        "grpo.generation_backend='static': its attention layers are not all full attention "
+        "(['full_attention', 'sliding_attention']); rollouts use eager decoding"
+    ]
+    assert isinstance(fallback.rollout_engine, EagerEngine)
+
+
+def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
+    """Validation first (inference mode, greedy), dynamic sampling, a KL reference: after training the
+    copy holds the trained weights, and greedy validation rollouts are the policy's own."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=6,
+        generation_backend="static",
+        dynamic_sampling=True,
+        dynamic_sampling_metric=None,
+        beta=0.04,
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=40, batch_size=2, val_size=2
+    )
+
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2)
+    trainer.fit(module, data)
+    engine_ = module.rollout_engine
+    assert isinstance(engine_, StaticEngine) and engine_.copy is not None
+    copy = dict(engine_.copy.model.named_parameters())
+    for name, value in named_generation_weights(module.policy):
+        torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
+    batch = next(iter(data.val_dataloader()))
+    ids, mask = module.encode_prompts(batch["prompt"])
+    static = module.sample(batch["prompt"], 1, do_sample=False)[0]
+    expected = eager_greedy(module.policy, ids, mask, G=1, **module.rollout_engine.sampling)
+    assert torch.equal(static.completion_ids, expected.completion_ids)
+
+
+# ----------------------------------------------------------------------------------------- FSDP2
+def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):
+    """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 and, after two optimizer
+    steps, equals the float32 shards gathered and cast."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        generation_backend="static",
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
+    )
+    strategy = ModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo"
+    )
+    trainer = quiet_trainer(
+        max_steps=2, strategy=strategy, devices=1, precision="bf16-mixed", limit_val_batches=0
+    )
+    try:
+        trainer.fit(module, data)
+        weights = {n: v.full_tensor() for n, v in named_generation_weights(module.policy)}
+    finally:
+        close_process_group()
+    copy = dict(module.rollout_engine.copy.model.named_parameters())
+    assert set(copy) == set(weights)
+    for name, value in weights.items():
+        assert copy[name].dtype == torch.bfloat16
+        assert torch.equal(copy[name], value.to(torch.bfloat16)), name
+
+
+def fsdp_rank(rank: int, cfg: dict) -> None:
+    """One of two gloo ranks: a sharded tiny policy (bf16 all-gathers, as `bf16-mixed`), without and with
+    LoRA, two optimizer steps on rank-specific data each, the copy refreshed from the gathered weights after
+    each step."""
+    dist.init_process_group("gloo", init_method=f"file://{cfg['out']}/store", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    records = {}
+    for lora in (False, True):
+        model = tiny()
+        if lora:
+            model = apply_lora(model, LoraOptions(r=4, alpha=8))
+        shard_model(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        records["lora" if lora else "full"] = fsdp_steps(model, rank)
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(records, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
+    rollouts = engine()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    ids, mask = prompts(2, seed=rank)
+    record = {"max_difference": [], "moved": []}
+    for _ in range(2):
+        with torch.no_grad(), gathered_for_generation(model):
+            rollout = rollouts.generate(model, ids, mask, num_generations=2)
+        T = rollout.completion_ids.size(1)
+        logprobs, _ = call_in_root_forward(
+            model, completion_logprobs, model, rollout.input_ids, rollout.attention_mask, T
+        )
+        (-(logprobs * rollout.completion_mask).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        before = {n: p.clone() for n, p in rollouts.copy.model.named_parameters()}
+        with torch.no_grad(), gathered_for_generation(model):
+            rollouts.weights_updated(model)
+            copy = dict(rollouts.copy.model.named_parameters())
+            gathered = dict(named_generation_weights(model))
+            assert not any(isinstance(v, DTensor) for v in gathered.values())
+            difference = max(
+                (copy[n].float() - v.to(copy[n].dtype).float()).abs().max() for n, v in gathered.items()
+            )
+            record["max_difference"].append(difference.item())
+        record["moved"].append(sum(not torch.equal(before[n], copy[n]) for n in copy) / len(copy))
+        record["dtype"] = str(next(iter(copy.values())).dtype)
+    return record
+
+
+def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
+    from tests.test_distributed import launch
+
+    launch({"out": str(tmp_path), "strategy": "fsdp2 static rollout"}, timeout=180, script=__file__)
+    for rank in range(2):
+        records = json.load(open(tmp_path / f"rank{rank}.json"))
+        for variant, moving in (("full", 0.9), ("lora", 0.3)):  # LoRA: the adapted linear layers only
+            record = records[variant]
+            assert record["dtype"] == "torch.bfloat16"
+            assert record["max_difference"] == [0.0, 0.0], (rank, variant, record)
+            assert all(share > moving for share in record["moved"]), (rank, variant, record)
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(fsdp_rank, args=(json.loads(sys.argv[1]),), nprocs=2)
