@@ -136,6 +136,25 @@ class GRPOConfig:
     """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With mu > 1 the
     sampling-time log-probs are kept as the old policy's.
     """
+    steps_per_generation: int = 1
+    """Optimizer steps per rollout: the rollout's groups (one per prompt of the batch) are shuffled, from
+    the training random stream that checkpoints keep, and cut into this many mini-batches of whole groups,
+    one optimizer step each; with `num_iterations` = mu, mu passes over them (a new shuffle each), so a
+    training step makes steps_per_generation x mu optimizer steps, each counted by the trainer's
+    `global_step` and `max_steps`, the learning-rate schedule and `ref_model_sync_steps`. Advantages are
+    computed over the whole rollout before the cut; the sampling policy's log-probs are taken at rollout
+    time, so from the second step on the clipped ratio compares the updated policy with the one that
+    sampled. Each step normalises its loss over its own mini-batch (dapo/bnpo: the mini-batch's loss tokens
+    on all ranks; grpo: its sequences; dr_grpo: its sequences x max_completion_length), as TRL and verl do.
+    A batch must hold at least this many prompts. Checkpoints fall between training steps, so never
+    between two mini-batches of one rollout: set `every_n_train_steps` of a `ModelCheckpoint` to a multiple
+    of steps_per_generation x num_iterations. TRL: `steps_per_generation` counts forward/backward passes of
+    `per_device_train_batch_size` completions, `gradient_accumulation_steps` of them to an optimizer step,
+    so this option is TRL's steps_per_generation / gradient_accumulation_steps, and TRL's
+    `generation_batch_size` (completions on all processes) is data.batch_size x num_generations x processes
+    here; verl: `ppo_mini_batch_size` (prompts) = data.batch_size / steps_per_generation. 1: one optimizer
+    step per rollout.
+    """
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
     # ---------------------------------------------------------------------------------------- optimisation
@@ -270,6 +289,7 @@ GRPO_RULES = {
     "use_kl_in_reward": Rule(bool),
     "entropy_coef": Rule(float),  # any finite weight: a negative one penalises entropy
     "num_iterations": Rule(int, ">= 1"),
+    "steps_per_generation": Rule(int, ">= 1"),
     "mask_truncated_completions": Rule(bool),
     "learning_rate": Rule(float, ">= 0"),
     "weight_decay": Rule(float, ">= 0"),
