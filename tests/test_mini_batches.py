@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from grpo_lightning.core.batching import group_rows, shuffled_mini_batches
 from grpo_lightning.core.config import GRPOConfig
@@ -109,9 +110,20 @@ def test_each_rollout_makes_its_optimizer_steps_on_its_groups_off_policy(tiny_mo
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, train_size=4, val_size=2
     )
-    trainer = quiet_trainer(max_epochs=1, limit_val_batches=0, default_root_dir=str(tmp_path))
-    trainer.fit(module, data)
+    trainer = quiet_trainer(
+        max_epochs=1,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=-1)],
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"every_n_train_steps=3\) counts optimizer steps, of which a\s+training step makes 2",
+    ):
+        trainer.fit(module, data)
     assert trainer.global_step == 4 == len(recorder.steps)
+    assert not list(tmp_path.glob("**/*.ckpt"))  # after global steps 2 and 4: never a multiple of 3
     for first, second in (recorder.steps[:2], recorder.steps[2:]):
         assert len(first.prompts) == len(second.prompts) == 1 and first.prompts != second.prompts
         assert first.old is not None and second.old is not None  # taken at rollout time
