@@ -181,3 +181,31 @@ def test_the_module_takes_the_budget(tiny_model_dir, tmp_path):
         losses[name] = float(metrics["train/policy_loss"]), float(metrics["train/grad_norm"])
     assert abs(losses["fixed"][0]) > 1e-3  # clipped advantages: the on-policy loss is not 0
     assert losses["budget"] == pytest.approx(losses["fixed"], rel=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    group_size=st.integers(1, 3),
+    groups=st.integers(1, 8),
+    budget=st.integers(1, 300),
+    extra=st.integers(0, 8),
+    data=st.data(),
+)
+def test_at_least_splits_to_the_count_another_rank_runs(group_size, groups, budget, extra, data):
+    """`at_least` (the busiest rank's count under DDP/FSDP): exactly that many micro-batches when the
+    budget's own are fewer, every row once, groups intact, none over the budget that was not already."""
+    lengths = data.draw(
+        st.lists(st.integers(1, 60), min_size=groups * group_size, max_size=groups * group_size)
+    )
+    own = token_budget_micro_batches(lengths, budget, group_size)
+    count = len(own) + extra
+    if count > groups:  # more micro-batches than units: refused, naming the option
+        with pytest.raises(ValueError, match="lower max_tokens_per_micro_batch"):
+            token_budget_micro_batches(lengths, budget, group_size, at_least=count)
+        return
+    split = token_budget_micro_batches(lengths, budget, group_size, at_least=count)
+    assert len(split) == count
+    assert sorted(r for mb in split for r in mb) == list(range(len(lengths)))
+    for mb in split:
+        assert all(r % group_size == 0 for r in mb[::group_size]) and len(mb) % group_size == 0
+    assert len(over_budget(lengths, split, budget)) <= len(over_budget(lengths, own, budget))

@@ -56,17 +56,19 @@ def micro_batches(
     micro_batch_size: int | None,
     max_tokens: int | None = None,
     group_size: int = 1,
+    at_least: int = 1,
 ) -> list[MicroBatch]:
     """The micro-batches of `rollout`'s rows: with `max_tokens`, the token-budget partition (a row's
-    length: its prompt and completion tokens; `group_size` rows kept together), as index tensors; else
-    slices of at most `micro_batch_size` rows (one slice when None)."""
+    length: its prompt and completion tokens; `group_size` rows kept together; `at_least` micro-batches,
+    as many as another rank runs), as index tensors; else slices of at most `micro_batch_size` rows (one
+    slice when None)."""
     size = rollout.completion_ids.size(0)
     if max_tokens is None:
         step = micro_batch_size or size
         return [slice(i, min(i + step, size)) for i in range(0, size, step)]
     lengths = (rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).tolist()  # [B]
     device = rollout.completion_ids.device
-    parts = token_budget_micro_batches(lengths, max_tokens, group_size)
+    parts = token_budget_micro_batches(lengths, max_tokens, group_size, at_least)
     return [torch.tensor(rows, dtype=torch.long, device=device) for rows in parts]
 
 

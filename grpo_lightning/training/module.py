@@ -405,7 +405,13 @@ class GRPOModule(L.LightningModule):
         prompt's G rows kept together where they share its prompt pass)."""
         cfg = self.grpo
         group = cfg.num_generations if self.shares_prompt() else 1
-        return micro_batches(rollout, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, group)
+        options = (cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, group)
+        parts = micro_batches(rollout, *options)
+        if cfg.max_tokens_per_micro_batch is None or self.trainer.world_size == 1:
+            return parts
+        # Each forward/backward synchronises the ranks (DDP, FSDP2): all run as many as the busiest.
+        most = int(self.all_gather(torch.tensor(len(parts), device=self.device)).max())
+        return micro_batches(rollout, *options, at_least=most)
 
     def _frozen_logprobs(self, rollout: Rollout, model: PreTrainedModel) -> Tensor:
         return logprobs_in_micro_batches(self.logprobs, model, rollout, self.micro_batches(rollout))  # [B, T]
