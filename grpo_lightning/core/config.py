@@ -190,8 +190,10 @@ class GRPOConfig:
     optimizer step's rows) and the reference and old-policy passes: rows of similar length go together,
     each micro-batch holding as many as fit in rows x its longest row's tokens (prompt + completion) <= this
     budget, and padded only to its own longest row; with `share_prompt` a prompt's G rows stay in one
-    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own. The
-    loss and gradients are those of the fixed-size path (tests/test_token_budget.py).
+    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own. Under
+    DDP or FSDP each rank runs as many micro-batches as the busiest one (each forward/backward
+    synchronises them), splitting its widest. The loss and gradients are those of the fixed-size path
+    (tests/test_token_budget.py).
     Partition: `grpo_lightning.core.token_budget`. Excludes `micro_batch_size`; must be >=
     `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
     `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
