@@ -90,9 +90,10 @@ class GRPOModule(L.LightningModule):
 
     Each `training_step` takes a batch of prompts, samples `num_generations` completions per prompt with
     the policy, scores them with the reward functions, turns the rewards into group-relative advantages
-    and takes `num_iterations` optimizer steps on the clipped policy loss (with a KL penalty to a frozen
-    reference when `beta > 0`). Optimisation is manual, so one training step may hold several optimizer
-    steps and several micro-batches.
+    and takes `num_iterations` x `steps_per_generation` optimizer steps on the clipped policy loss (with a
+    KL penalty to a frozen reference when `beta > 0`), each on a mini-batch of whole groups
+    (`core.update.mini_batches`). Optimisation is manual, so one training step may hold several optimizer
+    steps (each counted in `global_step`) and several micro-batches.
 
     Args:
         policy: hub id or local folder of a causal LM, or an already-built `PreTrainedModel`.
