@@ -197,6 +197,18 @@ class GRPOModule(L.LightningModule):
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
             self.check_chat_template()
+        if stage != "fit":
+            return
+        # ModelCheckpoint tests the global step after each training step, which adds this many at once.
+        per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
+        for callback in self.trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_train_steps", 0)
+            if every % per_batch:
+                rank_zero_warn(
+                    f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a "
+                    f"training step makes {per_batch} (grpo.num_iterations x steps_per_generation): it saves "
+                    f"only where a multiple of both falls; set a multiple of {per_batch}"
+                )
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -326,16 +338,6 @@ class GRPOModule(L.LightningModule):
             self._rng_to_restore = None
         # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
         vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
-        # ModelCheckpoint tests the global step after each training step, which adds this many at once.
-        per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
-        for callback in self.trainer.checkpoint_callbacks:
-            every = getattr(callback, "_every_n_train_steps", 0)
-            if every % per_batch:
-                rank_zero_warn(
-                    f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a "
-                    f"training step makes {per_batch} (grpo.num_iterations x steps_per_generation): it saves "
-                    f"only where a multiple of both falls; set a multiple of {per_batch}"
-                )
 
     # ----------------------------------------------------------------------------------------- rollout
     def check_chat_template(self) -> None:
