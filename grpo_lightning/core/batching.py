@@ -6,7 +6,7 @@ forward/backward each).
   computed over whole groups before the cut; each optimizer step normalises its loss over its own
   mini-batch (`update.mini_batch_denominators`).
 - Micro-batches: consecutive row slices of `micro_batch_size` rows (padded to the rollout's longest row,
-  as sampled), or the token-budget partition of `token_budget` (`max_tokens_per_micro_batch`), whose
+  as sampled), or the token-budget partition of `core.token_budget` (`max_tokens_per_micro_batch`), whose
   micro-batches are index tensors: each is taken out of the rollout and trimmed to its own longest row
   (`Rollout.select`, `Trajectory.select`).
 - `logprobs_in_micro_batches`: a frozen pass (reference, old policy) over a rollout, micro-batch by
