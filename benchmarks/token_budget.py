@@ -13,10 +13,16 @@ seeded rollouts):
   (prompt_max + max_completion_length), the fixed path's worst-case micro-batch: the same peak memory;
   `--group` keeps each prompt's completions together, as `share_prompt` needs.
 
-No model runs: the step-time comparison needs the budget wired into the training step.
+With `--step_time`, a random tiny Llama (`--hidden`, `--layers`, a vocabulary of `--vocab`) also runs one
+optimizer step's work on each of `--repeats` such rollouts, on the CPU: the reference pass (no gradient)
+and the policy's forward and backward, micro-batch by micro-batch (`update.accumulate_gradients`), as the
+training step runs them; the median seconds are reported. `fixed` is then the training step with
+`micro_batch_size`, `budget` with `max_tokens_per_micro_batch` (`fixed, own longest` is not a path of the
+training step and is not timed).
 
     python benchmarks/token_budget.py
     python benchmarks/token_budget.py --max_completion_length 2048 --at_limit 0.1 --group
+    python benchmarks/token_budget.py --step_time --rollouts 3 --repeats 3
 """
 
 from __future__ import annotations
@@ -24,21 +30,33 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+import torch  # noqa: E402
+
+from grpo_lightning.core.batching import logprobs_in_micro_batches, micro_batches  # noqa: E402
+from grpo_lightning.core.config import GRPOConfig  # noqa: E402
+from grpo_lightning.core.dynamic_sampling import ScoredGroups  # noqa: E402
+from grpo_lightning.core.rollout import LogProbScorer  # noqa: E402
+from grpo_lightning.core.sampling import Rollout  # noqa: E402
 from grpo_lightning.core.token_budget import (  # noqa: E402
     padded_tokens,
     padding_share,
     token_budget_micro_batches,
 )
+from grpo_lightning.core.trajectory import build_trajectory  # noqa: E402
+from grpo_lightning.core.update import accumulate_gradients, mini_batch_denominators  # noqa: E402
+from grpo_lightning.io.tiny import build_model  # noqa: E402
 
 
-def math_like_lengths(args: argparse.Namespace, seed: int) -> list[int]:
-    """Prompt + completion tokens of each row, a prompt's `generations` rows contiguous."""
+def math_like_rows(args: argparse.Namespace, seed: int) -> list[tuple[int, int]]:
+    """(prompt, completion) tokens of each row, a prompt's `generations` rows contiguous."""
     rng = random.Random(seed)
-    lengths = []
+    rows = []
     for _ in range(args.prompts):
         prompt = rng.randint(args.prompt_min, args.prompt_max)
         for _ in range(args.generations):
@@ -46,8 +64,61 @@ def math_like_lengths(args: argparse.Namespace, seed: int) -> list[int]:
                 completion = args.max_completion_length
             else:
                 completion = min(args.max_completion_length, max(20, round(rng.lognormvariate(5.2, 0.35))))
-            lengths.append(prompt + completion)
-    return lengths
+            rows.append((prompt, completion))
+    return rows
+
+
+def random_trajectory(args: argparse.Namespace, rows: list[tuple[int, int]], seed: int):
+    """A trajectory of random tokens with the rows' lengths: prompts left-padded, completions right-padded
+    to the longest, random old log-probs and rewards."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, T = len(rows), max(p for p, _ in rows), max(c for _, c in rows)
+    prompts = torch.tensor([p for p, _ in rows])  # [B]
+    completions = torch.tensor([c for _, c in rows])  # [B]
+    prompt_mask = (torch.arange(P)[None, :] >= P - prompts[:, None]).long()  # [B, P]
+    group_prompts = torch.randint(3, args.vocab, (args.prompts, P), generator=g)  # [N, P]
+    prompt_ids = group_prompts.repeat_interleave(args.generations, 0) * prompt_mask  # [B, P]
+    completion_mask = (torch.arange(T)[None, :] < completions[:, None]).long()  # [B, T]
+    completion_ids = torch.randint(3, args.vocab, (B, T), generator=g) * completion_mask
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, completions == T)
+    rewards = torch.randn(B, generator=g)  # [B]
+    scored = ScoredGroups(
+        list(range(args.prompts)), rollout, [""] * B, rewards[:, None], rewards, args.generations
+    )
+    cfg = GRPOConfig(num_generations=args.generations, max_completion_length=args.max_completion_length)
+    old = -torch.rand(B, T, generator=g)  # [B, T]
+    return build_trajectory(scored, cfg, old_logprobs=old), cfg
+
+
+def step_seconds(args: argparse.Namespace, model, scorer, trajectory, cfg, parts) -> float:
+    """One optimizer step's work: the reference pass and the policy's forward and backward."""
+    start = time.perf_counter()
+    logprobs_in_micro_batches(scorer, model, trajectory.rollout, parts)
+    denominators = mini_batch_denominators(trajectory, lambda tokens: tokens, world_size=1)
+    accumulate_gradients(scorer, model, trajectory, parts, cfg, *denominators)
+    seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def step_times(args: argparse.Namespace, budget: int, group: int) -> dict[str, float]:
+    """Median step seconds of `fixed` and `budget` micro-batches over `--repeats` rollouts."""
+    torch.manual_seed(0)
+    model = build_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers).train()
+    scorer = LogProbScorer(args.generations, share_prompt=args.group)
+    times = {"fixed": [], "budget": []}
+    for seed in range(args.repeats + 1):  # the first is a warm-up
+        trajectory, cfg = random_trajectory(args, math_like_rows(args, seed), seed)
+        rollout = trajectory.rollout
+        parts = {
+            "fixed": micro_batches(rollout, args.micro_batch_size),
+            "budget": micro_batches(rollout, None, budget, group),
+        }
+        for name, micro in parts.items():
+            seconds = step_seconds(args, model, scorer, trajectory, cfg, micro)
+            if seed > 0:
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def fixed_micro_batches(count: int, size: int) -> list[list[int]]:
@@ -67,6 +138,11 @@ def main() -> None:
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--group", action="store_true", help="keep each prompt's completions together")
     parser.add_argument("--rollouts", type=int, default=200)
+    parser.add_argument("--step_time", action="store_true", help="also time a step of a random tiny Llama")
+    parser.add_argument("--repeats", type=int, default=3, help="rollouts timed (after one warm-up)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
     args = parser.parse_args()
 
     budget = args.micro_batch_size * (args.prompt_max + args.max_completion_length)
@@ -74,7 +150,7 @@ def main() -> None:
     totals = {"fixed": [0.0, 0], "fixed, own longest": [0.0, 0], "budget": [0.0, 0]}
     every_row = []
     for seed in range(args.rollouts):
-        lengths = math_like_lengths(args, seed)
+        lengths = [p + c for p, c in math_like_rows(args, seed)]
         every_row += lengths
         fixed = fixed_micro_batches(len(lengths), args.micro_batch_size)
         by_budget = token_budget_micro_batches(lengths, budget, group)
@@ -93,10 +169,17 @@ def main() -> None:
         f"{max(every_row)} tokens; budget {budget} tokens per micro-batch"
         + (f", groups of {group} kept together" if args.group else "")
     )
-    print("| micro-batches | padding share | micro-batches per rollout |")
-    print("| --- | --- | --- |")
+    seconds = step_times(args, budget, group) if args.step_time else {}
+    if seconds:
+        print(
+            f"step time: median of {args.repeats} rollouts, tiny Llama (hidden {args.hidden}, {args.layers} "
+            f"layers, vocabulary {args.vocab}), {torch.get_num_threads()} threads"
+        )
+    print("| micro-batches | padding share | micro-batches per rollout | step time (s) |")
+    print("| --- | --- | --- | --- |")
     for name, (share, count) in totals.items():
-        print(f"| {name} | {share:.1%} | {count:.1f} |")
+        timed = f"{seconds[name]:.2f}" if name in seconds else "—"
+        print(f"| {name} | {share:.1%} | {count:.1f} | {timed} |")
 
 
 if __name__ == "__main__":

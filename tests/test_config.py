@@ -71,6 +71,7 @@ REFUSED = {
         "use_kl_in_reward": NOT_A_FLAG,
         "entropy_coef": NAN_OR_INF | NOT_A_NUMBER,
         "num_iterations": ints_below(1) | NOT_A_NUMBER,
+        "steps_per_generation": ints_below(1) | NOT_A_NUMBER,
         "mask_truncated_completions": NOT_A_FLAG,
         "learning_rate": below(0, inclusive=False) | NOT_A_NUMBER,
         "weight_decay": below(0, inclusive=False) | NOT_A_NUMBER,

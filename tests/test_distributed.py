@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.core.batching import micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards import completion_text
 from grpo_lightning.core.sampling import Rollout, completion_logprobs
@@ -126,6 +127,14 @@ def worker(cfg: dict) -> None:
             self.record.setdefault("lengths", []).append(rollout.completion_ids.size(1))
             return rollout, completions
 
+        def micro_batches(self, rollout):
+            parts = super().micro_batches(rollout)
+            if self.grpo.max_tokens_per_micro_batch is not None:  # this rank's own count, and the one run
+                budget, group = self.grpo.max_tokens_per_micro_batch, self.grpo.num_generations
+                own = len(micro_batches(rollout, None, budget, group if self.shares_prompt() else 1))
+                self.record.setdefault("micro_batches", []).append([own, len(parts)])
+            return parts
+
         def train_dataloader(self):
             # Rank r takes rows r, r + world, ...: 2 ranks x 2 prompts hold the 4 prompts of 1 rank x 4.
             rows = [
@@ -169,6 +178,7 @@ def worker(cfg: dict) -> None:
             max_grad_norm=None,
             preflight=False,
             share_prompt=cfg.get("share_prompt", True),
+            max_tokens_per_micro_batch=cfg.get("max_tokens"),
         ),
     )
     module.record = {}
@@ -343,6 +353,20 @@ def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tin
     records = run_ranks(two_ranks("ddp", tiny_model_dir, out))
     assert len(records[0]["losses"]) == len(records[1]["losses"]) == 2
     assert_ranks_differ(records)
+    assert_same_update(single_run, out)
+
+
+def test_ddp_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(
+    single_run, tiny_model_dir, tmp_path
+):
+    """The ranks' rollouts differ in length, so a token budget cuts them into different numbers of
+    micro-batches; every forward/backward synchronises the ranks, so each runs as many as the busiest
+    (else the run hangs). The update is the single process's."""
+    out = str(tmp_path)
+    records = run_ranks(two_ranks("ddp", tiny_model_dir, out, max_tokens=80))
+    counts = [record["micro_batches"] for record in records]  # per pass: [own, run]
+    assert all(a[1] == b[1] for a, b in zip(*counts, strict=True))
+    assert any(a[0] != b[0] for a, b in zip(*counts, strict=True)), counts
     assert_same_update(single_run, out)
 
 

@@ -53,7 +53,9 @@ def fit(
     limit_val_batches: int = 1,
     callbacks: tuple[L.Callback, ...] = (),
     root: str | None = None,
+    **grpo,
 ) -> tuple[GRPOModule, Recorder]:
+    """`max_steps` optimizer steps (a training step makes `grpo`'s steps_per_generation of them)."""
     L.seed_everything(seed)
     module = GRPOModule(
         model_dir,
@@ -66,6 +68,7 @@ def fit(
             warmup_steps=3,
             preflight=False,
             log_completions_every=0,
+            **grpo,
         ),
         lora=lora,
         num_generations_eval=2,  # validation samples too: it must not move the training RNG

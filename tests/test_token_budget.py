@@ -3,16 +3,28 @@ held (a unit too long for it alone gets its own micro-batch), rows of similar le
 
 from itertools import pairwise
 
+import lightning as L
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo_lightning.core.batching import logprobs_in_micro_batches, micro_batches
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.rollout import LogProbScorer
 from grpo_lightning.core.token_budget import (
     over_budget,
     padded_tokens,
     padding_share,
     token_budget_micro_batches,
 )
+from grpo_lightning.core.trajectory import build_trajectory
+from grpo_lightning.core.update import accumulate_gradients, mini_batch_denominators
+from grpo_lightning.training.data import GSM8KDataModule
+from tests.helpers import length_reward, quiet_trainer, tiny_module
+from tests.test_share_prompt import PROMPTS, float64_norms, grads, load_tiny, make_rollout
 
 
 def unit_longest(lengths, rows, group_size):
@@ -74,11 +86,126 @@ def test_bad_arguments_are_refused():
         token_budget_micro_batches([1], 0)
 
 
-def test_the_module_refuses_the_budget_until_the_step_uses_it(tiny_model_dir):
-    from grpo_lightning.core.config import GRPOConfig
-    from grpo_lightning.training.module import GRPOModule
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 
-    with pytest.raises(
-        ValueError, match="^grpo.max_tokens_per_micro_batch: the training step does not use it yet"
-    ):
-        GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_tokens_per_micro_batch=1024))
+
+def float64_trajectory(model_dir: str, share_prompt: bool, seed: int = 0):
+    """A float64 tiny policy, its scorer and a trajectory of 3 groups of 4 rows (prompts of 3 lengths,
+    completions of 1-12 tokens) with old and reference log-probs away from the policy's, so that ratios
+    clip and the KL counts."""
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = load_tiny(model_dir, torch.float64)
+    float64_norms(model)
+    G = 4
+    rollout = make_rollout(tok, G, T=12, seed=seed)
+    scorer = LogProbScorer(G, share_prompt=share_prompt)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        logprobs = scorer(model, rollout, slice(None))[0]  # [B, T]
+    shifted = [logprobs + 0.3 * torch.randn(logprobs.shape, generator=g) for _ in range(2)]
+    rewards = torch.randn(rollout.completion_ids.size(0), generator=g)  # [B]
+    scored = ScoredGroups(
+        PROMPTS, rollout, ["x"] * len(rewards), rewards[:, None], rewards, num_generations=G
+    )
+    cfg = GRPOConfig(num_generations=G, max_completion_length=12, beta=0.04)
+    trajectory = build_trajectory(scored, cfg, old_logprobs=shifted[0], ref_logprobs=shifted[1])
+    return model, scorer, trajectory
+
+
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared", "unshared"])
+def test_budget_micro_batches_give_the_fixed_paths_loss_and_gradients_in_float64(
+    tiny_model_dir, share_prompt
+):
+    """Every loss type, the normalisations that count tokens or sequences across micro-batches included:
+    the token-budget micro-batches (trimmed to their own longest row, groups kept together when shared)
+    give the loss and the gradients of fixed micro-batches of 5 rows (which cut groups), to 1e-6."""
+    model, scorer, trajectory = float64_trajectory(tiny_model_dir, share_prompt)
+    rollout = trajectory.rollout
+    group = 4 if share_prompt else 1
+    budget = 60  # a few micro-batches of this rollout's 12 rows (prompt + completion: 4-23 tokens)
+    fixed_parts = micro_batches(rollout, 5)
+    budget_parts = micro_batches(rollout, None, budget, group)
+    assert len(budget_parts) > 1
+    widths = [rollout.select(rows, trim=True).completion_ids.size(1) for rows in budget_parts]
+    assert min(widths) < rollout.completion_ids.size(1)  # some micro-batch is really trimmed
+    denominators = mini_batch_denominators(trajectory, lambda tokens: tokens, world_size=1)
+    for loss_type in LOSS_TYPES:
+        cfg = GRPOConfig(num_generations=4, max_completion_length=12, beta=0.04, loss_type=loss_type)
+        results = []
+        for parts in (fixed_parts, budget_parts):
+            sums = accumulate_gradients(scorer, model, trajectory, parts, cfg, *denominators)
+            results.append((sums.values, grads(model)))
+        (fixed, fixed_grads), (by_budget, budget_grads) = results
+        assert abs(float(fixed["loss"])) > 1e-4, loss_type
+        for key, value in fixed.items():  # float32 sums (the log-probs are float32): their rounding only
+            torch.testing.assert_close(by_budget[key], value, rtol=1e-6, atol=1e-7, msg=f"{loss_type} {key}")
+        assert fixed_grads.keys() == budget_grads.keys()
+        for name, grad in fixed_grads.items():
+            torch.testing.assert_close(
+                budget_grads[name], grad, rtol=1e-6, atol=1e-9, msg=f"{loss_type} {name}"
+            )
+
+
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared", "unshared"])
+def test_budget_micro_batches_give_the_frozen_passes_log_probs(tiny_model_dir, share_prompt):
+    """The reference and old-policy passes: the log-probs of every completion token are the whole
+    rollout's, whichever micro-batches score them."""
+    model, scorer, trajectory = float64_trajectory(tiny_model_dir, share_prompt)
+    rollout, mask = trajectory.rollout, trajectory.completion_mask.bool()
+    whole = logprobs_in_micro_batches(scorer, model, rollout, micro_batches(rollout, None))
+    parts = micro_batches(rollout, None, 60, 4 if share_prompt else 1)
+    by_budget = logprobs_in_micro_batches(scorer, model, rollout, parts)
+    torch.testing.assert_close(by_budget[mask], whole[mask], rtol=1e-6, atol=1e-9)
+    assert (by_budget[~mask] == 0).any()  # the columns trimmed away were never scored
+
+
+def test_the_module_takes_the_budget(tiny_model_dir, tmp_path):
+    """A training step with the budget changes the weights, with the loss and gradient norm of fixed
+    micro-batches."""
+    initial, losses = AutoModelForCausalLM.from_pretrained(tiny_model_dir), {}
+    for name, options in {
+        "fixed": {"micro_batch_size": 3},
+        "budget": {"max_tokens_per_micro_batch": 64},
+    }.items():
+        L.seed_everything(0)
+        module = tiny_module(
+            tiny_model_dir, reward_funcs=[length_reward], num_generations=4, advantage_clip=0.5, **options
+        )
+        data = GSM8KDataModule(
+            source="arithmetic", system_prompt=None, arithmetic_size=30, batch_size=2, val_size=2
+        )
+        trainer = quiet_trainer(max_steps=1, limit_val_batches=0, default_root_dir=str(tmp_path / name))
+        trainer.fit(module, data)
+        assert not torch.equal(module.policy.lm_head.weight, initial.lm_head.weight)
+        metrics = trainer.callback_metrics
+        losses[name] = float(metrics["train/policy_loss"]), float(metrics["train/grad_norm"])
+    assert abs(losses["fixed"][0]) > 1e-3  # clipped advantages: the on-policy loss is not 0
+    assert losses["budget"] == pytest.approx(losses["fixed"], rel=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    group_size=st.integers(1, 3),
+    groups=st.integers(1, 8),
+    budget=st.integers(1, 300),
+    extra=st.integers(0, 8),
+    data=st.data(),
+)
+def test_at_least_splits_to_the_count_another_rank_runs(group_size, groups, budget, extra, data):
+    """`at_least` (the busiest rank's count under DDP/FSDP): exactly that many micro-batches when the
+    budget's own are fewer, every row once, groups intact, none over the budget that was not already."""
+    lengths = data.draw(
+        st.lists(st.integers(1, 60), min_size=groups * group_size, max_size=groups * group_size)
+    )
+    own = token_budget_micro_batches(lengths, budget, group_size)
+    count = len(own) + extra
+    if count > groups:  # more micro-batches than units: refused, naming the option
+        with pytest.raises(ValueError, match="lower max_tokens_per_micro_batch"):
+            token_budget_micro_batches(lengths, budget, group_size, at_least=count)
+        return
+    split = token_budget_micro_batches(lengths, budget, group_size, at_least=count)
+    assert len(split) == count
+    assert sorted(r for mb in split for r in mb) == list(range(len(lengths)))
+    for mb in split:
+        assert all(r % group_size == 0 for r in mb[::group_size]) and len(mb) % group_size == 0
+    assert len(over_budget(lengths, split, budget)) <= len(over_budget(lengths, own, budget))

@@ -135,8 +135,28 @@ class GRPOConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty)."""
     num_iterations: int = 1
-    """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1). With mu > 1 the
-    sampling-time log-probs are kept as the old policy's.
+    """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1), each over its
+    `steps_per_generation` mini-batches. With mu > 1 the sampling-time log-probs are kept as the old
+    policy's.
+    """
+    steps_per_generation: int = 1
+    """Optimizer steps per rollout: the rollout's groups (one per prompt of the batch) are shuffled, from
+    the training random stream that checkpoints keep, and cut into this many mini-batches of whole groups,
+    one optimizer step each; with `num_iterations` = mu, mu passes over them (a new shuffle each), so a
+    training step makes steps_per_generation x mu optimizer steps, each counted by the trainer's
+    `global_step` and `max_steps`, the learning-rate schedule and `ref_model_sync_steps`. Advantages are
+    computed over the whole rollout before the cut; the sampling policy's log-probs are taken at rollout
+    time, so from the second step on the clipped ratio compares the updated policy with the one that
+    sampled. Each step normalises its loss over its own mini-batch (dapo/bnpo: the mini-batch's loss tokens
+    on all ranks; grpo: its sequences; dr_grpo: its sequences x max_completion_length), as TRL and verl do.
+    A batch must hold at least this many prompts. Checkpoints fall between training steps, so never
+    between two mini-batches of one rollout: set `every_n_train_steps` of a `ModelCheckpoint` to a multiple
+    of steps_per_generation x num_iterations. TRL: `steps_per_generation` counts forward/backward passes of
+    `per_device_train_batch_size` completions, `gradient_accumulation_steps` of them to an optimizer step,
+    so this option is TRL's steps_per_generation / gradient_accumulation_steps, and TRL's
+    `generation_batch_size` (completions on all processes) is data.batch_size x num_generations x processes
+    here; verl: `ppo_mini_batch_size` (prompts) = data.batch_size / steps_per_generation. 1: one optimizer
+    step per rollout.
     """
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
@@ -151,8 +171,8 @@ class GRPOConfig:
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
     `grpo_lightning.core.schedules`. The run's length is the trainer's max_steps (optimizer steps), or its
-    epochs x batches x num_iterations. TRL: `lr_scheduler_type` (its "constant_with_warmup" is "constant"
-    here); verl: `optim.lr_scheduler_type`.
+    epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
+    "constant_with_warmup" is "constant" here); verl: `optim.lr_scheduler_type`.
     """
     min_lr_ratio: float = 0.0
     """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
@@ -162,14 +182,20 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     """Gradient clipping by global norm, > 0; None disables."""
     micro_batch_size: int | None = None
-    """Sequences per forward/backward; the rollout of prompts x G sequences is split and the gradients
-    accumulated, with the loss normalised over the whole rollout. None: all at once.
+    """Sequences per forward/backward; each optimizer step's rows (the rollout of prompts x G sequences, or
+    its mini-batch with `steps_per_generation`) are split and the gradients accumulated, with the loss
+    normalised over all of them, and every micro-batch padded to the rollout's longest row. None: all at
+    once.
     """
     max_tokens_per_micro_batch: int | None = None
-    """A token budget per micro-batch instead of `micro_batch_size` rows: rows of similar length go together,
+    """A token budget per micro-batch instead of `micro_batch_size` rows, in the policy update (within each
+    optimizer step's rows) and the reference and old-policy passes: rows of similar length go together,
     each micro-batch holding as many as fit in rows x its longest row's tokens (prompt + completion) <= this
     budget, and padded only to its own longest row; with `share_prompt` a prompt's G rows stay in one
-    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own.
+    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own. Under
+    DDP or FSDP each rank runs as many micro-batches as the busiest one (each forward/backward
+    synchronises them), splitting its widest. The loss and gradients are those of the fixed-size path
+    (tests/test_token_budget.py).
     Partition: `grpo_lightning.core.token_budget`. Excludes `micro_batch_size`; must be >=
     `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
     `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
@@ -284,6 +310,7 @@ GRPO_RULES = {
     "use_kl_in_reward": Rule(bool),
     "entropy_coef": Rule(float),  # any finite weight: a negative one penalises entropy
     "num_iterations": Rule(int, ">= 1"),
+    "steps_per_generation": Rule(int, ">= 1"),
     "mask_truncated_completions": Rule(bool),
     "learning_rate": Rule(float, ">= 0"),
     "weight_decay": Rule(float, ">= 0"),

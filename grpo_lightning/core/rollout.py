@@ -247,12 +247,6 @@ class LogProbScorer:
         )
 
 
-def micro_batches(size: int, micro_batch_size: int | None) -> list[slice]:
-    """Row slices of at most `micro_batch_size` rows covering `size` rows (one slice when None)."""
-    step = micro_batch_size or size
-    return [slice(i, min(i + step, size)) for i in range(0, size, step)]
-
-
 def warn_if_unteachable(
     rollout: Rollout,
     completions: list[str],

@@ -60,15 +60,16 @@ def build_scheduler(
 
 
 def optimizer_steps_in_fit(
-    max_steps: int, max_epochs: int | None, batches_per_epoch: float, num_iterations: int
+    max_steps: int, max_epochs: int | None, batches_per_epoch: float, steps_per_batch: int
 ) -> int:
     """Optimizer steps a `fit` makes at most, the schedule's length: the trainer's `max_steps` (the module
-    counts optimizer steps in the global step, `num_iterations` per training step), or its epochs x
-    batches x `num_iterations`, whichever ends first. Dynamic sampling's rounds without an update make no
-    step, so a run bounded by epochs then ends before the schedule does."""
+    counts optimizer steps in the global step, `steps_per_batch` = num_iterations x steps_per_generation
+    per training step), or its epochs x batches x `steps_per_batch`, whichever ends first. Dynamic
+    sampling's rounds without an update make no step, so a run bounded by epochs then ends before the
+    schedule does."""
     bounds = [max_steps] if max_steps is not None and max_steps >= 0 else []
     if max_epochs is not None and max_epochs >= 0 and math.isfinite(batches_per_epoch):
-        bounds.append(int(batches_per_epoch) * max_epochs * num_iterations)
+        bounds.append(int(batches_per_epoch) * max_epochs * steps_per_batch)
     if not bounds:
         raise ValueError(
             "grpo.lr_scheduler_type decays over the run, whose length is unknown (no max_steps, no "

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 
 def token_budget_micro_batches(
-    lengths: Sequence[int], max_tokens: int, group_size: int = 1
+    lengths: Sequence[int], max_tokens: int, group_size: int = 1, at_least: int = 1
 ) -> list[list[int]]:
     """Partition rows `0 .. len(lengths) - 1` into micro-batches of at most `max_tokens` padded tokens.
 
@@ -24,6 +24,10 @@ def token_budget_micro_batches(
         max_tokens: the budget of one micro-batch: its rows x its longest row.
         group_size: rows that stay in one micro-batch, the contiguous groups `[i * g, (i + 1) * g)` (a
             prompt's G completions with `share_prompt`, whose prompt pass they share); 1: any row alone.
+        at_least: the fewest micro-batches to return. Under DDP or FSDP every rank must run as many
+            forward/backward passes as the others (each one synchronises): the module asks each rank for
+            the largest count of any rank. Micro-batches of several units are split in two (the one with
+            the most units first, its longer half first) until there are that many.
 
     Returns:
         Row indices per micro-batch, ascending within each; micro-batches from the longest rows to the
@@ -44,13 +48,30 @@ def token_budget_micro_batches(
     for unit in units:
         unit_longest = max(lengths[r] for r in unit)
         if current and (len(current) + len(unit)) * longest > max_tokens:
-            micro_batches.append(sorted(current))
+            micro_batches.append(current)
             current = []
         if not current:
             longest = unit_longest
         current.extend(unit)
     if current:
-        micro_batches.append(sorted(current))
+        micro_batches.append(current)
+    return [sorted(rows) for rows in _split_to(micro_batches, at_least, group_size)]
+
+
+def _split_to(micro_batches: list[list[int]], count: int, group_size: int) -> list[list[int]]:
+    """Split the micro-batch of the most units in two, at a unit boundary, until there are `count`."""
+    micro_batches = list(micro_batches)
+    while len(micro_batches) < count:
+        widest = max(range(len(micro_batches)), key=lambda i: len(micro_batches[i]))
+        rows = micro_batches[widest]
+        if len(rows) < 2 * group_size:
+            raise ValueError(
+                f"{len(micro_batches)} micro-batches of single units (rows or groups of {group_size}) cannot "
+                f"become the {count} that another rank runs: lower max_tokens_per_micro_batch so that each "
+                "rank's rollout makes as many"
+            )
+        half = len(rows) // group_size // 2 * group_size  # rows kept in order: longest units first
+        micro_batches[widest : widest + 1] = [rows[:half], rows[half:]]
     return micro_batches
 
 

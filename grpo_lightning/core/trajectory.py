@@ -50,6 +50,37 @@ class Trajectory:
     def completion_mask(self) -> Tensor:  # [B, T]
         return self.rollout.completion_mask
 
+    def select(self, rows: Tensor, trim: bool = False) -> Trajectory:
+        """The trajectory of `rows` alone (e.g. a mini-batch's groups, `batching.group_rows`), advantages
+        as computed over the whole rollout. `trim`: padded only to the rows' own longest prompt and
+        completion (`Rollout.select`), the `[b, T]` tensors cut to the same columns; the loss is the same,
+        as the columns dropped are padding in every row."""
+        rows = rows.to(self.rewards.device)
+        rollout = self.rollout.select(rows, trim)
+        T = rollout.completion_ids.size(1)
+
+        def cut(tensor: Tensor | None) -> Tensor | None:  # [B, T] or [B] -> [b, T'] or [b]
+            if tensor is None:
+                return None
+            return tensor[rows, :T] if tensor.dim() == 2 else tensor[rows]
+
+        G = self.num_generations
+        groups = dict.fromkeys(int(r) // G for r in rows)  # in the rows' order
+        return Trajectory(
+            prompts=[self.prompts[g] for g in groups],
+            rollout=rollout,
+            completions=[self.completions[int(r)] for r in rows],
+            loss_mask=cut(self.loss_mask),
+            old_logprobs=cut(self.old_logprobs),
+            ref_logprobs=cut(self.ref_logprobs),
+            rewards_per_func=self.rewards_per_func[rows],
+            rewards=self.rewards[rows],
+            advantages=self.advantages[rows],
+            token_advantages=cut(self.token_advantages),
+            num_generations=G,
+            stats=self.stats,
+        )
+
 
 def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
     """`[B, T]` float: the completion tokens, without the completions that never stopped when asked (DAPO

@@ -1,7 +1,10 @@
 """One optimizer update on a `Trajectory`, in pieces that need no Lightning.
 
+- `mini_batches`: the trajectories of one rollout's optimizer steps (`grpo.steps_per_generation`), and
+  `mini_batch_denominators`, what each normalises its loss by.
 - `micro_batch_loss`: the GRPO loss (`loss.grpo_loss`) of some rows of a trajectory, with the whole
-  rollout's denominators, so that the micro-batch losses add up to the rollout's.
+  mini-batch's denominators, so that the micro-batch losses add up to the mini-batch's;
+  `accumulate_gradients` runs the policy pass and backward micro-batch by micro-batch.
 - `MicroBatchSums`: the statistics of an update's micro-batches, weighted by their token share.
 - `StepGuard`: the optimizer step, skipped when the loss or the gradient is not finite (a run stops after
   `max_bad_steps` such steps in a row) or when fp16 gradients overflowed (the loss scaler lowers its scale).
@@ -10,13 +13,39 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from grpo_lightning.core.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.loss import grpo_loss
 from grpo_lightning.core.trajectory import Trajectory
+
+
+def mini_batches(
+    trajectory: Trajectory, steps: int, generator: torch.Generator | None = None
+) -> list[Trajectory]:
+    """The trajectories of `steps` optimizer steps on one rollout: its groups shuffled (from `generator`,
+    None: torch's default CPU generator, which checkpoints keep) and cut into `steps` mini-batches of whole
+    groups (`batching.shuffled_mini_batches`). One step: the trajectory itself, nothing drawn."""
+    if steps == 1:
+        return [trajectory]
+    G = trajectory.num_generations
+    cut = shuffled_mini_batches(trajectory.rewards.numel() // G, steps, generator)
+    return [trajectory.select(group_rows(groups, G)) for groups in cut]
+
+
+def mini_batch_denominators(
+    mini_batch: Trajectory, sum_over_ranks: Callable[[Tensor], Tensor], world_size: int
+) -> tuple[Tensor, Tensor]:
+    """`(total_tokens, total_sequences)` that one optimizer step's loss is normalised by: the loss tokens
+    of its mini-batch on every rank, divided by the world size (DDP averages the ranks' gradients), and
+    this rank's sequences in it. Per optimizer step, as TRL and verl normalise each mini-batch."""
+    mask = mini_batch.loss_mask  # [b, T]
+    total_tokens = sum_over_ranks(mask.sum()) / world_size
+    return total_tokens, torch.tensor(float(mask.size(0)), device=mask.device)
 
 
 def micro_batch_loss(
@@ -28,7 +57,8 @@ def micro_batch_loss(
     total_tokens: Tensor,
     total_sequences: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there."""
+    """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there,
+    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`)."""
     t = trajectory
     return grpo_loss(
         logprobs,
@@ -49,6 +79,39 @@ def micro_batch_loss(
         total_tokens=total_tokens,
         total_sequences=total_sequences,
     )
+
+
+def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
+    """The trajectory a micro-batch's loss reads and its rows there: `trajectory` itself for a slice; for
+    indices, their own trajectory trimmed to their longest row (`Trajectory.select`), all of its rows."""
+    if isinstance(rows, slice):
+        return trajectory, rows
+    return trajectory.select(rows, trim=True), slice(None)
+
+
+def accumulate_gradients(
+    score: Score,
+    policy: torch.nn.Module,
+    trajectory: Trajectory,
+    parts: list[MicroBatch],
+    cfg: GRPOConfig,
+    total_tokens: Tensor,
+    total_sequences: Tensor,
+    backward: Callable[[Tensor], None] = Tensor.backward,
+) -> MicroBatchSums:
+    """The policy pass and `backward` of each micro-batch of `trajectory` (`batching.micro_batches`): the
+    gradients of its whole loss, accumulated; the loss and statistics summed over the micro-batches."""
+    sums = MicroBatchSums()
+    tokens = trajectory.loss_mask.sum().clamp(min=1)
+    for rows in parts:
+        part, part_rows = micro_batch_trajectory(trajectory, rows)
+        logprobs, entropies = score(policy, part.rollout, part_rows, with_entropy=True)  # [b, T'] each
+        loss, stats = micro_batch_loss(
+            part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences
+        )
+        backward(loss)
+        sums.add(loss, stats, token_share=part.loss_mask[part_rows].sum() / tokens)
+    return sums
 
 
 class MicroBatchSums:

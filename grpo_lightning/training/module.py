@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 import warnings
@@ -16,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
 from grpo_lightning.core.config import GRPOConfig, option_differences
 from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
@@ -30,7 +32,6 @@ from grpo_lightning.core.rollout import (
     RolloutEngine,
     SamplingSettings,
     check_chat_template,
-    micro_batches,
     warn_if_unteachable,
 )
 from grpo_lightning.core.sampling import Rollout, stop_token_ids
@@ -46,7 +47,12 @@ from grpo_lightning.core.shared_prompt import sharing_unsupported
 from grpo_lightning.core.static_rollout import StaticEngine, compute_dtype, resolve_backend
 from grpo_lightning.core.step_metrics import training_step_metrics
 from grpo_lightning.core.trajectory import Trajectory, build_trajectory
-from grpo_lightning.core.update import MicroBatchSums, StepGuard, micro_batch_loss
+from grpo_lightning.core.update import (
+    StepGuard,
+    accumulate_gradients,
+    mini_batch_denominators,
+    mini_batches,
+)
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import (
     gather_per_rank,
@@ -85,9 +91,10 @@ class GRPOModule(L.LightningModule):
 
     Each `training_step` takes a batch of prompts, samples `num_generations` completions per prompt with
     the policy, scores them with the reward functions, turns the rewards into group-relative advantages
-    and takes `num_iterations` optimizer steps on the clipped policy loss (with a KL penalty to a frozen
-    reference when `beta > 0`). Optimisation is manual, so one training step may hold several optimizer
-    steps and several micro-batches.
+    and takes `num_iterations` x `steps_per_generation` optimizer steps on the clipped policy loss (with a
+    KL penalty to a frozen reference when `beta > 0`), each on a mini-batch of whole groups
+    (`core.update.mini_batches`). Optimisation is manual, so one training step may hold several optimizer
+    steps (each counted in `global_step`) and several micro-batches.
 
     Args:
         policy: hub id or local folder of a causal LM, or an already-built `PreTrainedModel`.
@@ -146,10 +153,6 @@ class GRPOModule(L.LightningModule):
                 "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
                 "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
             )
-        if grpo.max_tokens_per_micro_batch is not None:
-            raise ValueError(
-                "grpo.max_tokens_per_micro_batch: the training step does not use it yet; unset it"
-            )
         if model_options.load_in_4bit and lora is None:
             raise ValueError(
                 "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
@@ -195,6 +198,18 @@ class GRPOModule(L.LightningModule):
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
             self.check_chat_template()
+        if stage != "fit":
+            return
+        # ModelCheckpoint tests the global step after each training step, which adds this many at once.
+        per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
+        for callback in self.trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_train_steps", 0)
+            if every % per_batch:
+                rank_zero_warn(
+                    f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a "
+                    f"training step makes {per_batch} (grpo.num_iterations x steps_per_generation): it saves "
+                    f"only where a multiple of both falls; set a multiple of {per_batch}"
+                )
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -251,7 +266,8 @@ class GRPOModule(L.LightningModule):
 
         def total_steps() -> int:  # asked once training runs and the batches per epoch are known
             batches = trainer.num_training_batches
-            return optimizer_steps_in_fit(trainer.max_steps, trainer.max_epochs, batches, cfg.num_iterations)
+            per_rollout = cfg.num_iterations * cfg.steps_per_generation
+            return optimizer_steps_in_fit(trainer.max_steps, trainer.max_epochs, batches, per_rollout)
 
         scheduler = build_scheduler(
             optimizer, cfg.warmup_steps, total_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
@@ -399,10 +415,21 @@ class GRPOModule(L.LightningModule):
         """`(logprobs, entropies)` `[b, T]` of `rollout`'s `rows` under `model`."""
         return self.scorer(model, rollout, rows, with_entropy)
 
-    @torch.no_grad()
+    def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
+        """`rollout`'s micro-batches: `micro_batch_size` rows, or by `max_tokens_per_micro_batch` (a
+        prompt's G rows kept together where they share its prompt pass)."""
+        cfg = self.grpo
+        group = cfg.num_generations if self.shares_prompt() else 1
+        options = (cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, group)
+        parts = micro_batches(rollout, *options)
+        if cfg.max_tokens_per_micro_batch is None or self.trainer.world_size == 1:
+            return parts
+        # Each forward/backward synchronises the ranks (DDP, FSDP2): all run as many as the busiest.
+        most = int(self.all_gather(torch.tensor(len(parts), device=self.device)).max())
+        return micro_batches(rollout, *options, at_least=most)
+
     def _frozen_logprobs(self, rollout: Rollout, model: PreTrainedModel) -> Tensor:
-        rows = micro_batches(rollout.completion_ids.size(0), self.grpo.micro_batch_size)
-        return torch.cat([self.logprobs(model, rollout, r)[0] for r in rows])  # [B, T]
+        return logprobs_in_micro_batches(self.logprobs, model, rollout, self.micro_batches(rollout))  # [B, T]
 
     def _weights_updated(self) -> None:
         engine = self._rollout_engine
@@ -469,9 +496,10 @@ class GRPOModule(L.LightningModule):
         if cfg.beta > 0:
             with self.reference_context():
                 ref_logprobs = self._frozen_logprobs(scored.rollout, self.reference or self.policy)  # [B, T]
-        # With one pass per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
+        # With one step per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
         # The KL in the reward needs the sampling policy's log-probs before any update all the same.
-        sampling_logprobs_needed = cfg.num_iterations > 1 or cfg.use_kl_in_reward
+        several_steps = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
+        sampling_logprobs_needed = several_steps or cfg.use_kl_in_reward
         old_logprobs = (
             self._frozen_logprobs(scored.rollout, self.policy) if sampling_logprobs_needed else None
         )
@@ -494,19 +522,18 @@ class GRPOModule(L.LightningModule):
         return everyone, sum(len(r) for r in per_rank[: self.global_rank])
 
     def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
-        """`num_iterations` optimizer steps on `trajectory`: the last one's statistics and gradient norm."""
-        # Normalise over the whole rollout on every rank, not per micro-batch; DDP then averages gradients
-        # over ranks, hence the division by the world size.
-        mask = trajectory.loss_mask
-        total_tokens = self.trainer.strategy.reduce(mask.sum(), reduce_op="sum") / self.trainer.world_size
-        total_sequences = torch.tensor(float(mask.size(0)), device=self.device)
+        """`num_iterations` passes over `trajectory`'s `steps_per_generation` mini-batches, an optimizer step
+        each: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        sum_over_ranks = functools.partial(self.trainer.strategy.reduce, reduce_op="sum")
         for _ in range(self.grpo.num_iterations):
-            stats, grad_norm = self._optimizer_step(optimizer, trajectory, total_tokens, total_sequences)
-            if grad_norm is not None:
-                self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                scheduler.step()
-                self._weights_updated()
+            for mini_batch in mini_batches(trajectory, self.grpo.steps_per_generation):
+                denominators = mini_batch_denominators(mini_batch, sum_over_ranks, self.trainer.world_size)
+                stats, grad_norm = self._optimizer_step(optimizer, mini_batch, *denominators)
+                if grad_norm is not None:
+                    self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
+                    scheduler.step()
+                    self._weights_updated()
         return stats, grad_norm
 
     def reward_inputs(
@@ -551,16 +578,13 @@ class GRPOModule(L.LightningModule):
     ) -> tuple[dict[str, Tensor], Tensor | None]:
         """One optimizer step on `trajectory`, micro-batch by micro-batch: its statistics, and the gradient
         norm if the step was taken (None when the step guard skipped it)."""
-        cfg, mask = self.grpo, trajectory.loss_mask
+        cfg = self.grpo
         optimizer.zero_grad()
-        sums = MicroBatchSums()
-        for rows in micro_batches(mask.size(0), cfg.micro_batch_size):
-            logprobs, entropies = self.logprobs(self.policy, trajectory.rollout, rows, with_entropy=True)
-            loss, stats = micro_batch_loss(
-                trajectory, rows, logprobs, entropies, cfg, total_tokens, total_sequences
-            )
-            self.manual_backward(loss)
-            sums.add(loss, stats, token_share=mask[rows].sum() / mask.sum().clamp(min=1))
+        parts = self.micro_batches(trajectory.rollout)
+        denominators = (total_tokens, total_sequences)
+        sums = accumulate_gradients(
+            self.logprobs, self.policy, trajectory, parts, cfg, *denominators, self.manual_backward
+        )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
