@@ -1,4 +1,4 @@
-"""Dynamic sampling and token-level step credit, measured on the learning demo against the plain run.
+"""Options of the learning demo (dynamic sampling, step credit, any `--set` ablation) against the plain run.
 
 Runs of one config, each from the same seed and the same initial weights:
 
@@ -11,21 +11,32 @@ Runs of one config, each from the same seed and the same initial weights:
   steps get a negative advantage).
 
 Each run reports the held-out accuracy (greedy, the data module's held-out rows, strict `#### N` and
-lenient) before and after, and every `--eval_every` optimizer steps in between, with the training
-wall-clock (evaluations excluded) and the generation rounds so far; then one markdown table compares them,
-including how many optimizer steps and seconds each run needed to reach the baseline's final accuracy.
+lenient) before and after, and every `--eval_every` optimizer steps in between, with the gain's paired
+standard error over the problems; its training time without the evaluations in wall-clock and in CPU seconds
+of the process (on a machine shared with other jobs, CPU seconds / threads stand in for a quiet machine's
+wall-clock); the generation rounds, the share of groups without signal, the share of completions cut at
+`max_completion_length` and the share of the step spent generating. One markdown table compares them,
+including how many optimizer steps (and CPU seconds) each run needed to reach the first run's final accuracy.
 
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --device cuda
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --max_steps 10 \\
         --set data.val_size=32 --variants baseline dynamic_sampling
-    python benchmarks/compare_options.py --report runs/compare_options/seed*.json  # seeds in one table
+    python benchmarks/compare_options.py --max_steps 15 --variants baseline --label "lr 3e-5" \\
+        --set model.grpo.learning_rate=3e-5 --threads 1 --before runs/compare_options/base.json
+    python benchmarks/compare_options.py --report runs/compare_options/*.json  # runs and seeds, with means
+
+Ablations of any option: `--set` overrides with a `--label` naming the run in the tables. `--before` takes
+the accuracy before training from an earlier `--out` file (the same weights and held-out set: greedy
+decoding gives the same answers), so parallel runs with one thread each (`--threads 1`) do not each pay for
+it. `--cpu_budget` (default: the config's `CPUTimeBudget`) stops a run before its training CPU seconds would
+exceed it.
 
 The objects are built straight from the YAML (no LightningCLI, so no jsonargparse needed), and the repo
 root goes on `sys.path`: the script runs from a plain checkout where the package is not installed. Run it
 from the repo root, where the config's relative paths (`models/...`) point. `--set key.sub=value` overrides
 any config entry (the value is read as YAML). The trainer's logger, callbacks, `max_time` and checkpointing
-and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps and writes
-nothing but `--out`.
+and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps (or the same CPU
+budget) and writes nothing but `--out`.
 """
 
 from __future__ import annotations

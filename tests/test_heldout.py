@@ -92,9 +92,7 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     config["data"].update(val_size=4, val_batch_size=4, batch_size=1)
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
-    spec = importlib.util.spec_from_file_location("demo", os.path.join(REPO, "scripts", "demo.py"))
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_script("demo", "scripts/demo.py")
     demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
 
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -110,3 +108,41 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     assert summary["mean_gain_points"]["mean"] == pytest.approx(sum(gains) / 2, abs=1e-9)
     for r in runs:
         assert r["gain"] == pytest.approx(r["accuracy_after"] - r["accuracy_before"], abs=1e-12)
+
+
+def load_script(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_options_report_gives_each_runs_mean_gain_over_seeds(tmp_path):
+    compare = load_script("compare_options", "benchmarks/compare_options.py")
+    config = os.path.join(REPO, "configs", "demo_arithmetic.yaml")
+    paths = []
+    for seed, after in ((0, 0.40), (1, 0.50), (2, 0.30)):
+        run = {
+            "variant": "lr 3e-5",
+            "before": {"strict": 0.25, "lenient": 0.26},
+            "after": {"strict": after, "lenient": after},
+            "gain_se": 0.03,
+            "steps": 10 + seed,
+            "rounds": 10 + seed,
+            "frac_no_signal": 0.2,
+            "frac_truncated": 0.1,
+            "generate_share": 0.5,
+            "train_cpu_seconds": 100.0 * (seed + 1),
+            "train_seconds": 60.0,
+            "curve": [],
+        }
+        path = tmp_path / f"seed{seed}.json"
+        overrides = [f"seed_everything={seed}"]
+        path.write_text(json.dumps({"config": config, "overrides": overrides, "results": [run]}))
+        paths.append(str(path))
+    table = compare.seeds_report(paths).splitlines()
+    assert [line.split("|")[2].strip() for line in table[2:5]] == ["0", "1", "2"]
+    assert "+15.0 ± 3.0" in table[2] and "| 100 | 10.0 |" in table[2]
+    # Gains +15, +25, +5: mean +15, sample sd 10, range +5..+25; mean CPU seconds 200, mean steps 11.
+    assert "**+15.0** (sd 10.0, +5.0..+25.0)" in table[5] and "| 11 |" in table[5] and "| 200 |" in table[5]
+    assert all(line.count("|") == table[0].count("|") for line in table)
