@@ -50,6 +50,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# Sleeping OpenMP workers, or CPU seconds on a shared machine count spinning: see scripts/demo.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

@@ -21,11 +21,17 @@ import os
 import sys
 import time
 
-import torch
+# OpenMP workers that sleep instead of spinning while they wait: on a machine shared with other jobs, a
+# spinning worker whose sibling was descheduled burns CPU doing nothing. Measured (BENCHMARKS.md, "Learning
+# per CPU-minute"): the same generation took 17-57 CPU s with 2 spinning threads under load, 3.8-4.1 CPU s
+# with passive ones, 4.2 CPU s with one thread. Read once, when torch loads OpenMP: before `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from grpo_lightning.cli import build_cli
-from grpo_lightning.cpu_budget import CPUTimeBudget
-from grpo_lightning.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread
+import torch  # noqa: E402
+
+from grpo_lightning.cli import build_cli  # noqa: E402
+from grpo_lightning.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
