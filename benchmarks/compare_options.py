@@ -1,4 +1,4 @@
-"""Dynamic sampling and token-level step credit, measured on the learning demo against the plain run.
+"""Options of the learning demo (dynamic sampling, step credit, any `--set` ablation) against the plain run.
 
 Runs of one config, each from the same seed and the same initial weights:
 
@@ -11,21 +11,32 @@ Runs of one config, each from the same seed and the same initial weights:
   steps get a negative advantage).
 
 Each run reports the held-out accuracy (greedy, the data module's held-out rows, strict `#### N` and
-lenient) before and after, and every `--eval_every` optimizer steps in between, with the training
-wall-clock (evaluations excluded) and the generation rounds so far; then one markdown table compares them,
-including how many optimizer steps and seconds each run needed to reach the baseline's final accuracy.
+lenient) before and after, and every `--eval_every` optimizer steps in between, with the gain's paired
+standard error over the problems; its training time without the evaluations in wall-clock and in CPU seconds
+of the process (on a machine shared with other jobs, CPU seconds / threads stand in for a quiet machine's
+wall-clock); the generation rounds, the share of groups without signal, the share of completions cut at
+`max_completion_length` and the share of the step spent generating. One markdown table compares them,
+including how many optimizer steps (and CPU seconds) each run needed to reach the first run's final accuracy.
 
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --device cuda
     python benchmarks/compare_options.py --config configs/demo_arithmetic.yaml --max_steps 10 \\
         --set data.val_size=32 --variants baseline dynamic_sampling
-    python benchmarks/compare_options.py --report runs/compare_options/seed*.json  # seeds in one table
+    python benchmarks/compare_options.py --max_steps 15 --variants baseline --label "lr 3e-5" \\
+        --set model.grpo.learning_rate=3e-5 --threads 1 --before runs/compare_options/base.json
+    python benchmarks/compare_options.py --report runs/compare_options/*.json  # runs and seeds, with means
+
+Ablations of any option: `--set` overrides with a `--label` naming the run in the tables. `--before` takes
+the accuracy before training from an earlier `--out` file (the same weights and held-out set: greedy
+decoding gives the same answers), so parallel runs with one thread each (`--threads 1`) do not each pay for
+it. `--cpu_budget` (default: the config's `CPUTimeBudget`) stops a run before its training CPU seconds would
+exceed it.
 
 The objects are built straight from the YAML (no LightningCLI, so no jsonargparse needed), and the repo
 root goes on `sys.path`: the script runs from a plain checkout where the package is not installed. Run it
 from the repo root, where the config's relative paths (`models/...`) point. `--set key.sub=value` overrides
 any config entry (the value is read as YAML). The trainer's logger, callbacks, `max_time` and checkpointing
-and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps and writes
-nothing but `--out`.
+and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps (or the same CPU
+budget) and writes nothing but `--out`.
 """
 
 from __future__ import annotations
@@ -39,15 +50,18 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# Sleeping OpenMP workers, or CPU seconds on a shared machine count spinning: see scripts/demo.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
-from grpo_lightning.core.metrics import GSM8KAccuracy  # noqa: E402
 from grpo_lightning.io.models import LoraOptions, ModelOptions  # noqa: E402
-from grpo_lightning.training.data import GSM8KDataModule, collate_rows  # noqa: E402
+from grpo_lightning.training.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.training.data import GSM8KDataModule  # noqa: E402
+from grpo_lightning.training.heldout import heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
 STEP_REWARD = "grpo_lightning.core.steps.step_reward"
@@ -58,6 +72,10 @@ UPDATE_KEYS = (  # logged as train/<key>
     "rewards/format_reward",
     "rewards/step_reward",
     "completion_length",
+    "frac_truncated",
+    "frac_reward_zero_std",
+    "generate_seconds",
+    "step_seconds",
 )
 TRAINER_LEFT_OUT = ("logger", "callbacks", "max_time", "enable_checkpointing", "default_root_dir")
 
@@ -78,6 +96,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--step_credit", type=float, default=0.5, help="grpo.step_credit of that run")
     parser.add_argument("--eval_every", type=int, default=10, help="optimizer steps between evaluations")
+    parser.add_argument(
+        "--cpu_budget",
+        type=float,
+        help="training CPU seconds per run, at most (default: the config's CPUTimeBudget)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--label", help="name the runs in the tables (e.g. what the --set overrides change)")
+    parser.add_argument(
+        "--before",
+        metavar="RESULTS_JSON",
+        help="take the accuracy before training from this --out file (same model and held-out set)",
+    )
     parser.add_argument("--out", default=os.path.join("runs", "compare_options", "results.json"))
     parser.add_argument(
         "--report",
@@ -151,36 +181,38 @@ def build(
 
 
 # ------------------------------------------------------------------------------------------ measuring
-@torch.no_grad()
-def heldout_accuracy(module: GRPOModule, data: GSM8KDataModule) -> dict[str, float]:
-    """Greedy accuracy on the held-out rows, as `GRPOModule.validation_step` computes it."""
-    rows, size = data.val_rows, data.hparams.val_batch_size
-    metric = GSM8KAccuracy(k=1)
-    for start in range(0, len(rows), size):
-        batch = collate_rows(rows[start : start + size], data.hparams.system_prompt)
-        _, completions = module.sample(batch["prompt"], 1, do_sample=False)
-        metric.update(completions, batch["answer"])
-    results = metric.compute()
-    return {"strict": float(results["accuracy_strict"]), "lenient": float(results["accuracy"])}
+def heldout_accuracy(module: GRPOModule, data: GSM8KDataModule) -> dict:
+    """Greedy accuracy on the held-out rows, as `GRPOModule.validation_step` computes it, and which
+    problems the strict reading got right (`correct`, for the paired standard error of a gain)."""
+    hp = data.hparams
+    results = heldout_correct(module, data.val_rows, hp.val_batch_size, hp.system_prompt)
+    n = len(results["strict"])
+    return {
+        "strict": sum(results["strict"]) / n,
+        "lenient": sum(results["lenient"]) / n,
+        "correct": [int(c) for c in results["strict"]],
+    }
+
+
+def configured_cpu_budget(config: dict) -> float | None:
+    """`max_cpu_seconds` of a `CPUTimeBudget` among the config's trainer callbacks, if there is one."""
+    for spec in config.get("trainer", {}).get("callbacks") or []:
+        if isinstance(spec, dict) and spec.get("class_path", "").endswith("CPUTimeBudget"):
+            return spec.get("init_args", {}).get("max_cpu_seconds")
+    return None
 
 
 class Progress(L.Callback):
-    """Generation rounds, training seconds without the evaluations, the share of groups without signal,
-    the held-out accuracy every `eval_every` optimizer steps, and the rewards and length each update saw."""
+    """Generation rounds, training wall-clock and CPU seconds without the evaluations (from `budget`, which
+    must run before this callback), the share of groups without signal, the held-out accuracy every
+    `eval_every` optimizer steps, and the rewards, lengths and timings each update saw."""
 
-    def __init__(self, data: GSM8KDataModule, eval_every: int) -> None:
-        self.data, self.eval_every = data, eval_every
+    def __init__(self, data: GSM8KDataModule, eval_every: int, budget: CPUTimeBudget) -> None:
+        self.data, self.eval_every, self.budget = data, eval_every, budget
         self.rounds, self.curve, self.no_signal = 0, [], []  # no_signal: (share, rounds) per update
         self.updates: list[dict] = []
-        self.eval_seconds = 0.0
-        self.start: float | None = None
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start - self.eval_seconds
-
-    def on_train_batch_start(self, trainer: L.Trainer, module: GRPOModule, batch, batch_idx) -> None:
-        if self.start is None:  # from the first batch: the reward audit and the pre-flight are not training
-            self.start = time.perf_counter()
+        self.eval_seconds = self.eval_cpu_seconds = 0.0
+        self.correct: list[int] = []  # per held-out problem, strict, at the last evaluation
 
     def on_train_batch_end(self, trainer: L.Trainer, module: GRPOModule, outputs, batch, batch_idx) -> None:
         self.rounds += 1
@@ -189,119 +221,155 @@ class Progress(L.Callback):
         metrics = trainer.callback_metrics
         # What each update trained on (under dynamic sampling: the informative groups only).
         trained = {k: round(float(metrics[f"train/{k}"]), 4) for k in UPDATE_KEYS if f"train/{k}" in metrics}
-        self.updates.append({"step": trainer.global_step, **trained})
+        self.updates.append({"step": trainer.global_step, "cpu_seconds": round(self.budget.cpu_seconds, 1)})
+        self.updates[-1].update(trained)
         if "train/dynamic_sampling/frac_dropped" in metrics:
             rounds = 1 + float(metrics["train/dynamic_sampling/extra_rounds"])
             self.no_signal.append((float(metrics["train/dynamic_sampling/frac_dropped"]), rounds))
         else:
             self.no_signal.append((float(metrics["train/frac_reward_zero_std"]), 1.0))
-        step = trainer.global_step
-        if step % self.eval_every == 0 and step < trainer.max_steps:
+        step, last = trainer.global_step, self.curve[-1]["step"]
+        # `num_iterations` > 1 moves the step by more than one per batch: evaluate on crossing a multiple.
+        if (
+            step // self.eval_every > last // self.eval_every
+            and step < trainer.max_steps
+            and not trainer.should_stop
+        ):
             self.evaluate(module, step)
 
     def on_train_end(self, trainer: L.Trainer, module: GRPOModule) -> None:
-        self.train_seconds = self.seconds()
         self.evaluate(module, trainer.global_step)
 
     def evaluate(self, module: GRPOModule, step: int) -> None:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         accuracy = heldout_accuracy(module, self.data)
+        self.correct = accuracy.pop("correct")
         self.eval_seconds += time.perf_counter() - start
-        point = {"step": step, "rounds": self.rounds, "seconds": round(self.seconds(), 1), **accuracy}
+        self.eval_cpu_seconds += time.process_time() - cpu_start
+        point = {
+            "step": step,
+            "rounds": self.rounds,
+            "seconds": round(self.budget.wall_seconds, 1),
+            "cpu_seconds": round(self.budget.cpu_seconds, 1),
+            **accuracy,
+        }
         self.curve.append(point)
         print(f"  step {step}: {self.curve[-1]}", file=sys.stderr, flush=True)
+
+
+def load_before(path: str, heldout_problems: int) -> dict:
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)["results"][0]
+    if saved["heldout_problems"] != heldout_problems:
+        raise ValueError(
+            f"--before {path}: {saved['heldout_problems']} held-out problems, this run has {heldout_problems}"
+        )
+    return saved["before"]
 
 
 def run_variant(variant: str, config: dict, args: argparse.Namespace, before: dict | None) -> dict:
     config = load_config(args.config, args.set + variant_overrides(variant, config, args.step_credit))
     data = GSM8KDataModule(**config.get("data", {}))
     data.setup("fit")
-    progress = Progress(data, args.eval_every)
-    trainer, module = build(config, args, [progress])
+    budget = CPUTimeBudget(args.cpu_budget if args.cpu_budget is not None else configured_cpu_budget(config))
+    progress = Progress(data, args.eval_every, budget)
+    trainer, module = build(config, args, [budget, progress])  # budget first: it stops its clock first
+    if before is None and args.before:
+        before = load_before(args.before, len(data.val_rows))
     if before is None:  # the same weights and greedy decoding: one measurement serves every run
         module.configure_model()
+        start, cpu_start = time.perf_counter(), time.process_time()
         before = heldout_accuracy(module.to(trainer.strategy.root_device), data)
-    progress.curve.append({"step": 0, "rounds": 0, "seconds": 0.0, **before})
-    print(f"{variant}: before {before}", file=sys.stderr, flush=True)
+        before["eval_seconds"] = round(time.perf_counter() - start, 1)
+        before["eval_cpu_seconds"] = round(time.process_time() - cpu_start, 1)
+    point = {k: before[k] for k in ("strict", "lenient")}
+    progress.curve.append({"step": 0, "rounds": 0, "seconds": 0.0, "cpu_seconds": 0.0, **point})
+    print(f"{variant}: before {point}", file=sys.stderr, flush=True)
     trainer.fit(module, data)
     shares, weights = zip(*progress.no_signal, strict=True)
+    updates = progress.updates
     return {
-        "variant": variant,
+        "variant": f"{args.label}+{variant}"
+        if args.label and variant != "baseline"
+        else args.label or variant,
         "heldout_problems": len(data.val_rows),
         "before": before,
-        "after": {k: progress.curve[-1][k] for k in ("strict", "lenient")},
+        "after": {k: progress.curve[-1][k] for k in ("strict", "lenient")} | {"correct": progress.correct},
+        "gain_se": paired_gain_se(before["correct"], progress.correct),
         "steps": trainer.global_step,
         "rounds": progress.rounds,
-        "train_seconds": round(progress.train_seconds, 1),
+        "train_seconds": round(budget.wall_seconds, 1),
+        "train_cpu_seconds": round(budget.cpu_seconds, 1),
+        "eval_seconds": round(progress.eval_seconds, 1),
+        "eval_cpu_seconds": round(progress.eval_cpu_seconds, 1),
+        # Wall-clock shares of the training batches (the module's own timers).
+        "generate_share": sum(u.get("generate_seconds", 0) for u in updates)
+        / max(1e-9, sum(u.get("step_seconds", 0) for u in updates)),
+        "frac_truncated": sum(u.get("frac_truncated", 0) for u in updates) / len(updates),
         "frac_no_signal": sum(s * w for s, w in zip(shares, weights, strict=True)) / sum(weights),
         "curve": progress.curve,
-        "updates": progress.updates,
+        "updates": updates,
     }
 
 
 # ------------------------------------------------------------------------------------------ report
-def first_reaching(curve: list[dict], target: float) -> str:
-    for point in curve:
-        if point["strict"] >= target:
-            return f"{point['step']} ({point['seconds']:.0f} s)"
-    return "not reached"
+COLUMNS = (
+    "| run | seed | strict acc. before → after | gain ± SE (points) | lenient after | optimizer steps "
+    "| generation rounds | groups w/o signal | truncated | generation share | train CPU s | CPU s / step "
+    "| train wall s |"
+)
 
 
-def report(results: list[dict]) -> str:
+def row(r: dict, seed: str) -> str:
+    b, a = r["before"], r["after"]
+    gain = 100 * (a["strict"] - b["strict"])
+    return (
+        f"| {r['variant']} | {seed} | {b['strict']:.3f} → {a['strict']:.3f} "
+        f"| {gain:+.1f} ± {100 * r['gain_se']:.1f} "
+        f"| {a['lenient']:.3f} | {r['steps']} | {r['rounds']} | {r['frac_no_signal']:.0%} "
+        f"| {r['frac_truncated']:.0%} | {r['generate_share']:.0%} | {r['train_cpu_seconds']:.0f} "
+        f"| {r['train_cpu_seconds'] / max(1, r['steps']):.1f} | {r['train_seconds']:.0f} |"
+    )
+
+
+def report(results: list[dict], seed: int) -> str:
+    """One row per run of this process. The SE of a gain is paired over the held-out problems."""
     target = results[0]["after"]["strict"]  # the first run's final accuracy, the baseline's by default
-    lines = [
-        f"| run | strict acc. before → after | lenient before → after | optimizer steps | generation rounds "
-        f"| groups w/o signal | train s | s / step | steps (s) to strict ≥ {target:.3f} |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"{COLUMNS} steps (CPU s) to strict ≥ {target:.3f} |", "|" + "---|" * (COLUMNS.count("|"))]
     for r in results:
-        b, a = r["before"], r["after"]
-        lines.append(
-            f"| {r['variant']} | {b['strict']:.3f} → {a['strict']:.3f} "
-            f"| {b['lenient']:.3f} → {a['lenient']:.3f} "
-            f"| {r['steps']} | {r['rounds']} | {r['frac_no_signal']:.0%} | {r['train_seconds']:.0f} "
-            f"| {r['train_seconds'] / max(1, r['steps']):.1f} | {first_reaching(r['curve'], target)} |"
-        )
+        lines.append(f"{row(r, str(seed))} {first_reaching(r['curve'], target)} |")
     return "\n".join(lines)
 
 
+def first_reaching(curve: list[dict], target: float) -> str:
+    for point in curve:
+        if point["strict"] >= target:
+            return f"{point['step']} ({point.get('cpu_seconds', 0):.0f})"
+    return "not reached"
+
+
 def seeds_report(paths: list[str]) -> str:
-    """The runs of several `--out` files, one row per variant and seed, then each variant's mean."""
+    """The runs of several `--out` files, one row per variant and seed, then each variant's mean gain with
+    its spread over seeds (sample standard deviation, min..max) and the mean training CPU seconds."""
     runs = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
         seed = load_config(saved["config"], saved["overrides"]).get("seed_everything", 0)
         runs += [(r["variant"], seed, r) for r in saved["results"]]
-    steps = sorted({p["step"] for _, _, r in runs for p in r["curve"]})
-    lines = [
-        f"| run | seed | strict acc. at step {' / '.join(map(str, steps))} | lenient after "
-        "| generation rounds | groups w/o signal | train s | s / step |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-
-    def row(name: str, seed: str, curve: dict, figures: list[float]) -> str:
-        strict = " / ".join(f"{curve[s]:.3f}" if s in curve else "-" for s in steps)
-        lenient, rounds, no_signal, seconds, per_step = figures
-        return (
-            f"| {name} | {seed} | {strict} | {lenient:.3f} | {rounds:.0f} | {no_signal:.0%} | {seconds:.0f} "
-            f"| {per_step:.1f} |"
-        )
-
+    lines = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
     for variant in dict.fromkeys(v for v, _, _ in runs):  # in the order first seen
-        curves, figures = [], []
-        for seed, r in sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0]):
-            curves.append({p["step"]: p["strict"] for p in r["curve"]})
-            figures.append(
-                [r["after"]["lenient"], r["rounds"], r["frac_no_signal"], r["train_seconds"]]
-                + [r["train_seconds"] / r["steps"]]
+        mine = sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0])
+        lines += [row(r, str(seed)) for seed, r in mine]
+        if len(mine) > 1:
+            gains = seed_spread([100 * (r["after"]["strict"] - r["before"]["strict"]) for _, r in mine])
+            cpu = seed_spread([r["train_cpu_seconds"] for _, r in mine])
+            steps = seed_spread([r["steps"] for _, r in mine])
+            lines.append(
+                f"| **{variant}** | mean of {len(mine)} | | **{gains['mean']:+.1f}** (sd {gains['std']:.1f}, "
+                f"{gains['min']:+.1f}..{gains['max']:+.1f}) | | {steps['mean']:.0f} | | | | "
+                f"| {cpu['mean']:.0f} | | |"
             )
-            lines.append(row(variant, str(seed), curves[-1], figures[-1]))
-        if len(figures) > 1:
-            shared = [s for s in steps if all(s in curve for curve in curves)]
-            mean_curve = {s: sum(curve[s] for curve in curves) / len(curves) for s in shared}
-            means = [sum(column) / len(figures) for column in zip(*figures, strict=True)]
-            lines.append(row(f"**{variant}**", "mean", mean_curve, means))
     return "\n".join(lines)
 
 
@@ -310,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         print(seeds_report(args.report))
         return
+    torch.set_num_threads(args.threads)
     config = load_config(args.config, args.set)
     # One untimed step first, or the first run alone would pay the process's one-time costs (kernels,
     # allocator, autograd threads): on CPU they came to several times a tiny model's step.
@@ -327,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
                 "overrides": args.set,
                 "max_steps": args.max_steps,
                 "device": args.device,
+                "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
                 "results": results,
             },
@@ -337,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.config} {' '.join(args.set)}; max_steps {args.max_steps or 'as configured'}; seed "
         f"{config.get('seed_everything', 0)}; {results[0]['heldout_problems']} held-out problems, greedy"
     )
-    print(report(results))
+    print(report(results, config.get("seed_everything", 0)))
     print(f"curves and figures: {args.out}")
 
 

@@ -1,43 +1,150 @@
 """The offline learning demo: held-out accuracy before, GRPO fine-tuning, held-out accuracy after.
 
-    python scripts/demo.py --config configs/demo_arithmetic.yaml
+    python scripts/demo.py --config configs/demo_arithmetic.yaml             # one run, the config's seed
+    python scripts/demo.py --config configs/demo_arithmetic.yaml --seeds 3   # seeds 0, 1, 2 and the mean gain
 
-Everything comes from the YAML (the same file `cli.py fit` takes); the summary goes to
-`<default_root_dir>/summary.json`.
+Everything else comes from the YAML (the same file `cli.py fit` takes; further `--key=value` arguments
+override it as they do there); the summary goes to `<default_root_dir>/summary.json`. Accuracies are greedy
+on the data module's held-out rows, with their binomial standard errors; the standard error of a gain is
+paired over the problems (`grpo_lightning.training.heldout`). The accuracy before training is measured
+once: every seed starts from the same weights and greedy decoding does not depend on the seed. Training time is given
+in wall-clock and in CPU seconds of this process (`CPUTimeBudget`, the config's training budget):
+on a machine shared with other jobs the CPU seconds divided by the thread count stand in for the
+wall-clock of a quiet machine.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
 import time
 
-from grpo_lightning.cli import build_cli
+# OpenMP workers that sleep instead of spinning while they wait: on a machine shared with other jobs, a
+# spinning worker whose sibling was descheduled burns CPU doing nothing. Measured (BENCHMARKS.md, "Learning
+# per CPU-minute"): the same generation took 17-57 CPU s with 2 spinning threads under load, 3.8-4.1 CPU s
+# with passive ones, 4.2 CPU s with one thread. Read once, when torch loads OpenMP: before `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from grpo_lightning.cli import build_cli  # noqa: E402
+from grpo_lightning.training.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.training.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 
 
-def main(args: list[str]) -> None:
-    cli = build_cli(args, run=False)
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="N runs, seeds 0..N-1, and their mean gain (default: one run, the config's seed)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    return parser.parse_known_args(argv)
+
+
+def evaluate(module, data, device: torch.device) -> dict:
+    """Per-problem greedy results on the held-out rows, and how long they took."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    hp = data.hparams
+    results = heldout_correct(module.to(device), data.val_rows, hp.val_batch_size, hp.system_prompt)
+    results["seconds"] = time.perf_counter() - start
+    results["cpu_seconds"] = time.process_time() - cpu_start
+    return results
+
+
+def share(values: list) -> float:
+    return sum(values) / len(values)
+
+
+def budget_of(trainer) -> CPUTimeBudget:
+    """The config's `CPUTimeBudget` callback, or a new one without a limit that only measures."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, CPUTimeBudget):
+            return callback
+    trainer.callbacks.insert(0, CPUTimeBudget())
+    return trainer.callbacks[0]
+
+
+def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
+    """One fine-tuning run: its summary, the before-training results (measured if `before` is None) and
+    the run's root folder."""
+    cli = build_cli(cli_args, run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
-    before = trainer.validate(module, data)[0]
-    start = time.perf_counter()
+    budget = budget_of(trainer)
+    data.setup("fit")
+    if before is None:
+        module.configure_model()
+        before = evaluate(module, data, trainer.strategy.root_device)
     trainer.fit(module, data)
-    seconds = time.perf_counter() - start
-    after = trainer.validate(module, data)[0]
+    after = evaluate(module, data, trainer.strategy.root_device)
     summary = {
-        "accuracy_before": before["val/accuracy_strict"],
-        "accuracy_after": after["val/accuracy_strict"],
-        "lenient_accuracy_before": before["val/accuracy"],
-        "lenient_accuracy_after": after["val/accuracy"],
-        "format_before": before["val/format"],
-        "format_after": after["val/format"],
+        "seed": cli.config.get("seed_everything"),
+        "heldout_problems": len(after["strict"]),
+        "accuracy_before": share(before["strict"]),
+        "accuracy_before_se": binomial_se(before["strict"]),
+        "accuracy_after": share(after["strict"]),
+        "accuracy_after_se": binomial_se(after["strict"]),
+        "gain": share(after["strict"]) - share(before["strict"]),
+        "gain_se": paired_gain_se(before["strict"], after["strict"]),
+        "lenient_accuracy_before": share(before["lenient"]),
+        "lenient_accuracy_after": share(after["lenient"]),
+        "format_before": share(before["formatted"]),
+        "format_after": share(after["formatted"]),
+        "completion_length_before": share(before["lengths"]),
+        "completion_length_after": share(after["lengths"]),
         "steps": trainer.global_step,
-        "seconds": round(seconds, 1),
-        "heldout_problems": len(data.val_rows),
+        "train_seconds": round(budget.wall_seconds, 1),
+        "train_cpu_seconds": round(budget.cpu_seconds, 1),
+        "cpu_budget_seconds": budget.max_cpu_seconds,
+        "threads": torch.get_num_threads(),
+        "eval_seconds": round(before["seconds"] + after["seconds"], 1),
     }
-    path = os.path.join(trainer.default_root_dir, "summary.json")
+    return summary, before, trainer.default_root_dir
+
+
+def describe(s: dict) -> str:
+    return (
+        f"seed {s['seed']}: strict accuracy {s['accuracy_before']:.1%} ± {s['accuracy_before_se']:.1%} -> "
+        f"{s['accuracy_after']:.1%} ± {s['accuracy_after_se']:.1%}, gain {100 * s['gain']:+.1f} ± "
+        f"{100 * s['gain_se']:.1f} points (paired SE, {s['heldout_problems']} held-out problems); "
+        f"{s['steps']} steps in {s['train_cpu_seconds']:.0f} CPU s ({s['threads']} threads) / "
+        f"{s['train_seconds']:.0f} s wall of training"
+    )
+
+
+def main(argv: list[str]) -> None:
+    args, cli_args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    seeds = [None] if args.seeds is None else list(range(args.seeds))
+    runs, before, root = [], None, None
+    for seed in seeds:
+        seed_args = [] if seed is None else [f"--seed_everything={seed}"]
+        summary, before, root = run(cli_args + seed_args, before)
+        runs.append(summary)
+        print(describe(summary), flush=True)
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
+    if len(runs) > 1:
+        gains = seed_spread([100 * s["gain"] for s in runs])
+        result["mean_gain_points"] = gains
+        result["mean_train_cpu_seconds"] = share([s["train_cpu_seconds"] for s in runs])
+        print(
+            f"mean strict gain over seeds {', '.join(str(s['seed']) for s in runs)}: "
+            f"{gains['mean']:+.1f} points "
+            f"(sd {gains['std']:.1f} over seeds, SE of the mean {gains['se']:.1f}; "
+            f"{gains['min']:+.1f}..{gains['max']:+.1f})"
+        )
+    result["whole_seconds"] = round(time.perf_counter() - start, 1)
+    path = os.path.join(root, "summary.json")
     with open(path, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    print(f"summary written to {path}; TensorBoard: tensorboard --logdir {trainer.default_root_dir}")
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    print(f"summary written to {path}; TensorBoard: tensorboard --logdir {root}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""The demo's statistics (binomial and paired standard errors, spread over seeds), the CPU-time budget that
+caps its training, and `scripts/demo.py --seeds` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import statistics
+import time
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from grpo_lightning.training.cpu_budget import CPUTimeBudget
+from grpo_lightning.training.heldout import binomial_se, paired_gain_se, seed_spread
+from tests.conftest import quiet_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_binomial_se_is_sqrt_p_q_over_n():
+    assert binomial_se([True, False, True, True]) == pytest.approx(math.sqrt(0.75 * 0.25 / 4), abs=1e-12)
+    assert binomial_se([True] * 5) == 0.0
+
+
+def test_paired_gain_se_is_the_se_of_the_per_problem_differences():
+    generator = torch.Generator().manual_seed(0)
+    before = (torch.rand(200, generator=generator) < 0.3).tolist()
+    after = [b or bool(torch.rand(1, generator=generator) < 0.4) for b in before]  # solved stay solved
+    diffs = torch.tensor(
+        [float(a) - float(b) for b, a in zip(before, after, strict=True)], dtype=torch.float64
+    )
+    expected = math.sqrt(diffs.var(unbiased=False).item() / 200)
+    assert paired_gain_se(before, after) == pytest.approx(expected, abs=1e-12)
+    # Problems solved both times add no variance: below the unpaired sqrt(se_before^2 + se_after^2).
+    assert paired_gain_se(before, after) < math.hypot(binomial_se(before), binomial_se(after))
+    assert paired_gain_se(before, before) == 0.0
+    with pytest.raises(ValueError, match="3 problems before, 2 after"):
+        paired_gain_se([True] * 3, [True] * 2)
+
+
+def test_seed_spread_matches_statistics():
+    values = [12.5, 30.0, 21.0]
+    spread = seed_spread(values)
+    assert spread["mean"] == pytest.approx(statistics.mean(values), abs=1e-12)
+    assert spread["std"] == pytest.approx(statistics.stdev(values), abs=1e-12)
+    assert spread["se"] == pytest.approx(statistics.stdev(values) / math.sqrt(3), abs=1e-12)
+    assert (spread["min"], spread["max"]) == (12.5, 30.0)
+    assert seed_spread([4.0])["std"] == 0.0
+
+
+class BusyModel(BoringModel):
+    """Each training step burns `cpu_per_step` CPU seconds of this process."""
+
+    cpu_per_step = 0.05
+
+    def training_step(self, batch, batch_idx):
+        start = time.process_time()
+        while time.process_time() - start < self.cpu_per_step:
+            pass
+        return super().training_step(batch, batch_idx)
+
+
+def test_cpu_budget_stops_before_the_budget_and_measures_without_one():
+    budget = CPUTimeBudget(max_cpu_seconds=0.3)  # about 5 steps of 0.05 s and Lightning's overhead
+    trainer = quiet_trainer(max_steps=50, callbacks=[budget], enable_model_summary=False)
+    trainer.fit(BusyModel())
+    assert 2 <= trainer.global_step < 6
+    assert budget.batches == trainer.global_step
+    assert BusyModel.cpu_per_step * budget.batches <= budget.cpu_seconds <= 0.3
+
+    unlimited = CPUTimeBudget()
+    trainer = quiet_trainer(max_steps=4, callbacks=[unlimited])
+    trainer.fit(BusyModel())
+    assert trainer.global_step == 4 and unlimited.cpu_seconds >= 4 * BusyModel.cpu_per_step
+    with pytest.raises(ValueError, match="max_cpu_seconds must be > 0"):
+        CPUTimeBudget(0)
+
+
+def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
+    """`scripts/demo.py --seeds 2` on a tiny model and the demo config: two runs from the same measured
+    `before`, each capped by the config's CPU budget, and the mean of their gains."""
+    with open(os.path.join(REPO, "configs", "demo_arithmetic.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path), logger=False)
+    config["model"]["policy"] = tiny_model_dir
+    config["model"]["grpo"].update(num_generations=2, max_completion_length=8, preflight=False)
+    config["data"].update(val_size=4, val_batch_size=4, batch_size=1)
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    demo = load_script("demo", "scripts/demo.py")
+    demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    runs = summary["runs"]
+    assert [r["seed"] for r in runs] == [0, 1]
+    assert runs[0]["accuracy_before"] == runs[1]["accuracy_before"]
+    assert all(r["steps"] == 2 and r["heldout_problems"] == 4 and r["train_cpu_seconds"] > 0 for r in runs)
+    assert all(
+        r["cpu_budget_seconds"] == config["trainer"]["callbacks"][0]["init_args"]["max_cpu_seconds"]
+        for r in runs
+    )
+    gains = [100 * r["gain"] for r in runs]
+    assert summary["mean_gain_points"]["mean"] == pytest.approx(sum(gains) / 2, abs=1e-9)
+    for r in runs:
+        assert r["gain"] == pytest.approx(r["accuracy_after"] - r["accuracy_before"], abs=1e-12)
+
+
+def load_script(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_options_report_gives_each_runs_mean_gain_over_seeds(tmp_path):
+    compare = load_script("compare_options", "benchmarks/compare_options.py")
+    config = os.path.join(REPO, "configs", "demo_arithmetic.yaml")
+    paths = []
+    for seed, after in ((0, 0.40), (1, 0.50), (2, 0.30)):
+        run = {
+            "variant": "lr 3e-5",
+            "before": {"strict": 0.25, "lenient": 0.26},
+            "after": {"strict": after, "lenient": after},
+            "gain_se": 0.03,
+            "steps": 10 + seed,
+            "rounds": 10 + seed,
+            "frac_no_signal": 0.2,
+            "frac_truncated": 0.1,
+            "generate_share": 0.5,
+            "train_cpu_seconds": 100.0 * (seed + 1),
+            "train_seconds": 60.0,
+            "curve": [],
+        }
+        path = tmp_path / f"seed{seed}.json"
+        overrides = [f"seed_everything={seed}"]
+        path.write_text(json.dumps({"config": config, "overrides": overrides, "results": [run]}))
+        paths.append(str(path))
+    table = compare.seeds_report(paths).splitlines()
+    assert [line.split("|")[2].strip() for line in table[2:5]] == ["0", "1", "2"]
+    assert "+15.0 ± 3.0" in table[2] and "| 100 | 10.0 |" in table[2]
+    # Gains +15, +25, +5: mean +15, sample sd 10, range +5..+25; mean CPU seconds 200, mean steps 11.
+    assert "**+15.0** (sd 10.0, +5.0..+25.0)" in table[5] and "| 11 |" in table[5] and "| 200 |" in table[5]
+    assert all(line.count("|") == table[0].count("|") for line in table)
