@@ -7,9 +7,9 @@ Everything else comes from the YAML (the same file `cli.py fit` takes; further `
 override it as they do there); the summary goes to `<default_root_dir>/summary.json`. Accuracies are greedy
 on the data module's held-out rows, with their binomial standard errors; the standard error of a gain is
 paired over the problems (`grpo_lightning.training.heldout`). The accuracy before training is measured
-once: every seed starts from the same weights and greedy decoding does not depend on the seed. Training time is given
-in wall-clock and in CPU seconds of this process (`CPUTimeBudget`, the config's training budget):
-on a machine shared with other jobs the CPU seconds divided by the thread count stand in for the
+once: every seed starts from the same weights and greedy decoding does not depend on the seed. Training
+time is given in wall-clock and in CPU seconds of this process (`CPUTimeBudget`, the config's training
+budget): on a machine shared with other jobs the CPU seconds divided by the thread count stand in for the
 wall-clock of a quiet machine.
 """
 

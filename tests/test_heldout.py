@@ -17,7 +17,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from grpo_lightning.training.cpu_budget import CPUTimeBudget
 from grpo_lightning.training.heldout import binomial_se, paired_gain_se, seed_spread
-from tests.conftest import quiet_trainer
+from tests.helpers import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
