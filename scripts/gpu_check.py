@@ -241,7 +241,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     n = len(measured)
     mean = {key: sum(getattr(t, key) for t in measured) / n for key in ("generate", "reference", "step")}
     tokens = sum(t.tokens for t in measured) / n
-    engine = module.rollout_engine()
+    engine = module.rollout_engine
     close_process_group()  # the next run starts its own (or none)
     return {
         "run": name,
@@ -398,13 +398,7 @@ def check_on_policy(
         settings = {"max_new_tokens": length, "pad_token_id": tokenizer.pad_token_id}
         if static:
             engine = StaticEngine(
-                **settings,
-                min_new_tokens=0,
-                eos_token_ids=(tokenizer.eos_token_id,),
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                share_prompt=True,
+                SamplingSettings(**settings, eos_token_ids=(tokenizer.eos_token_id,), share_prompt=True),
                 dtype=torch.bfloat16,
                 compile=device == "cuda",
             )

@@ -109,7 +109,7 @@ def test_each_set_is_scored_on_its_own(tiny_model_dir, tmp_path):
         "val/math/pass@k"
     ] == pytest.approx(3 / 7)
     assert "val/math/maj@k" not in results  # a reward's set has accuracy (mean@k) and pass@k
-    assert module._val_scores[1].k == 2 and module._val_scores[0].k == 1
+    assert module.validation.scores[1].k == 2 and module.validation.scores[0].k == 1
     answers = [r["answer"] for r in gsm8k_rows("test", 5)]
     assert [r["answer"] for r in data.val_set_rows[0]] == answers  # the set's own rows, GSM8K's test split
 

@@ -78,6 +78,22 @@ def shard_model(
     return model
 
 
+def shard_models(
+    policy: nn.Module, reference: nn.Module | None, mesh: Any, precision: str, cpu_offload: bool
+) -> None:
+    """Shard the policy and its reference (the reference too: it is never gathered whole) on `mesh`'s
+    `data_parallel` dimension, unless the policy is sharded already (a second `configure_model`). FSDP2
+    only: a `tensor_parallel` dimension larger than 1 is refused."""
+    if is_sharded(policy):
+        return
+    if mesh["tensor_parallel"].size() != 1:
+        raise ValueError("GRPOModule shards with FSDP2 only: set tensor_parallel_size=1")
+    mp_policy = mixed_precision_policy(precision)
+    for model in (policy, reference):
+        if model is not None:
+            shard_model(model, mesh["data_parallel"], mp_policy, cpu_offload)
+
+
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 

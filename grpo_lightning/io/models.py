@@ -6,6 +6,7 @@ GGUF file (dequantised by transformers). Nothing here knows about Lightning.
 
 from __future__ import annotations
 
+import copy
 import glob
 import importlib.util
 import os
@@ -289,3 +290,29 @@ def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:
             f"LoraOptions.target_modules={options.target_modules!r} does not match this model "
             f"({type(model).__name__}); its linear layers are named {names}. ({err})"
         ) from None
+
+
+def prepare_models(
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    source: str | None,
+    options: ModelOptions,
+    lora: LoraOptions | None,
+    needs_reference: bool,
+) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+    """The loaded `policy` made ready to train (checked, gradient checkpointing, LoRA adapters) and its
+    frozen reference: a copy when `needs_reference` (beta > 0) without LoRA; None with LoRA, whose reference
+    is the policy with its adapters off, or when no reference is needed."""
+    check_loaded_model(policy, tokenizer, source)
+    if options.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = None
+    if lora is not None:
+        policy = apply_lora(policy, lora)
+        if options.gradient_checkpointing:
+            policy.enable_input_require_grads()  # else the frozen embeddings cut the LoRA gradient
+    elif needs_reference:
+        reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    policy.config.use_cache = True
+    policy.train()  # from_pretrained returns eval mode; Lightning keeps the modes it finds
+    return policy, reference

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -18,19 +16,14 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
-from grpo_lightning.core.config import GRPOConfig, option_differences
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.reference_sync import ReferenceSync
 from grpo_lightning.core.rewards import accuracy_reward, format_reward, reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.rollout import (
-    EagerEngine,
-    LogProbScorer,
-    PromptEncoder,
-    PromptSampler,
     RolloutEngine,
-    SamplingSettings,
     check_chat_template,
     warn_if_unteachable,
 )
@@ -38,13 +31,10 @@ from grpo_lightning.core.sampling import Rollout, stop_token_ids
 from grpo_lightning.core.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.core.scoring import (
     RewardInputs,
-    call_reward,
     check_reward_weights,
     score_completions,
     trainer_state,
 )
-from grpo_lightning.core.shared_prompt import sharing_unsupported
-from grpo_lightning.core.static_rollout import StaticEngine, compute_dtype, resolve_backend
 from grpo_lightning.core.step_metrics import training_step_metrics
 from grpo_lightning.core.trajectory import Trajectory, build_trajectory
 from grpo_lightning.core.update import (
@@ -56,32 +46,32 @@ from grpo_lightning.core.update import (
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import (
     gather_per_rank,
-    gathered_for_generation,
     is_sharded,
-    mixed_precision_policy,
-    shard_model,
+    shard_models,
 )
 from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
-    apply_lora,
-    check_loaded_model,
     load_model,
     load_tokenizer,
+    prepare_models,
     prepare_tokenizer,
 )
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
+from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.training_state import (
     drop_reference,
     load_grpo_state,
+    reference_syncs_of,
     restore_reference,
     save_grpo_state,
+    warn_changed_options,
 )
-from grpo_lightning.training.validation_sets import COUNTED, SetScores
+from grpo_lightning.training.validation import ValidationScoring
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
@@ -164,6 +154,7 @@ class GRPOModule(L.LightningModule):
         if tokenizer is None or isinstance(tokenizer, str):
             tokenizer = load_tokenizer(tokenizer or self.policy_source, self.model_options.gguf_file)
         self.tokenizer = prepare_tokenizer(tokenizer)
+        self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.reference: PreTrainedModel | None = None
         if self.policy is not None:
             self._prepare_models()
@@ -173,6 +164,7 @@ class GRPOModule(L.LightningModule):
             if val_reward is None
             else RewardAccuracy(k=num_generations_eval)
         )
+        self.validation = ValidationScoring(num_generations_eval, val_reward, self.val_accuracy)
         self.automatic_optimization = False
         self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
@@ -180,10 +172,6 @@ class GRPOModule(L.LightningModule):
             grpo, self.reward_names
         )  # dynamic sampling's waiting groups
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
-        self._rng_outside_validation: dict | None = None
-        self._val_scores: list[SetScores] = []  # per validation loader, built as each validation starts
-        self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
-        self._rollout_engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
         self.reference_sync = (
             ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
@@ -219,30 +207,14 @@ class GRPOModule(L.LightningModule):
         if self.policy is None:
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
-        mesh = self.device_mesh  # set by ModelParallelStrategy only: FSDP2 sharding
-        if mesh is not None and not is_sharded(self.policy):
-            if mesh["tensor_parallel"].size() != 1:
-                raise ValueError("GRPOModule shards with FSDP2 only: set tensor_parallel_size=1")
-            mp_policy = mixed_precision_policy(self.trainer.precision)
-            for model in (self.policy, self.reference):  # the reference is sharded too, never gathered whole
-                if model is not None:
-                    shard_model(model, mesh["data_parallel"], mp_policy, self.grpo.cpu_offload)
+        if self.device_mesh is not None:  # set by ModelParallelStrategy only: FSDP2 sharding
+            mesh, precision = self.device_mesh, self.trainer.precision
+            shard_models(self.policy, self.reference, mesh, precision, self.grpo.cpu_offload)
 
     def _prepare_models(self) -> None:
-        check_loaded_model(self.policy, self.tokenizer, self.policy_source)
-        opts = self.model_options
-        if opts.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.lora is not None:
-            self.policy = apply_lora(self.policy, self.lora)
-            if opts.gradient_checkpointing:
-                self.policy.enable_input_require_grads()  # else the frozen embeddings cut the LoRA gradient
-        elif self.grpo.beta > 0:
-            self.reference = copy.deepcopy(self.policy)
-        if self.reference is not None:
-            self.reference.requires_grad_(False).eval()
-        self.policy.config.use_cache = True
-        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps the modes it finds
+        self.policy, self.reference = prepare_models(
+            self.policy, self.tokenizer, self.policy_source, self.model_options, self.lora, self.grpo.beta > 0
+        )
 
     def train(self, mode: bool = True) -> GRPOModule:
         super().train(mode)
@@ -288,21 +260,14 @@ class GRPOModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
-        rng = self._rng_outside_validation or capture_rng_states()
-        save_grpo_state(checkpoint, self.step_guard.bad_steps, rng, self.group_buffer)
-        if self.reference_sync is not None:
-            checkpoint["grpo_state"]["reference_syncs"] = self.reference_sync.syncs_done
+        rng = self.validation.training_rng or capture_rng_states()
+        syncs = self.reference_sync.syncs_done if self.reference_sync is not None else None
+        save_grpo_state(checkpoint, self.step_guard.bad_steps, rng, self.group_buffer, syncs)
         if not is_sharded(self.policy) and self.reference_sync is None:  # a synced reference is stored
             drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # Lightning restores weights and state into this module as built: its options win. Said, not silent.
-        changed = option_differences(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
-        if changed:
-            listed = "; ".join(
-                f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
-            )
-            rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
+        warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
         if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
@@ -313,9 +278,8 @@ class GRPOModule(L.LightningModule):
             self.step_guard.bad_steps = own.bad_steps
             self._rng_to_restore = own.rng
             vars(self.group_buffer).update(own.group_buffer)
-        if self.reference_sync is not None:  # a checkpoint without syncs: none due before its step
-            default = checkpoint.get("global_step", 0) // self.reference_sync.every
-            self.reference_sync.syncs_done = checkpoint.get("grpo_state", {}).get("reference_syncs", default)
+        if self.reference_sync is not None:
+            self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
         # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
@@ -346,74 +310,35 @@ class GRPOModule(L.LightningModule):
 
     def shares_prompt(self) -> bool:
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
-        if self._share_prompt is None:
-            reason = sharing_unsupported(self.policy) if self.grpo.share_prompt else None
-            if reason is not None:
-                warnings.warn(f"grpo.share_prompt: {reason}; every prompt is encoded G times", stacklevel=2)
-            self._share_prompt = self.grpo.share_prompt and reason is None
-        return self._share_prompt
+        return self.rollouts.shares_prompt(self.policy)
 
     def build_rollout_engine(self) -> RolloutEngine:
         """The engine that generates the rollouts (`grpo.generation_backend`), built once the policy is
         loaded."""
-        cfg = self.grpo
-        settings = SamplingSettings(
-            max_new_tokens=cfg.max_completion_length,
-            min_new_tokens=cfg.min_completion_length,
-            eos_token_ids=tuple(stop_token_ids(self.policy, self.tokenizer)),
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            share_prompt=self.shares_prompt(),
-        )
-        if resolve_backend(cfg.generation_backend, self.policy, self.device) == "eager":
-            return EagerEngine(settings)
-        return StaticEngine(
-            settings,
-            dtype=compute_dtype(self.trainer.precision) if self._trainer is not None else None,
-            compile=self.device.type == "cuda",
-            max_prompt_tokens=cfg.max_prompt_length,
-        )
+        precision = self.trainer.precision if self._trainer is not None else None
+        return self.rollouts.build_engine(self.policy, self.device, precision)
 
     @property
     def rollout_engine(self) -> RolloutEngine:
-        if self._rollout_engine is None:
-            self._rollout_engine = self.build_rollout_engine()
-        return self._rollout_engine
-
-    @property
-    def prompt_encoder(self) -> PromptEncoder:
-        return PromptEncoder(self.tokenizer, self.grpo.max_prompt_length, self.grpo.truncate_prompts)
-
-    @property
-    def scorer(self) -> LogProbScorer:
-        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes."""
-        cfg = self.grpo
-        return LogProbScorer(
-            cfg.num_generations, cfg.temperature, self.shares_prompt(), cfg.entropy_coef != 0
-        )
+        if self.rollouts.engine is None:
+            self.rollouts.engine = self.build_rollout_engine()
+        return self.rollouts.engine
 
     def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
         """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
-        return self.prompt_encoder.encode(prompts, self.device)
+        return self.rollouts.prompt_encoder.encode(prompts, self.device)
 
     def sample(
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
         """Generate `num_generations` completions per prompt and decode them."""
-        engine = self.rollout_engine
-        sampler = PromptSampler(self.prompt_encoder, engine)
-        # Sharded: full weights once, no collective per token; an engine with a copy of its own needs them
-        # only to build it.
-        with gathered_for_generation(self.policy) if engine.reads_live_weights else nullcontext():
-            return sampler.sample(
-                self.policy, prompts, num_generations, do_sample=do_sample, device=self.device
-            )
+        return self.rollouts.sample(
+            self.rollout_engine, self.policy, prompts, num_generations, do_sample, self.device
+        )
 
     def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
         """`(logprobs, entropies)` `[b, T]` of `rollout`'s `rows` under `model`."""
-        return self.scorer(model, rollout, rows, with_entropy)
+        return self.rollouts.scorer(self.policy)(model, rollout, rows, with_entropy)
 
     def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
         """`rollout`'s micro-batches: `micro_batch_size` rows, or by `max_tokens_per_micro_batch` (a
@@ -432,12 +357,7 @@ class GRPOModule(L.LightningModule):
         return logprobs_in_micro_batches(self.logprobs, model, rollout, self.micro_batches(rollout))  # [B, T]
 
     def _weights_updated(self) -> None:
-        engine = self._rollout_engine
-        if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
-            return
-        # An engine that reads the live weights has nothing to copy; another one copies them, whole.
-        with nullcontext() if engine.reads_live_weights else gathered_for_generation(self.policy):
-            engine.weights_updated(self.policy)
+        self.rollouts.weights_updated(self.policy)
 
     # ----------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
@@ -596,57 +516,13 @@ class GRPOModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
-        # Validation sampling must not move the training stream: how often it runs (or whether a resumed
-        # run repeats it) then never changes which completions training samples.
-        self._rng_outside_validation = capture_rng_states()
-        self._val_scores = self._validation_scores()
-
-    def _validation_scores(self) -> list[SetScores]:
-        """One `SetScores` per validation loader: the data module's own rows (`val/...`), then its
-        `val_sets` (`val/<name>/...`)."""
-        datamodule = self.trainer.datamodule
-        sets = datamodule.validation_sets_in_order() if isinstance(datamodule, PromptDataModule) else [None]
-        return [
-            (
-                SetScores("val/", self.num_generations_eval, self.val_reward, accuracy=self.val_accuracy)
-                if s is None
-                else SetScores(f"val/{s.name}/", s.num_generations, s.reward, s.answer_field)
-            ).to(self.device)
-            for s in sets
-        ]
+        self.validation.start(self.trainer.datamodule, self.device)
 
     def validation_step(
         self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0
     ) -> dict[str, list[str]]:
-        scores = self._val_scores[dataloader_idx]
-        counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
-        rollout, completions = self.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
-        lengths = rollout.completion_mask.sum(1)  # [N * k]
-        if scores.reward is not None:
-            inputs = self.reward_inputs(batch, rollout, completions, batch_idx)
-            scores.update_rewards(counted, lengths, call_reward(scores.reward, inputs))
-        else:
-            answers = batch[scores.answer_column or self._answer_column(batch)]
-            scores.update_answers(counted, lengths, completions, answers)
-        return {"completions": completions}  # for callbacks such as ValidationResultsWriter
-
-    def _answer_column(self, batch: dict[str, list]) -> str:
-        """The batch column validation checks completions against: the data module's answer column."""
-        column = getattr(self.trainer.datamodule, "answer_column", "answer")
-        if column not in batch:
-            raise ValueError(
-                f"validation checks answers against a reference, but the data has no answer column "
-                f"{column!r} (columns: {sorted(batch)}): set data.answer_field to the reference's column, "
-                "or model.val_reward to a reward function that judges the completions"
-            )
-        return column
+        return self.validation.step(batch, batch_idx, dataloader_idx, self.sample, self.reward_inputs)
 
     def on_validation_epoch_end(self) -> None:
-        # Outside inference mode: states reset inside `trainer.validate` would become inference tensors,
-        # which a later validation within `fit` (no_grad only) could not update in place.
-        with torch.inference_mode(False):
-            results = {key: value for scores in self._val_scores for key, value in scores.compute().items()}
-        for key, value in results.items():
+        for key, value in self.validation.end().items():
             self.log(key, value, prog_bar=key == "val/accuracy", add_dataloader_idx=False)
-        restore_rng_states(self._rng_outside_validation)
-        self._rng_outside_validation = None  # back on the training stream

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from grpo_lightning.core.config import option_differences
 from grpo_lightning.core.dynamic_sampling import GroupBuffer
 from grpo_lightning.io.distributed import gather_per_rank
 from grpo_lightning.training.resume import state_of_rank
@@ -31,11 +33,20 @@ class RankState:
     group_buffer: dict  # the buffer's state, without its options
 
 
-def save_grpo_state(checkpoint: dict, bad_steps: int, rng: dict, group_buffer: GroupBuffer) -> None:
-    """Store the GRPO state of every rank (a collective under several processes: every rank calls it)."""
+def save_grpo_state(
+    checkpoint: dict,
+    bad_steps: int,
+    rng: dict,
+    group_buffer: GroupBuffer,
+    reference_syncs: int | None = None,
+) -> None:
+    """Store the GRPO state of every rank (a collective under several processes: every rank calls it), and
+    the reference syncs done (`grpo.sync_ref_model`; None without)."""
     buffer = {k: v for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
     own = {"rng": rng, "group_buffer": move_data_to_device(buffer, "cpu")}
     checkpoint[STATE_KEY] = {"bad_steps": bad_steps, "per_rank": gather_per_rank(own)}
+    if reference_syncs is not None:
+        checkpoint[STATE_KEY]["reference_syncs"] = reference_syncs
 
 
 def load_grpo_state(checkpoint: dict, rank: int, world_size: int) -> RankState | None:
@@ -45,6 +56,24 @@ def load_grpo_state(checkpoint: dict, rank: int, world_size: int) -> RankState |
     state = checkpoint[STATE_KEY]
     own = state_of_rank(state["per_rank"], rank, world_size)
     return RankState(state["bad_steps"], own["rng"], own["group_buffer"])
+
+
+def reference_syncs_of(checkpoint: dict, every: int) -> int:
+    """The reference syncs a checkpoint's run had done; for a checkpoint without the count, those due before
+    its step (none is missed)."""
+    default = checkpoint.get("global_step", 0) // every
+    return checkpoint.get(STATE_KEY, {}).get("reference_syncs", default)
+
+
+def warn_changed_options(saved: dict, own: dict) -> None:
+    """Lightning restores weights and state into the module as built, whose options (`own`) win over the
+    checkpoint's hyper-parameters (`saved`): said, not silent."""
+    changed = option_differences(saved, own)
+    if changed:
+        listed = "; ".join(
+            f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
+        )
+        rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
 
 
 def drop_reference(checkpoint: dict) -> None:
