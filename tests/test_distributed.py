@@ -275,12 +275,18 @@ def test_export_best_names_the_command_for_a_sharded_policy(one_process_group, t
     assert not os.path.exists(tmp_path / "export"), "no half-written export of one shard"
 
 
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
 def launch(cfg: dict, timeout: float = 120, script: str = __file__) -> None:
     """Run `script`'s worker in its own process group; kill the group (every rank) if it does not finish."""
     os.makedirs(cfg["out"], exist_ok=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `tests.` imports in the workers
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
+    # A rendezvous of its own: an in-process FSDP2 test earlier in the session leaves MASTER_PORT set (and its
+    # store listening), and workers inheriting it would fail with EADDRINUSE.
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path})
     proc = subprocess.Popen(
         [sys.executable, script, json.dumps(cfg)],
         start_new_session=True,
