@@ -28,8 +28,8 @@ including how many optimizer steps (and CPU seconds) each run needed to reach th
 Ablations of any option: `--set` overrides with a `--label` naming the run in the tables. `--before` takes
 the accuracy before training from an earlier `--out` file (the same weights and held-out set: greedy
 decoding gives the same answers), so parallel runs with one thread each (`--threads 1`) do not each pay for
-it. `--cpu_budget` (default: the config's `CPUTimeBudget`) stops a run before its training CPU seconds would
-exceed it.
+it. `--cpu_budget` and `--wall_budget` (default: the config's `CPUTimeBudget`) stop a run before its training
+CPU seconds, or its training wall-clock, would exceed them.
 
 The objects are built straight from the YAML (no LightningCLI, so no jsonargparse needed), and the repo
 root goes on `sys.path`: the script runs from a plain checkout where the package is not installed. Run it
@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu_budget",
         type=float,
         help="training CPU seconds per run, at most (default: the config's CPUTimeBudget)",
+    )
+    parser.add_argument(
+        "--wall_budget",
+        type=float,
+        help="training wall-clock seconds per run, at most (default: the config's CPUTimeBudget)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--label", help="name the runs in the tables (e.g. what the --set overrides change)")
@@ -194,12 +199,16 @@ def heldout_accuracy(module: GRPOModule, data: GSM8KDataModule) -> dict:
     }
 
 
-def configured_cpu_budget(config: dict) -> float | None:
-    """`max_cpu_seconds` of a `CPUTimeBudget` among the config's trainer callbacks, if there is one."""
+def configured_budget(config: dict, args: argparse.Namespace) -> CPUTimeBudget:
+    """The config's `CPUTimeBudget` (none: no limit), with `--cpu_budget` and `--wall_budget` over it."""
+    limits = {}
     for spec in config.get("trainer", {}).get("callbacks") or []:
         if isinstance(spec, dict) and spec.get("class_path", "").endswith("CPUTimeBudget"):
-            return spec.get("init_args", {}).get("max_cpu_seconds")
-    return None
+            limits = dict(spec.get("init_args", {}))
+    for key, value in (("max_cpu_seconds", args.cpu_budget), ("max_wall_seconds", args.wall_budget)):
+        if value is not None:
+            limits[key] = value
+    return CPUTimeBudget(**limits)
 
 
 class Progress(L.Callback):
@@ -271,7 +280,7 @@ def run_variant(variant: str, config: dict, args: argparse.Namespace, before: di
     config = load_config(args.config, args.set + variant_overrides(variant, config, args.step_credit))
     data = GSM8KDataModule(**config.get("data", {}))
     data.setup("fit")
-    budget = CPUTimeBudget(args.cpu_budget if args.cpu_budget is not None else configured_cpu_budget(config))
+    budget = configured_budget(config, args)
     progress = Progress(data, args.eval_every, budget)
     trainer, module = build(config, args, [budget, progress])  # budget first: it stops its clock first
     if before is None and args.before:

@@ -101,6 +101,7 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
         "train_seconds": round(budget.wall_seconds, 1),
         "train_cpu_seconds": round(budget.cpu_seconds, 1),
         "cpu_budget_seconds": budget.max_cpu_seconds,
+        "wall_budget_seconds": budget.max_wall_seconds,
         "threads": torch.get_num_threads(),
         "eval_seconds": round(before["seconds"] + after["seconds"], 1),
     }

@@ -81,6 +81,24 @@ def test_cpu_budget_stops_before_the_budget_and_measures_without_one():
         CPUTimeBudget(0)
 
 
+class SleepyModel(BoringModel):
+    """Each training step waits 0.05 s of wall-clock and uses almost no CPU."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+
+def test_wall_budget_stops_on_wall_clock_while_the_cpu_budget_is_far():
+    budget = CPUTimeBudget(max_cpu_seconds=100.0, max_wall_seconds=0.3)
+    trainer = quiet_trainer(max_steps=50, callbacks=[budget], enable_model_summary=False)
+    trainer.fit(SleepyModel())
+    assert 2 <= trainer.global_step < 6
+    assert budget.wall_seconds <= 0.3 and budget.cpu_seconds < 0.3
+    with pytest.raises(ValueError, match="max_wall_seconds must be > 0"):
+        CPUTimeBudget(max_wall_seconds=-1)
+
+
 def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     """`scripts/demo.py --seeds 2` on a tiny model and the demo config: two runs from the same measured
     `before`, each capped by the config's CPU budget, and the mean of their gains."""
