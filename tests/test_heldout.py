@@ -101,7 +101,7 @@ def test_wall_budget_stops_on_wall_clock_while_the_cpu_budget_is_far():
 
 def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     """`scripts/demo.py --seeds 2` on a tiny model and the demo config: two runs from the same measured
-    `before`, each capped by the config's CPU budget, and the mean of their gains."""
+    `before`, each under the config's CPU and wall-clock budget, and the mean of their gains."""
     with open(os.path.join(REPO, "configs", "demo_arithmetic.yaml"), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path), logger=False)
@@ -118,10 +118,9 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     assert [r["seed"] for r in runs] == [0, 1]
     assert runs[0]["accuracy_before"] == runs[1]["accuracy_before"]
     assert all(r["steps"] == 2 and r["heldout_problems"] == 4 and r["train_cpu_seconds"] > 0 for r in runs)
-    assert all(
-        r["cpu_budget_seconds"] == config["trainer"]["callbacks"][0]["init_args"]["max_cpu_seconds"]
-        for r in runs
-    )
+    limits = config["trainer"]["callbacks"][0]["init_args"]
+    assert all(r["cpu_budget_seconds"] == limits["max_cpu_seconds"] for r in runs)
+    assert all(r["wall_budget_seconds"] == limits["max_wall_seconds"] == 600 for r in runs)
     gains = [100 * r["gain"] for r in runs]
     assert summary["mean_gain_points"]["mean"] == pytest.approx(sum(gains) / 2, abs=1e-9)
     for r in runs:
