@@ -3,7 +3,7 @@
 On a machine shared with other jobs, wall-clock depends on the load; the CPU time the training process
 itself used (user + system, all its threads, `time.process_time`) does much less. With `n` threads that keep
 busy, `cpu_seconds / n` stands in for the wall-clock the same run takes on a quiet machine of `n` cores; they
-seldom keep busy (measured for the demo: 2 threads used about 1.4 CPU seconds per second), so "10 minutes of
+seldom keep busy (measured for the demo: 2 threads used about 1.5 CPU seconds per second), so "10 minutes of
 training on 2 cores" is a wall-clock limit on a quiet machine, with the CPU limit for loaded ones.
 """
 
