@@ -107,7 +107,8 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path), logger=False)
     config["model"]["policy"] = tiny_model_dir
     config["model"]["grpo"].update(num_generations=2, max_completion_length=8, preflight=False)
-    config["data"].update(val_size=4, val_batch_size=4, batch_size=1)
+    # 2 prompts per rollout: the config's steps_per_generation = 2 optimizer steps of one prompt each
+    config["data"].update(val_size=4, val_batch_size=4, batch_size=2)
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     demo = load_script("demo", "scripts/demo.py")
