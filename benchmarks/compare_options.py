@@ -182,6 +182,7 @@ def build(
     trainer = L.Trainer(
         **trainer_args, logger=False, enable_checkpointing=False, callbacks=callbacks, default_root_dir=root
     )
+    module.trainer = trainer  # the evaluation before training decodes in the trainer's precision, as after
     return trainer, module
 
 

@@ -10,6 +10,8 @@ answer that is right).
     python benchmarks/sampling_signal.py --config configs/demo_arithmetic.yaml --temperatures 0.5 0.8 1.0
 
 Run from the repo root, where the config's relative paths point; seeded (`--seed`), one thread by default.
+Only the config's model and data sections are read: sampling runs without a trainer, in the policy's float32
+whatever `trainer.precision` says.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import yaml
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from grpo_lightning.training.cpu_budget import CPUTimeBudget
-from grpo_lightning.training.heldout import binomial_se, paired_gain_se, seed_spread
+from grpo_lightning.training.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread
 from tests.helpers import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,7 +113,17 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     demo = load_script("demo", "scripts/demo.py")
-    demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
+    precisions = []  # the precision of the engine each evaluation decoded with
+
+    def recorded(module, *args):
+        results = heldout_correct(module, *args)
+        precisions.append(module.rollouts.engine_precision)
+        return results
+
+    with mock.patch.object(demo, "heldout_correct", recorded):
+        demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
+    # before (once), after seed 0, after seed 1: all in the config's precision, as training sampled
+    assert precisions == [config["trainer"]["precision"]] * 3 == ["bf16-mixed"] * 3
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     runs = summary["runs"]
@@ -164,3 +175,36 @@ def test_compare_options_report_gives_each_runs_mean_gain_over_seeds(tmp_path):
     # Gains +15, +25, +5: mean +15, sample sd 10, range +5..+25; mean CPU seconds 200, mean steps 11.
     assert "**+15.0** (sd 10.0, +5.0..+25.0)" in table[5] and "| 11 |" in table[5] and "| 200 |" in table[5]
     assert all(line.count("|") == table[0].count("|") for line in table)
+
+
+def test_compare_options_runs_the_demo_config_and_evaluates_in_its_precision(tiny_model_dir, tmp_path):
+    """`benchmarks/compare_options.py` on the demo config (bf16-mixed, static rollouts, 2 optimizer steps
+    per rollout) with a tiny model: the steps it reports are the trainer's, its gain is after - before,
+    and the evaluation before training decodes in the trainer's precision, as the one after does."""
+    compare = load_script("compare_options", "benchmarks/compare_options.py")
+    precisions = []
+
+    def recorded(module, *args):
+        results = heldout_correct(module, *args)
+        precisions.append(module.rollouts.engine_precision)
+        return results
+
+    out = tmp_path / "results.json"
+    overrides = [
+        f"model.policy={tiny_model_dir}",
+        "model.grpo.num_generations=2",
+        "model.grpo.max_completion_length=8",
+        "model.grpo.preflight=false",
+        "data.val_size=4",
+        "data.val_batch_size=4",
+        "data.batch_size=2",
+    ]
+    args = ["--max_steps", "2", "--eval_every", "1000", "--variants", "baseline", "--out", str(out)]
+    with mock.patch.object(compare, "heldout_correct", recorded):
+        threads = ["--threads", str(torch.get_num_threads())]
+        compare.main(args + threads + [a for o in overrides for a in ("--set", o)])
+    (run,) = json.loads(out.read_text())["results"]
+    assert (run["steps"], run["rounds"]) == (2, 1)  # one rollout, two optimizer steps
+    assert run["heldout_problems"] == len(run["before"]["correct"]) == len(run["after"]["correct"]) == 4
+    assert run["after"]["strict"] == sum(run["after"]["correct"]) / 4
+    assert precisions and set(precisions) == {"bf16-mixed"}

@@ -438,3 +438,21 @@ def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
 
 if __name__ == "__main__":
     torch.multiprocessing.spawn(fsdp_rank, args=(json.loads(sys.argv[1]),), nprocs=2)
+
+
+def test_an_engine_built_before_fit_follows_the_trainers_precision(tiny_model_dir):
+    """Sampling before `fit` (an evaluation before training) builds the static engine without a trainer:
+    a float32 inference copy. Under `bf16-mixed` training must generate from a bf16 copy, as the scorer's
+    autocast sees the weights; the demo's seed 0 once trained from the float32 one."""
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
+    )
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    module.configure_model()
+    module.sample(["1 + 1 ="], 1, do_sample=False)
+    assert module.rollout_engine.copy.model.dtype == torch.float32
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, data)
+    assert module.rollout_engine.copy.model.dtype == torch.bfloat16

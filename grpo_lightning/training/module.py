@@ -312,16 +312,22 @@ class GRPOModule(L.LightningModule):
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
         return self.rollouts.shares_prompt(self.policy)
 
+    def _precision(self) -> str | None:
+        return self.trainer.precision if self._trainer is not None else None
+
     def build_rollout_engine(self) -> RolloutEngine:
-        """The engine that generates the rollouts (`grpo.generation_backend`), built once the policy is
-        loaded."""
-        precision = self.trainer.precision if self._trainer is not None else None
-        return self.rollouts.build_engine(self.policy, self.device, precision)
+        """The engine that generates the rollouts (`grpo.generation_backend`), in the trainer's precision."""
+        return self.rollouts.build_engine(self.policy, self.device, self._precision())
 
     @property
     def rollout_engine(self) -> RolloutEngine:
-        if self.rollouts.engine is None:
+        """Built once the policy is loaded, and again when the trainer's precision is not the one it was built
+        for: a module that sampled before `fit` (an evaluation before training) must not keep its float32
+        inference copy under `bf16-mixed`."""
+        precision = self._precision()
+        if self.rollouts.engine is None or self.rollouts.engine_precision != precision:
             self.rollouts.engine = self.build_rollout_engine()
+            self.rollouts.engine_precision = precision
         return self.rollouts.engine
 
     def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:

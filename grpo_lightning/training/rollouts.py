@@ -40,6 +40,7 @@ class PolicyRollouts:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self.engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
+        self.engine_precision: str | None = None  # the trainer's precision the engine was built for
 
     def shares_prompt(self, policy: PreTrainedModel) -> bool:
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
