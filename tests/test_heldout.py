@@ -105,11 +105,13 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     `before`, each under the config's CPU and wall-clock budget, and the mean of their gains."""
     with open(os.path.join(REPO, "configs", "demo_arithmetic.yaml"), encoding="utf-8") as f:
         config = yaml.safe_load(f)
-    config["trainer"].update(max_steps=2, default_root_dir=str(tmp_path), logger=False)
+    # bf16-mixed: the evaluations must decode in the trainer's precision, not the float32 of no trainer
+    trainer = config["trainer"]
+    trainer.update(max_steps=2, default_root_dir=str(tmp_path), logger=False, precision="bf16-mixed")
     config["model"]["policy"] = tiny_model_dir
     config["model"]["grpo"].update(num_generations=2, max_completion_length=8, preflight=False)
-    # 2 prompts per rollout: the config's steps_per_generation = 2 optimizer steps of one prompt each
     config["data"].update(val_size=4, val_batch_size=4, batch_size=2)
+    config["model"]["grpo"]["steps_per_generation"] = 2  # one rollout, 2 optimizer steps of one prompt
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     demo = load_script("demo", "scripts/demo.py")
@@ -123,7 +125,7 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     with mock.patch.object(demo, "heldout_correct", recorded):
         demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
     # before (once), after seed 0, after seed 1: all in the config's precision, as training sampled
-    assert precisions == [config["trainer"]["precision"]] * 3 == ["bf16-mixed"] * 3
+    assert precisions == ["bf16-mixed"] * 3
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     runs = summary["runs"]
@@ -178,8 +180,8 @@ def test_compare_options_report_gives_each_runs_mean_gain_over_seeds(tmp_path):
 
 
 def test_compare_options_runs_the_demo_config_and_evaluates_in_its_precision(tiny_model_dir, tmp_path):
-    """`benchmarks/compare_options.py` on the demo config (bf16-mixed, static rollouts, 2 optimizer steps
-    per rollout) with a tiny model: the steps it reports are the trainer's, its gain is after - before,
+    """`benchmarks/compare_options.py` on the demo config (static rollouts), in bf16-mixed with 2 optimizer
+    steps per rollout, with a tiny model: the steps it reports are the trainer's, its gain is after - before,
     and the evaluation before training decodes in the trainer's precision, as the one after does."""
     compare = load_script("compare_options", "benchmarks/compare_options.py")
     precisions = []
@@ -198,6 +200,8 @@ def test_compare_options_runs_the_demo_config_and_evaluates_in_its_precision(tin
         "data.val_size=4",
         "data.val_batch_size=4",
         "data.batch_size=2",
+        "model.grpo.steps_per_generation=2",
+        "trainer.precision=bf16-mixed",
     ]
     args = ["--max_steps", "2", "--eval_every", "1000", "--variants", "baseline", "--out", str(out)]
     with mock.patch.object(compare, "heldout_correct", recorded):
