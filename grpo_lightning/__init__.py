@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from grpo_lightning import _compat
-
 __version__ = "0.2.0"
-
-_compat.install()  # 0.1.0's module paths (grpo_lightning.data, ...) keep working until 0.3.0
 
 # {public name: the module that defines it}
 _PUBLIC = {

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning._compat import moved_names
 from grpo_lightning.core.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
 from grpo_lightning.core.scoring import RewardInputs, call_reward
 
@@ -195,4 +194,3 @@ def audit_module_rewards(pl_module: Any, rows: Sequence[dict]) -> AuditReport:
 
 
 # The callback lived here in 0.1.0.
-__getattr__ = moved_names(__name__, {"RewardAuditCallback": "grpo_lightning.training.audit_callback"})

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning._compat import moved_names
 from grpo_lightning.core.steps import wrong_step_spans
 
 __all__ = ["step_credit_penalties", "step_token_penalties", "token_char_spans"]
@@ -74,16 +73,3 @@ def step_credit_penalties(
         spans = token_char_spans(tokenizer, ids, text)
         penalties[row, : len(ids)] = torch.tensor(step_token_penalties(spans, text, penalty))
     return penalties.to(completion_ids.device)
-
-
-# Dynamic sampling and the KL in the reward lived here in 0.1.0: their old paths warn until 0.3.0.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "GroupBuffer": "grpo_lightning.core.dynamic_sampling",
-        "ScoredGroups": "grpo_lightning.core.dynamic_sampling",
-        "cat_rollouts": "grpo_lightning.core.dynamic_sampling",
-        "informative_groups": "grpo_lightning.core.dynamic_sampling",
-        "kl_in_reward": "grpo_lightning.core.loss",
-    },
-)

@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from grpo_lightning._compat import moved_names
-
 __all__ = [
     "LengthPenalty",
     "accuracy_reward",
@@ -320,4 +318,3 @@ def reward_name(fn: Callable[..., Any]) -> str:
 
 
 # The audit lived here in 0.1.0; it is now with its cases and report in `audit`.
-__getattr__ = moved_names(__name__, {"audit_rewards": "grpo_lightning.core.audit"})

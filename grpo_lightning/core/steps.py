@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from grpo_lightning._compat import moved_names
 from grpo_lightning.core.rewards import completion_text
 
 
@@ -438,4 +437,3 @@ step_reward = StepReward()
 
 
 # Lived here in 0.1.0, beside the verifier; now beside the step credit that uses it.
-__getattr__ = moved_names(__name__, {"step_token_penalties": "grpo_lightning.core.credit"})

@@ -27,18 +27,6 @@ def register_safe_globals() -> None:
     PyTorch 2.6: without this, our own checkpoints would not load for resuming.
     """
     torch.serialization.add_safe_globals([GRPOConfig, ModelOptions, LoraOptions, ScoredGroups, Rollout])
-    # A checkpoint names each class by the module it lived in when it was written: 0.1.0's flat layout, and
-    # before that dynamic sampling's groups in `credit.py`.
-    torch.serialization.add_safe_globals(
-        [
-            (GRPOConfig, "grpo_lightning.config.GRPOConfig"),  # old path
-            (ModelOptions, "grpo_lightning.models.ModelOptions"),  # old path
-            (LoraOptions, "grpo_lightning.models.LoraOptions"),  # old path
-            (ScoredGroups, "grpo_lightning.dynamic_sampling.ScoredGroups"),  # old path
-            (ScoredGroups, "grpo_lightning.credit.ScoredGroups"),  # old path
-            (Rollout, "grpo_lightning.sampling.Rollout"),  # old path
-        ]
-    )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -30,7 +30,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning._compat import moved_names
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
@@ -221,13 +220,3 @@ def version_checkpoint_folders(trainer: L.Trainer) -> str | None:
 
 
 # Lived here in 0.1.0: the generators' states now in `rng`, checkpoint files in `checkpoints`.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "capture_rng_states": "grpo_lightning.core.rng",
-        "restore_rng_states": "grpo_lightning.core.rng",
-        "preserved_rng": "grpo_lightning.core.rng",
-        "register_safe_globals": "grpo_lightning.io.checkpoints",
-        "AtomicCheckpointIO": "grpo_lightning.io.checkpoints",
-    },
-)
