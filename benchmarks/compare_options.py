@@ -58,13 +58,13 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
+from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.demo.heldout import heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 from grpo_lightning.io.models import LoraOptions, ModelOptions  # noqa: E402
-from grpo_lightning.training.cpu_budget import CPUTimeBudget  # noqa: E402
 from grpo_lightning.training.data import GSM8KDataModule  # noqa: E402
-from grpo_lightning.training.heldout import heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
-STEP_REWARD = "grpo_lightning.core.steps.step_reward"
+STEP_REWARD = "grpo_lightning.core.rewards.steps.step_reward"
 VARIANTS = ("baseline", "dynamic_sampling", "dynamic_sampling_total", "step_credit")
 UPDATE_KEYS = (  # logged as train/<key>
     "reward",

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from compare_options import instantiate, load_config  # noqa: E402
 
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
-from grpo_lightning.core.rewards import extract_answer, reference_answer  # noqa: E402
+from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer  # noqa: E402
 from grpo_lightning.training.data import GSM8KDataModule, collate_rows  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 

@@ -9,7 +9,8 @@ seeded rollouts):
 - `fixed`: micro-batches of `--micro_batch_size` rows, all padded to the rollout's longest row (the
   training step today: the rollout is one padded tensor, sliced by rows);
 - `fixed, own longest`: the same rows, each micro-batch padded to its own longest row only;
-- `budget`: `grpo_lightning.core.token_budget` with `max_tokens_per_micro_batch` = micro_batch_size x
+- `budget`: `grpo_lightning.core.algorithm.token_budget` with `max_tokens_per_micro_batch` =
+  micro_batch_size x
   (prompt_max + max_completion_length), the fixed path's worst-case micro-batch: the same peak memory;
   `--group` keeps each prompt's completions together, as `share_prompt` needs.
 
@@ -38,19 +39,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from grpo_lightning.core.batching import logprobs_in_micro_batches, micro_batches  # noqa: E402
-from grpo_lightning.core.config import GRPOConfig  # noqa: E402
-from grpo_lightning.core.dynamic_sampling import ScoredGroups  # noqa: E402
-from grpo_lightning.core.rollout import LogProbScorer  # noqa: E402
-from grpo_lightning.core.sampling import Rollout  # noqa: E402
-from grpo_lightning.core.token_budget import (  # noqa: E402
+from grpo_lightning.core.algorithm.batching import logprobs_in_micro_batches, micro_batches  # noqa: E402
+from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups  # noqa: E402
+from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
     padded_tokens,
     padding_share,
     token_budget_micro_batches,
 )
-from grpo_lightning.core.trajectory import build_trajectory  # noqa: E402
-from grpo_lightning.core.update import accumulate_gradients, mini_batch_denominators  # noqa: E402
-from grpo_lightning.io.tiny import build_model  # noqa: E402
+from grpo_lightning.core.algorithm.trajectory import build_trajectory  # noqa: E402
+from grpo_lightning.core.algorithm.update import accumulate_gradients, mini_batch_denominators  # noqa: E402
+from grpo_lightning.core.config import GRPOConfig  # noqa: E402
+from grpo_lightning.core.generation.engines import LogProbScorer  # noqa: E402
+from grpo_lightning.core.generation.sampling import Rollout  # noqa: E402
+from grpo_lightning.offline.tiny import build_model  # noqa: E402
 
 
 def math_like_rows(args: argparse.Namespace, seed: int) -> list[tuple[int, int]]:

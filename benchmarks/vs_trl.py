@@ -102,7 +102,7 @@ def build_tiny(path: str) -> str:
     """A random 4-layer Llama (hidden 128, ~0.8M non-embedding weights) with Qwen2.5's 151936-token vocab."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    from grpo_lightning.io.tiny import save_tiny
+    from grpo_lightning.offline.tiny import save_tiny
 
     texts = [row["question"] + "\n" + row["answer"] for row in gsm8k_rows(2000)]
     return save_tiny(path, texts, tokenizer_vocab=400, model_vocab=151936, hidden_size=128, num_layers=4)
@@ -269,7 +269,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
 def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     from transformers import AutoModelForCausalLM
 
-    from grpo_lightning.core.sampling import completion_logprobs
+    from grpo_lightning.core.generation.sampling import completion_logprobs
     from grpo_lightning.io.models import load_tokenizer
 
     torch.manual_seed(0)

@@ -30,12 +30,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from grpo_lightning.core.audit import AuditReport, audit_module_rewards
 from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
+from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
 from grpo_lightning.io.models import LoraOptions, ModelOptions
-from grpo_lightning.io.smollm2 import export_smollm2, smollm2_missing
+from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
 from grpo_lightning.trainer_options import map_trainer_options
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter

@@ -6,7 +6,7 @@
 Everything else comes from the YAML (the same file `cli.py fit` takes; further `--key=value` arguments
 override it as they do there); the summary goes to `<default_root_dir>/summary.json`. Accuracies are greedy
 on the data module's held-out rows, with their binomial standard errors; the standard error of a gain is
-paired over the problems (`grpo_lightning.training.heldout`). The accuracy before training is measured
+paired over the problems (`grpo_lightning.demo.heldout`). The accuracy before training is measured
 once: every seed starts from the same weights and greedy decoding does not depend on the seed. Training
 time is given in wall-clock and in CPU seconds of this process (`CPUTimeBudget`, the config's training
 budget): on a machine shared with other jobs the CPU seconds divided by the thread count stand in for the
@@ -30,8 +30,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from grpo_lightning.cli import build_cli  # noqa: E402
-from grpo_lightning.training.cpu_budget import CPUTimeBudget  # noqa: E402
-from grpo_lightning.training.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
+from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -54,14 +54,14 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_lightning.core import sampling
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import completion_text
-from grpo_lightning.core.rollout import EagerEngine, SamplingSettings
-from grpo_lightning.core.static_rollout import StaticEngine
+from grpo_lightning.core.generation import sampling
+from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
+from grpo_lightning.core.generation.static_engine import StaticEngine
+from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.models import LoraOptions, ModelOptions, apply_lora
-from grpo_lightning.io.tiny import build_model, build_tokenizer
+from grpo_lightning.offline.tiny import build_model, build_tokenizer
 from grpo_lightning.training.data import (
     DEFAULT_SYSTEM_PROMPT,
     GSM8KDataModule,

@@ -1,6 +1,6 @@
 import pytest
 
-from grpo_lightning.io.tiny import save_tiny
+from grpo_lightning.offline.tiny import save_tiny
 from tests.helpers import gsm8k_rows
 
 

@@ -7,7 +7,7 @@ import os
 import lightning as L
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.module import GRPOModule
 
 # GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.

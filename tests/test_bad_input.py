@@ -23,14 +23,14 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning.cli import build_cli, main
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.metrics import GSM8KAccuracy
-from grpo_lightning.core.rewards import completion_text, normalize_number, reference_answer
-from grpo_lightning.core.scoring import (
+from grpo_lightning.core.rewards.scoring import (
     FLOAT32_MAX,
     RewardInputs,
     call_reward,
     check_reward_weights,
     score_completions,
 )
+from grpo_lightning.core.rewards.verifiable import completion_text, normalize_number, reference_answer
 from grpo_lightning.io.export import ExportBestCallback, export_policy, read_checkpoint
 from grpo_lightning.io.models import check_loaded_model
 from grpo_lightning.training.audit_callback import RewardAuditCallback
@@ -608,7 +608,7 @@ def test_a_relative_model_path_that_does_not_exist_is_no_such_folder(
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory) -> str:
     """Another tiny model: a larger vocabulary (600 tokens, the tiny model's 400), hence other shapes."""
-    from grpo_lightning.io.tiny import save_tiny
+    from grpo_lightning.offline.tiny import save_tiny
     from tests.helpers import gsm8k_rows
 
     texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]

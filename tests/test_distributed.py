@@ -33,10 +33,10 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.batching import micro_batches
+from grpo_lightning.core.algorithm.batching import micro_batches
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import completion_text
-from grpo_lightning.core.sampling import Rollout, completion_logprobs
+from grpo_lightning.core.generation.sampling import Rollout, completion_logprobs
+from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,

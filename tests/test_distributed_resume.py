@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 import torch
 
+from grpo_lightning.core.algorithm.loss import group_advantages
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.loss import group_advantages
-from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import GSM8KAccuracyCallback

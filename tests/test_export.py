@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.sampling import generate_completions
+from grpo_lightning.core.generation.sampling import generate_completions
 from grpo_lightning.io.export import ExportBestCallback, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from grpo_lightning import cli
-from grpo_lightning.io import smollm2
+from grpo_lightning.offline import smollm2
 from tests.helpers import GSM8K_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

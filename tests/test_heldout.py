@@ -16,8 +16,8 @@ import torch
 import yaml
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from grpo_lightning.training.cpu_budget import CPUTimeBudget
-from grpo_lightning.training.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread
+from grpo_lightning.demo.cpu_budget import CPUTimeBudget
+from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread
 from tests.helpers import quiet_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,11 +1,12 @@
 """The layers hold: the import graph of every file in grpo_lightning/, read from its source (ast), and the
-README's layout table, checked against the tree.
+tables of docs/architecture.md, checked against the tree.
 
 - `grpo_lightning.core` is pure: no core file imports Lightning, directly or through another of our
   modules, nor anything from `grpo_lightning.training` or the entry points;
 - nothing below the module imports the module, the Lightning callbacks or the CLI: `core` and `io` import
   nothing from `training`, and only the entry points import `training.module`;
-- README's layout table names every .py file of the package, and no file that is not there.
+- the library layers import nothing from `demo` or `offline`, which serve the scripts, tests and the CLI;
+- docs/architecture.md's tables name every .py file of the package, and no file that is not there.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def is_lightning(name: str) -> bool:
 
 def layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in ("core", "training", "io") else None
+    return parts[1] if len(parts) > 2 and parts[1] in ("core", "training", "io", "demo", "offline") else None
 
 
 CORE = [m for m in FILES if layer(m) == "core"]
@@ -75,8 +76,8 @@ BELOW_THE_MODULE = [m for m in FILES if layer(m) in ("core", "io")]
 
 
 def test_the_tree_has_three_layers_and_the_rule_sees_them():
-    assert {layer(m) for m in FILES} == {"core", "training", "io", None}
-    assert len(CORE) >= 10 and "grpo_lightning.core.loss" in CORE
+    assert {layer(m) for m in FILES} == {"core", "training", "io", "demo", "offline", None}
+    assert len(CORE) >= 10 and "grpo_lightning.core.algorithm.loss" in CORE
     # The rule can fail: the module reaches Lightning through our own files.
     assert any(is_lightning(m) for m in reaches("grpo_lightning.training.module"))
 
@@ -103,14 +104,22 @@ def test_only_the_entry_points_import_the_module(module):
     assert not [m for m in imports(module) if m.startswith(ENTRY_POINTS)]
 
 
-def readme_layout_paths() -> set[str]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(grpo_lightning/[\w/]+\.py)`", section))
+LIBRARY = [m for m in FILES if layer(m) in ("core", "training", "io")]
 
 
-def test_readme_layout_table_names_every_file_of_the_tree():
+@pytest.mark.parametrize("module", LIBRARY)
+def test_the_library_imports_neither_the_demo_nor_the_offline_models(module):
+    helpers = sorted(m for m in imports(module) if layer(m) in ("demo", "offline"))
+    assert not helpers, f"{module} imports {helpers}"
+
+
+def architecture_paths() -> set[str]:
+    tables = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return set(re.findall(r"^\| `(grpo_lightning/[\w/]+\.py)` \|", tables, re.M))
+
+
+def test_architecture_tables_name_every_file_of_the_tree():
     in_tree = {str(p.relative_to(ROOT)) for p in FILES.values()}
-    named = readme_layout_paths()
-    assert in_tree - named == set(), "files missing from README's layout table"
-    assert named - in_tree == set(), "README's layout table names files that do not exist"
+    named = architecture_paths()
+    assert in_tree - named == set(), "files missing from docs/architecture.md"
+    assert named - in_tree == set(), "docs/architecture.md names files that do not exist"

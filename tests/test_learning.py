@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import format_reward, reference_answer
-from grpo_lightning.io.tiny import build_model, build_tokenizer
+from grpo_lightning.core.rewards.verifiable import format_reward, reference_answer
+from grpo_lightning.offline.tiny import build_model, build_tokenizer
 from grpo_lightning.training.data import (
     DEFAULT_SYSTEM_PROMPT,
     GSM8KDataModule,

@@ -1,4 +1,5 @@
-"""Tests for grpo_lightning.core.loss: hand-computed values, a per-element reference, TRL 1.16, properties."""
+"""Tests for grpo_lightning.core.algorithm.loss: hand-computed values, a per-element reference, TRL 1.16,
+properties."""
 
 import math
 from collections import defaultdict
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.loss import LOSS_TYPES, group_advantages, grpo_loss, kl_penalty
+from grpo_lightning.core.algorithm.loss import LOSS_TYPES, group_advantages, grpo_loss, kl_penalty
 
 LEVELS = ("token", "sequence")
 MAX_LEN = 8  # max_completion_length used for dr_grpo throughout

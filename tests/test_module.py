@@ -43,8 +43,8 @@ def fit_args(model_dir: str, root: str, *extra: str) -> list[str]:
     return [
         "fit",
         f"--model.policy={model_dir}",
-        "--model.reward_funcs=[grpo_lightning.core.rewards.accuracy_reward, "
-        "grpo_lightning.core.rewards.format_reward, tests.helpers.digit_reward]",
+        "--model.reward_funcs=[grpo_lightning.core.rewards.verifiable.accuracy_reward, "
+        "grpo_lightning.core.rewards.verifiable.format_reward, tests.helpers.digit_reward]",
         "--model.grpo.num_generations=4",
         "--model.grpo.max_completion_length=12",
         "--model.grpo.beta=0.04",
@@ -166,7 +166,7 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
 def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, tmp_path, monkeypatch):
     """mu = 2: one rollout, two optimizer steps, the second against the sampling policy's log-probs."""
 
-    import grpo_lightning.core.update as module_file
+    import grpo_lightning.core.algorithm.update as module_file
     from grpo_lightning.training.data import GSM8KDataModule
 
     seen_old = []

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from transformers import AutoModelForCausalLM
 
+from grpo_lightning.core.algorithm.loss import grpo_loss
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.loss import grpo_loss
 from grpo_lightning.io.models import ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

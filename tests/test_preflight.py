@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import accuracy_reward
+from grpo_lightning.core.rewards.verifiable import accuracy_reward
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule, arithmetic_problems, collate_rows
 from grpo_lightning.training.module import GRPOModule

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.io.smollm2 import DEFAULT_DIR, export_smollm2
+from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, quiet_trainer

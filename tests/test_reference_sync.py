@@ -7,8 +7,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from grpo_lightning.core.algorithm.reference_sync import ReferenceSync, mix_into_reference
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.reference_sync import ReferenceSync, mix_into_reference
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

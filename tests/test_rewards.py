@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.audit import audit_rewards
-from grpo_lightning.core.rewards import (
+from grpo_lightning.core.rewards.audit import audit_rewards
+from grpo_lightning.core.rewards.verifiable import (
     LengthPenalty,
     accuracy_reward,
     extract_answer,

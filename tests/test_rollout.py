@@ -4,8 +4,8 @@ tells about every weight update."""
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rollout import EagerEngine, LogProbScorer, RolloutEngine
-from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.core.generation.engines import EagerEngine, LogProbScorer, RolloutEngine
+from grpo_lightning.core.generation.sampling import Rollout
 from grpo_lightning.training.evaluation import generate_answers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer

@@ -14,8 +14,8 @@ from transformers import (
     LlamaConfig,
 )
 
-from grpo_lightning.core import sampling
-from grpo_lightning.core.sampling import (
+from grpo_lightning.core.generation import sampling
+from grpo_lightning.core.generation.sampling import (
     InverseCDFSampler,
     _token_logprobs_and_entropy,
     completion_logprobs,

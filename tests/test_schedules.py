@@ -6,8 +6,8 @@ import math
 import lightning as L
 import pytest
 
+from grpo_lightning.core.algorithm.schedules import lr_multiplier, optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.schedules import lr_multiplier, optimizer_steps_in_fit
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer

@@ -18,15 +18,20 @@ from transformers import (
 )
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import completion_text
-from grpo_lightning.core.sampling import Rollout, completion_logprobs, generate_completions, position_ids
-from grpo_lightning.core.shared_prompt import (
+from grpo_lightning.core.generation.sampling import (
+    Rollout,
+    completion_logprobs,
+    generate_completions,
+    position_ids,
+)
+from grpo_lightning.core.generation.shared_prompt import (
     group_completion_logprobs,
     prefill_groups,
     rows_share_prompts,
     shared_prompt_hidden,
     sharing_unsupported,
 )
+from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

@@ -23,11 +23,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_lightning.core import sampling
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rollout import EagerEngine, SamplingSettings
-from grpo_lightning.core.sampling import completion_logprobs, generate_completions
-from grpo_lightning.core.static_rollout import StaticEngine, named_generation_weights, static_unsupported
+from grpo_lightning.core.generation import sampling
+from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
+from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
+from grpo_lightning.core.generation.static_engine import (
+    StaticEngine,
+    named_generation_weights,
+    static_unsupported,
+)
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,
@@ -35,7 +39,7 @@ from grpo_lightning.io.distributed import (
     shard_model,
 )
 from grpo_lightning.io.models import LoraOptions, apply_lora
-from grpo_lightning.io.tiny import build_model
+from grpo_lightning.offline.tiny import build_model
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import digit_reward, quiet_trainer

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.credit import step_token_penalties
-from grpo_lightning.core.steps import (
+from grpo_lightning.core.algorithm.credit import step_token_penalties
+from grpo_lightning.core.rewards.steps import (
     MAX_DEPTH,
     Step,
     StepReward,

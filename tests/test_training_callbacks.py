@@ -16,9 +16,14 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer, GenerationConfig
 
-from grpo_lightning.core.audit import audit_reward_funcs
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards import accuracy_reward, completion_text, format_reward, reference_answer
+from grpo_lightning.core.rewards.audit import audit_reward_funcs
+from grpo_lightning.core.rewards.verifiable import (
+    accuracy_reward,
+    completion_text,
+    format_reward,
+    reference_answer,
+)
 from grpo_lightning.training.audit_callback import RewardAuditCallback
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import GSM8KAccuracyCallback

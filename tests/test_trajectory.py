@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from grpo_lightning.core.algorithm.credit import step_credit_penalties
+from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
+from grpo_lightning.core.algorithm.trajectory import build_trajectory, loss_mask
+from grpo_lightning.core.algorithm.update import MicroBatchSums, StepGuard
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.credit import step_credit_penalties
-from grpo_lightning.core.dynamic_sampling import ScoredGroups
-from grpo_lightning.core.loss import group_advantages, kl_in_reward
-from grpo_lightning.core.sampling import Rollout
-from grpo_lightning.core.trajectory import build_trajectory, loss_mask
-from grpo_lightning.core.update import MicroBatchSums, StepGuard
+from grpo_lightning.core.generation.sampling import Rollout
 
 G = 4
 

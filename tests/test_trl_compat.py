@@ -20,9 +20,9 @@ from trl.rewards import (
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.metrics import RewardAccuracy
-from grpo_lightning.core.rewards import accuracy_reward as gsm8k_accuracy_reward
-from grpo_lightning.core.rewards import format_reward
-from grpo_lightning.core.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward, score_completions, trainer_state
+from grpo_lightning.core.rewards.verifiable import accuracy_reward as gsm8k_accuracy_reward
+from grpo_lightning.core.rewards.verifiable import format_reward
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.monitoring import completions_table

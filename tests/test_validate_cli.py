@@ -10,7 +10,7 @@ import yaml
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.rewards import extract_answer, reference_answer
+from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.export import ExportBestCallback
 from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from tests.helpers import GSM8K_DIR, gsm8k_rows
@@ -77,8 +77,8 @@ def test_audit_command_prints_the_rates_and_fails_on_a_bad_reward(tiny_model_dir
     # A length penalty that every reference solution pays: the references are not at full marks.
     penalised = """\
   reward_funcs:
-    - grpo_lightning.core.rewards.accuracy_reward
-    - class_path: grpo_lightning.core.rewards.LengthPenalty
+    - grpo_lightning.core.rewards.verifiable.accuracy_reward
+    - class_path: grpo_lightning.core.rewards.verifiable.LengthPenalty
       init_args:
         limit: 0
         per_100_tokens: 1.0

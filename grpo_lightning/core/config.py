@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_lightning.core.loss import (
+from grpo_lightning.core.algorithm.loss import (
     BASELINES,
     IMPORTANCE_SAMPLING_LEVELS,
     K1_IN_LOSS,
@@ -12,8 +12,8 @@ from grpo_lightning.core.loss import (
     LOSS_TYPES,
     SCALES,
 )
+from grpo_lightning.core.algorithm.schedules import SCHEDULES
 from grpo_lightning.core.options import Rule, check_options, option_differences, option_error, plain_options
-from grpo_lightning.core.schedules import SCHEDULES
 
 GENERATION_BACKENDS = ("auto", "eager", "static")
 
@@ -94,7 +94,7 @@ class GRPOConfig:
     """Clamp advantages to [-c, c]. None: no clipping."""
     step_credit: float = 0.0
     """Token-level credit for wrong steps: each generated token that writes part of an arithmetic claim that
-    does not verify (`grpo_lightning.core.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
+    does not verify (`grpo_lightning.core.rewards.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
     completion's outcome advantage, making the advantages [B, T] (process supervision at the step, as
     Lightman et al. arXiv:2305.20050 and Math-Shepherd arXiv:2312.08935 assign it, from a verifier instead
     of a learned reward model). 0.0 turns it off.
@@ -170,7 +170,8 @@ class GRPOConfig:
     lr_scheduler_type: str = "constant"
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
-    `grpo_lightning.core.schedules`. The run's length is the trainer's max_steps (optimizer steps), or its
+    `grpo_lightning.core.algorithm.schedules`. The run's length is the trainer's max_steps (optimizer
+    steps), or its
     epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
     "constant_with_warmup" is "constant" here); verl: `optim.lr_scheduler_type`.
     """
@@ -196,7 +197,7 @@ class GRPOConfig:
     DDP or FSDP each rank runs as many micro-batches as the busiest one (each forward/backward
     synchronises them), splitting its widest. The loss and gradients are those of the fixed-size path
     (tests/test_token_budget.py).
-    Partition: `grpo_lightning.core.token_budget`. Excludes `micro_batch_size`; must be >=
+    Partition: `grpo_lightning.core.algorithm.token_budget`. Excludes `micro_batch_size`; must be >=
     `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
     `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
     """
@@ -205,7 +206,8 @@ class GRPOConfig:
     sync_ref_model: bool = False
     """Move the reference towards the policy every `ref_model_sync_steps` optimizer steps: reference <- alpha
     x policy + (1 - alpha) x reference (TR-DPO, Gorbatovski et al., arXiv:2404.09656;
-    `grpo_lightning.core.reference_sync`). Needs beta > 0 (a reference to sync) and full fine-tuning (with
+    `grpo_lightning.core.algorithm.reference_sync`). Needs beta > 0 (a reference to sync) and full
+    fine-tuning (with
     LoRA the reference is the policy's own base weights). The reference is then stored in checkpoints.
     TRL: `sync_ref_model`.
     """
@@ -232,7 +234,7 @@ class GRPOConfig:
     inference copy of the policy in the compute dtype (bf16 under `bf16-mixed`, LoRA adapters merged into
     it), overwritten in place after every optimizer step; on CUDA its decoding step is compiled once
     (`torch.compile` with CUDA graphs, through transformers' `CompileConfig`), on CPU it runs uncompiled
-    (`grpo_lightning.core.static_rollout`). Same sampling (the tokens' distribution is the policy's,
+    (`grpo_lightning.core.generation.static_engine`). Same sampling (the tokens' distribution is the policy's,
     tests/test_static_rollout.py); costs one more copy of the weights in the compute dtype, on every rank
     under FSDP2, and a compile warm-up (tens of seconds) per batch shape. "auto": "static" on CUDA, "eager"
     elsewhere. A model the static path cannot serve (sliding-window or linear-attention layers, a quantized

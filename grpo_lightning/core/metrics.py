@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from grpo_lightning.core.rewards import extract_answer, reference_answer
+from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 
 __all__ = ["GSM8KAccuracy", "RewardAccuracy", "majority_vote", "pass_at_k"]
 

@@ -1,4 +1,5 @@
-"""The reward audit at the start of `fit` (`grpo_lightning.core.audit`), a warning with its table when it
+"""The reward audit at the start of `fit` (`grpo_lightning.core.rewards.audit`), a warning with its table
+when it
 is not perfect."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from grpo_lightning.core.audit import audit_module_rewards, auditable
+from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 
 __all__ = ["RewardAuditCallback"]
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from grpo_lightning.core.options import Rule, check_value
-from grpo_lightning.core.rewards import reference_answer
+from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.training.resume import ResumableSampler
 from grpo_lightning.training.validation_sets import (
     ValidationSet,

@@ -19,11 +19,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.generation.engines import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
+from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.metrics import GSM8KAccuracy
-from grpo_lightning.core.rewards import extract_answer, reference_answer
+from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.core.rng import preserved_rng
-from grpo_lightning.core.rollout import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
-from grpo_lightning.core.sampling import stop_token_ids
 from grpo_lightning.io.distributed import gathered_for_generation
 from grpo_lightning.io.export import resolve_attr
 from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows

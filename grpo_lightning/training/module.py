@@ -15,34 +15,34 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.dynamic_sampling import GroupBuffer, ScoredGroups
-from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
-from grpo_lightning.core.reference_sync import ReferenceSync
-from grpo_lightning.core.rewards import accuracy_reward, format_reward, reward_name
-from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.rollout import (
-    RolloutEngine,
-    check_chat_template,
-    warn_if_unteachable,
-)
-from grpo_lightning.core.sampling import Rollout, stop_token_ids
-from grpo_lightning.core.schedules import build_scheduler, optimizer_steps_in_fit
-from grpo_lightning.core.scoring import (
-    RewardInputs,
-    check_reward_weights,
-    score_completions,
-    trainer_state,
-)
-from grpo_lightning.core.step_metrics import training_step_metrics
-from grpo_lightning.core.trajectory import Trajectory, build_trajectory
-from grpo_lightning.core.update import (
+from grpo_lightning.core.algorithm.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
+from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer, ScoredGroups
+from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
+from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
+from grpo_lightning.core.algorithm.step_metrics import training_step_metrics
+from grpo_lightning.core.algorithm.trajectory import Trajectory, build_trajectory
+from grpo_lightning.core.algorithm.update import (
     StepGuard,
     accumulate_gradients,
     mini_batch_denominators,
     mini_batches,
 )
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.engines import (
+    RolloutEngine,
+    check_chat_template,
+    warn_if_unteachable,
+)
+from grpo_lightning.core.generation.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
+from grpo_lightning.core.rewards.scoring import (
+    RewardInputs,
+    check_reward_weights,
+    score_completions,
+    trainer_state,
+)
+from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
+from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import (
     gather_per_rank,
@@ -91,7 +91,7 @@ class GRPOModule(L.LightningModule):
         tokenizer: hub id / folder / tokenizer object; None uses the policy's.
         reward_funcs: reward functions, called as TRL 1.16's `GRPOTrainer` calls them (keywords `prompts`,
             `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every data
-            column; see `grpo_lightning.core.scoring`). Default `[accuracy_reward, format_reward]`.
+            column; see `grpo_lightning.core.rewards.scoring`). Default `[accuracy_reward, format_reward]`.
         reward_weights: one weight per reward function. Default all 1.0.
         grpo: the algorithm's options (`GRPOConfig`, every option documented there).
         model_options: how the policy loads (dtype, attention, GGUF, gradient checkpointing).

@@ -6,7 +6,7 @@ On the first training batch (before its step) `Preflight` reports:
 - how many of a few completions sampled at the training settings reach `max_completion_length` without
   an EOS, and in how many groups all of them do (a problem when that is most groups: their answers are
   cut off before the `#### N` line, score alike and give no advantage);
-- the reward audit (`grpo_lightning.core.audit.audit_module_rewards`) on the first 200 training rows'
+- the reward audit (`grpo_lightning.core.rewards.audit.audit_module_rewards`) on the first 200 training rows'
   reference solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the memory per GPU (`grpo_lightning.core.memory`): weights, gradients, optimizer, reference, the rollout's
@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from grpo_lightning.core.audit import audit_module_rewards, auditable
 from grpo_lightning.core.memory import compute_bytes, estimate_memory, footprint
+from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import is_sharded
 

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rollout import (
+from grpo_lightning.core.generation.engines import (
     EagerEngine,
     LogProbScorer,
     PromptEncoder,
@@ -22,9 +22,9 @@ from grpo_lightning.core.rollout import (
     RolloutEngine,
     SamplingSettings,
 )
-from grpo_lightning.core.sampling import Rollout, stop_token_ids
-from grpo_lightning.core.shared_prompt import sharing_unsupported
-from grpo_lightning.core.static_rollout import StaticEngine, compute_dtype, resolve_backend
+from grpo_lightning.core.generation.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
+from grpo_lightning.core.generation.static_engine import StaticEngine, compute_dtype, resolve_backend
 from grpo_lightning.io.distributed import gathered_for_generation
 
 

@@ -15,8 +15,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import option_differences
-from grpo_lightning.core.dynamic_sampling import GroupBuffer
 from grpo_lightning.io.distributed import gather_per_rank
 from grpo_lightning.training.resume import state_of_rank
 

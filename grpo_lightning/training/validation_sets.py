@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler
 from torchmetrics import MeanMetric
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
-from grpo_lightning.core.rewards import reference_answer
+from grpo_lightning.core.rewards.verifiable import reference_answer
 
 Row = dict[str, object]
 COUNTED = "_counted"  # row column: False on a rank's padding repeat, which no metric counts

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
+from grpo_lightning.core.algorithm.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.trajectory import Trajectory
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.loss import grpo_loss
-from grpo_lightning.core.trajectory import Trajectory
 
 
 def mini_batches(

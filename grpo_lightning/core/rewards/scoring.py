@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerState
 
-from grpo_lightning.core.rewards import reward_name
+from grpo_lightning.core.rewards.verifiable import reward_name
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 __all__ = [

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, fields
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning.core.algorithm.credit import step_credit_penalties
+from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
+from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.credit import step_credit_penalties
-from grpo_lightning.core.dynamic_sampling import ScoredGroups
-from grpo_lightning.core.loss import group_advantages, kl_in_reward
-from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.core.generation.sampling import Rollout
 
 # Everyone's `[sum of B]` rewards and where this rank's `[B]` start in them (scale_rewards="batch").
 GatherRewards = Callable[[Tensor], tuple[Tensor, int]]

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from grpo_lightning.core.rewards import completion_text
+from grpo_lightning.core.rewards.verifiable import completion_text
 
 
 @dataclass(frozen=True)

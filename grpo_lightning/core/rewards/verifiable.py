@@ -4,7 +4,7 @@ Reward functions follow TRL's signature, ``fn(completions, **columns) -> list[fl
 columns such as ``answer`` arrive as keyword lists aligned with ``completions``, and any other keyword
 (``prompts``, ``completion_ids``, ``trainer_state``, ...) is accepted and ignored. Completions may be text or,
 for chat prompts, TRL's list of one assistant message (``completion_text`` reads both); see
-``grpo_lightning.core.scoring`` for how the trainer calls them.
+``grpo_lightning.core.rewards.scoring`` for how the trainer calls them.
 
 Extraction is deliberately conservative, because a reward that can be gamed will be gamed by RL:
 

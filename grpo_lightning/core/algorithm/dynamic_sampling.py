@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.sampling import Rollout
+from grpo_lightning.core.generation.sampling import Rollout
 
 __all__ = ["GroupBuffer", "ScoredGroups", "cat_rollouts", "informative_groups"]
 

@@ -39,9 +39,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from transformers import CompileConfig, PreTrainedModel, StaticCache
 
-from grpo_lightning.core.rollout import RolloutEngine, SamplingSettings
-from grpo_lightning.core.sampling import Rollout, generate_completions
-from grpo_lightning.core.shared_prompt import cache_argument, prefill_groups
+from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings
+from grpo_lightning.core.generation.sampling import Rollout, generate_completions
+from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
 
 
 def hf_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -1,6 +1,7 @@
 """Token-level step credit: which tokens went wrong, and not only that the answer did.
 
-`step_credit_penalties` maps the wrong arithmetic steps of each completion (`grpo_lightning.core.steps`)
+`step_credit_penalties` maps the wrong arithmetic steps of each completion
+(`grpo_lightning.core.rewards.steps`)
 onto the generated tokens that wrote them (`token_char_spans`), as `[B, T]` penalties that are added to the
 outcome advantage, so the policy learns which step went wrong.
 
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.core.steps import wrong_step_spans
+from grpo_lightning.core.rewards.steps import wrong_step_spans
 
 __all__ = ["step_credit_penalties", "step_token_penalties", "token_char_spans"]
 

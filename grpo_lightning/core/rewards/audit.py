@@ -21,8 +21,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.core.rewards import CALCULATOR_RE, canonical_number, reference_answer, reward_name
-from grpo_lightning.core.scoring import RewardInputs, call_reward
+from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
+from grpo_lightning.core.rewards.verifiable import (
+    CALCULATOR_RE,
+    canonical_number,
+    reference_answer,
+    reward_name,
+)
 
 __all__ = [
     "AUDIT_CASES",
@@ -63,7 +68,8 @@ def audit_rewards(
     `answers` are GSM8K solutions (reasoning ending in `#### N`); each is scored as a completion against
     itself, then as `wrong_number` (final answer + 1), `two_answers` (a second, different `#### M` line
     appended) and `no_answer` (reasoning only, every digit replaced). The functions are called as in
-    training (`grpo_lightning.core.scoring`), with the columns `question` and `answer`; `prompts` are the
+    training (`grpo_lightning.core.rewards.scoring`), with the columns `question` and `answer`; `prompts`
+    are the
     rows' prompts, by default each question as a user message (so completions arrive as chat messages);
     `completion_ids` come from `tokenizer` (a Hugging Face tokenizer), and are None without one. Sound
     accuracy rewards give 1.0 on `reference` and 0.0 on the rest. None rewards are left out of the mean; all

@@ -1,0 +1,1 @@
+"""Rollout generation: the engines that sample completions, and per-token log-probs."""
