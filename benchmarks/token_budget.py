@@ -40,7 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from grpo_lightning.core.algorithm.batching import logprobs_in_micro_batches, micro_batches  # noqa: E402
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups  # noqa: E402
 from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
     padded_tokens,
     padding_share,
@@ -50,7 +49,10 @@ from grpo_lightning.core.algorithm.trajectory import build_trajectory  # noqa: E
 from grpo_lightning.core.algorithm.update import accumulate_gradients, mini_batch_denominators  # noqa: E402
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.core.generation.engines import LogProbScorer  # noqa: E402
-from grpo_lightning.core.generation.sampling import Rollout  # noqa: E402
+from grpo_lightning.core.types import (
+    Rollout,  # noqa: E402
+    ScoredGroups,  # noqa: E402
+)
 from grpo_lightning.offline.tiny import build_model  # noqa: E402
 
 

@@ -34,10 +34,10 @@ _PUBLIC = {
     "group_advantages": "grpo_lightning.core.algorithm.loss",
     "kl_penalty": "grpo_lightning.core.algorithm.loss",
     "kl_in_reward": "grpo_lightning.core.algorithm.loss",
-    "Trajectory": "grpo_lightning.core.algorithm.trajectory",
+    "Trajectory": "grpo_lightning.core.types",
     "build_trajectory": "grpo_lightning.core.algorithm.trajectory",
     # rollouts
-    "Rollout": "grpo_lightning.core.generation.sampling",
+    "Rollout": "grpo_lightning.core.types",
     "RolloutEngine": "grpo_lightning.core.generation.engines",
     "EagerEngine": "grpo_lightning.core.generation.engines",
     "SamplingSettings": "grpo_lightning.core.generation.engines",

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from grpo_lightning.core.algorithm.credit import step_credit_penalties, token_char_spans
 from grpo_lightning.core.algorithm.loss import group_advantages
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
 from grpo_lightning.core.rewards.verifiable import accuracy_reward
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from tests.test_dynamic_sampling import StepSpy, fit_on_rows, tiny_module
 

@@ -12,11 +12,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from grpo_lightning.core.algorithm.batching import group_rows, shuffled_mini_batches
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.algorithm.trajectory import build_trajectory
 from grpo_lightning.core.algorithm.update import mini_batch_denominators, mini_batches
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.resume import INTERRUPT_FILENAME
 from tests.helpers import length_reward, quiet_trainer, tiny_module

@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

@@ -5,7 +5,7 @@ import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine, LogProbScorer, RolloutEngine
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.evaluation import generate_answers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer

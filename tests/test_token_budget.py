@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.core.algorithm.batching import logprobs_in_micro_batches, micro_batches
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.algorithm.token_budget import (
     over_budget,
     padded_tokens,
@@ -22,6 +21,7 @@ from grpo_lightning.core.algorithm.trajectory import build_trajectory
 from grpo_lightning.core.algorithm.update import accumulate_gradients, mini_batch_denominators
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 from tests.test_share_prompt import PROMPTS, float64_norms, grads, load_tiny, make_rollout

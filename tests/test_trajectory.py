@@ -6,12 +6,11 @@ import torch
 from transformers import AutoTokenizer
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
 from grpo_lightning.core.algorithm.trajectory import build_trajectory, loss_mask
 from grpo_lightning.core.algorithm.update import MicroBatchSums, StepGuard
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout, ScoredGroups
 
 G = 4
 

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 
 __all__ = ["AtomicCheckpointIO", "register_safe_globals"]

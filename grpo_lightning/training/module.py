@@ -16,11 +16,11 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
-from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer, ScoredGroups
+from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.core.algorithm.step_metrics import training_step_metrics
-from grpo_lightning.core.algorithm.trajectory import Trajectory, build_trajectory
+from grpo_lightning.core.algorithm.trajectory import build_trajectory
 from grpo_lightning.core.algorithm.update import (
     StepGuard,
     accumulate_gradients,
@@ -33,7 +33,7 @@ from grpo_lightning.core.generation.engines import (
     check_chat_template,
     warn_if_unteachable,
 )
-from grpo_lightning.core.generation.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import (
     RewardInputs,
@@ -43,6 +43,7 @@ from grpo_lightning.core.rewards.scoring import (
 )
 from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import (
     gather_per_rank,

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from grpo_lightning.core.algorithm.trajectory import Trajectory
+from grpo_lightning.core.types import Trajectory
 
 __all__ = [
     "CollapseMonitor",

@@ -22,9 +22,10 @@ from grpo_lightning.core.generation.engines import (
     RolloutEngine,
     SamplingSettings,
 )
-from grpo_lightning.core.generation.sampling import Rollout, stop_token_ids
+from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.generation.static_engine import StaticEngine, compute_dtype, resolve_backend
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import gathered_for_generation
 
 

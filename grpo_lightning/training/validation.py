@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from grpo_lightning.core.generation.sampling import Rollout
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.validation_sets import COUNTED, SetScores
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout
 
 MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
 # (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `rollout.LogProbScorer`

@@ -1,8 +1,8 @@
 """Dynamic sampling (DAPO, Yu et al., arXiv:2503.14476, sec. 3.2): a group whose G completions all get the
 same reward has zero advantages, so it adds no policy gradient and only dilutes token-mean losses.
 `GroupBuffer` keeps the informative groups (`informative_groups`) of successive generation rounds until an
-update has enough; `ScoredGroups` is a round's groups with their rewards, and `cat_rollouts` stacks rollouts
-of different widths so that groups of several rounds share one update.
+update has enough; a round's groups with their rewards are `ScoredGroups` (`core/types.py`), whose `cat`
+stacks rollouts of different widths so that groups of several rounds share one update.
 
 Pure torch: nothing here knows about Lightning.
 """
@@ -10,16 +10,14 @@ Pure torch: nothing here knows about Lightning.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import ScoredGroups
 
-__all__ = ["GroupBuffer", "ScoredGroups", "cat_rollouts", "informative_groups"]
+__all__ = ["GroupBuffer", "informative_groups"]
 
 
 def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -27,74 +25,6 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
     for a constant group, so exactly the groups it would give zero advantages are the uninformative ones."""
     grouped = rewards.view(-1, group_size)  # [N, G]
     return grouped.amax(dim=1) != grouped.amin(dim=1)  # [N]
-
-
-def _pad_columns(x: Tensor, width: int, value: int, left: bool) -> Tensor:
-    missing = width - x.size(1)
-    return F.pad(x, (missing, 0) if left else (0, missing), value=value)
-
-
-def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts of different widths: prompts left-padded, completions right-padded, masked out.
-
-    Padding changes no log-prob of a real token (the attention mask hides it and RoPE only sees relative
-    positions), so groups of different generation rounds can share one update.
-    """
-    P = max(r.prompt_ids.size(1) for r in rollouts)
-    T = max(r.completion_ids.size(1) for r in rollouts)
-
-    def stacked(name: str, width: int, value: int, left: bool) -> Tensor:
-        return torch.cat([_pad_columns(getattr(r, name), width, value, left) for r in rollouts])
-
-    return Rollout(
-        prompt_ids=stacked("prompt_ids", P, pad_token_id, left=True),  # [sum N*G, P]
-        prompt_mask=stacked("prompt_mask", P, 0, left=True),
-        completion_ids=stacked("completion_ids", T, pad_token_id, left=False),  # [sum N*G, T]
-        completion_mask=stacked("completion_mask", T, 0, left=False),
-        truncated=torch.cat([r.truncated for r in rollouts]),
-    )
-
-
-@dataclass
-class ScoredGroups:
-    """The groups of one generation round (or several, stacked) with their rewards: what an update needs."""
-
-    prompts: list  # N prompts
-    rollout: Rollout  # N*G rows, prompt i's group in rows i*G .. i*G+G-1
-    completions: list[str]  # N*G decoded completions
-    rewards_per_func: Tensor  # [N*G, F]
-    rewards: Tensor  # [N*G] weighted total
-    num_generations: int
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def select(self, groups: Tensor) -> ScoredGroups:
-        """The groups at the indices `groups` (1-D), in that order."""
-        G = self.num_generations
-        groups = groups.to(self.rewards.device)
-        rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [n*G]
-        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[rows] for f in fields(Rollout)})
-        return ScoredGroups(
-            prompts=[self.prompts[i] for i in groups.tolist()],
-            rollout=rollout,
-            completions=[self.completions[i] for i in rows.tolist()],
-            rewards_per_func=self.rewards_per_func[rows],
-            rewards=self.rewards[rows],
-            num_generations=G,
-        )
-
-    @staticmethod
-    def cat(parts: list[ScoredGroups], pad_token_id: int) -> ScoredGroups:
-        parts = [p for p in parts if len(p)] or parts[:1]
-        return ScoredGroups(
-            prompts=[prompt for p in parts for prompt in p.prompts],
-            rollout=cat_rollouts([p.rollout for p in parts], pad_token_id),
-            completions=[text for p in parts for text in p.completions],
-            rewards_per_func=torch.cat([p.rewards_per_func for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            num_generations=parts[0].num_generations,
-        )
 
 
 class GroupBuffer:

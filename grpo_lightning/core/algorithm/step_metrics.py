@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.algorithm.trajectory import Trajectory
+from grpo_lightning.core.types import Trajectory
 
 
 def training_step_metrics(

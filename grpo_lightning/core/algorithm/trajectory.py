@@ -10,76 +10,18 @@ function for the one decision that needs the other ranks (`scale_rewards="batch"
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.dynamic_sampling import ScoredGroups
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import Rollout
+from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
 # Everyone's `[sum of B]` rewards and where this rank's `[B]` start in them (scale_rewards="batch").
 GatherRewards = Callable[[Tensor], tuple[Tensor, int]]
-
-
-@dataclass
-class Trajectory:
-    """A rollout with everything the GRPO loss and the logs need, rows as in the rollout (`[B]` = N*G)."""
-
-    prompts: list  # N prompts
-    rollout: Rollout  # prompt and completion ids and masks, [B, P] / [B, T]
-    completions: list[str]  # B decoded completions
-    loss_mask: Tensor  # [B, T] float: the completion tokens the loss counts
-    old_logprobs: Tensor | None  # [B, T] sampling policy's, when num_iterations > 1 or use_kl_in_reward
-    ref_logprobs: Tensor | None  # [B, T] reference's, when beta > 0
-    rewards_per_func: Tensor  # [B, F] what each reward function gave (NaN: no opinion)
-    rewards: Tensor  # [B] weighted total of the reward functions
-    advantages: Tensor  # [B] group-relative advantages of the outcome
-    token_advantages: Tensor  # [B], or [B, T] with step credit
-    num_generations: int
-    stats: dict[str, Tensor] = field(default_factory=dict)  # logged with the loss's
-
-    @property
-    def completion_ids(self) -> Tensor:  # [B, T]
-        return self.rollout.completion_ids
-
-    @property
-    def completion_mask(self) -> Tensor:  # [B, T]
-        return self.rollout.completion_mask
-
-    def select(self, rows: Tensor, trim: bool = False) -> Trajectory:
-        """The trajectory of `rows` alone (e.g. a mini-batch's groups, `batching.group_rows`), advantages
-        as computed over the whole rollout. `trim`: padded only to the rows' own longest prompt and
-        completion (`Rollout.select`), the `[b, T]` tensors cut to the same columns; the loss is the same,
-        as the columns dropped are padding in every row."""
-        rows = rows.to(self.rewards.device)
-        rollout = self.rollout.select(rows, trim)
-        T = rollout.completion_ids.size(1)
-
-        def cut(tensor: Tensor | None) -> Tensor | None:  # [B, T] or [B] -> [b, T'] or [b]
-            if tensor is None:
-                return None
-            return tensor[rows, :T] if tensor.dim() == 2 else tensor[rows]
-
-        G = self.num_generations
-        groups = dict.fromkeys(int(r) // G for r in rows)  # in the rows' order
-        return Trajectory(
-            prompts=[self.prompts[g] for g in groups],
-            rollout=rollout,
-            completions=[self.completions[int(r)] for r in rows],
-            loss_mask=cut(self.loss_mask),
-            old_logprobs=cut(self.old_logprobs),
-            ref_logprobs=cut(self.ref_logprobs),
-            rewards_per_func=self.rewards_per_func[rows],
-            rewards=self.rewards[rows],
-            advantages=self.advantages[rows],
-            token_advantages=cut(self.token_advantages),
-            num_generations=G,
-            stats=self.stats,
-        )
 
 
 def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from grpo_lightning.core.algorithm.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
 from grpo_lightning.core.algorithm.loss import grpo_loss
-from grpo_lightning.core.algorithm.trajectory import Trajectory
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.types import Trajectory
 
 
 def mini_batches(

@@ -26,12 +26,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.generation.sampling import Rollout, completion_logprobs, generate_completions
+from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
 from grpo_lightning.core.generation.shared_prompt import (
     group_completion_logprobs,
     prefill_groups,
     rows_share_prompts,
 )
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import call_in_root_forward
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,43 +25,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-
-@dataclass
-class Rollout:
-    """G sampled completions for each of N prompts, prompt i's group in rows i*G .. i*G+G-1."""
-
-    prompt_ids: Tensor  # [N*G, P] left-padded
-    prompt_mask: Tensor  # [N*G, P]
-    completion_ids: Tensor  # [N*G, T] right-padded with the pad token
-    completion_mask: Tensor  # [N*G, T] 1 up to and including the first EOS
-    truncated: Tensor  # [N*G] bool: no EOS within max_new_tokens
-
-    @property
-    def input_ids(self) -> Tensor:  # [N*G, P+T]
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> Tensor:  # [N*G, P+T]
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
-
-    def select(self, rows: Tensor, trim: bool = False) -> Rollout:
-        """`rows` alone. `trim`: padded only to their own longest prompt and completion, the prompt columns
-        that are padding in every one of them (left) and the completion columns after their longest
-        completion (right) dropped. Positions come from the attention mask and attention is causal, so
-        every kept token's log-prob is the one it has in the whole rollout."""
-        rows = rows.to(self.completion_ids.device)
-        prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]  # [b, P], [b, T]
-        P, T = prompt_mask.size(1), completion_mask.size(1)
-        if trim:
-            P = max(1, int(prompt_mask.sum(1).max()))  # left-padded: the last P columns hold every prompt
-            T = max(1, int(completion_mask.sum(1).max()))  # right-padded: the first T hold every completion
-        return Rollout(
-            prompt_ids=self.prompt_ids[rows, -P:],  # [b, P']
-            prompt_mask=prompt_mask[:, -P:],
-            completion_ids=self.completion_ids[rows, :T],  # [b, T']
-            completion_mask=completion_mask[:, :T],
-            truncated=self.truncated[rows],
-        )
+from grpo_lightning.core.types import Rollout
 
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:

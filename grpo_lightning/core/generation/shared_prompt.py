@@ -28,7 +28,8 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.sampling import Rollout, head_logprobs, position_ids
+from grpo_lightning.core.generation.sampling import head_logprobs, position_ids
+from grpo_lightning.core.types import Rollout
 
 
 class _CapturedPrompt(DynamicLayer):

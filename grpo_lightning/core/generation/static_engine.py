@@ -40,8 +40,9 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import CompileConfig, PreTrainedModel, StaticCache
 
 from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings
-from grpo_lightning.core.generation.sampling import Rollout, generate_completions
+from grpo_lightning.core.generation.sampling import generate_completions
 from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
+from grpo_lightning.core.types import Rollout
 
 
 def hf_model(model: PreTrainedModel) -> PreTrainedModel:
