@@ -31,7 +31,8 @@ from compare_options import instantiate, load_config  # noqa: E402
 
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer  # noqa: E402
-from grpo_lightning.training.data import GSM8KDataModule, collate_rows  # noqa: E402
+from grpo_lightning.io.rows import collate_rows  # noqa: E402
+from grpo_lightning.training.data import GSM8KDataModule  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
 

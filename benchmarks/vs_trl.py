@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------- shared inputs
 def load_prompts(count: int) -> list[list[dict[str, str]]]:
     """The first `count` GSM8K training questions as chat messages, with our default system prompt."""
-    from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT
+    from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT
 
     system = {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
     return [[system, {"role": "user", "content": row["question"]}] for row in gsm8k_rows(count)]

@@ -59,15 +59,12 @@ from grpo_lightning.core.generation import sampling
 from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.rewards.verifiable import completion_text
+from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.models import LoraOptions, ModelOptions, apply_lora
+from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from grpo_lightning.offline.tiny import build_model, build_tokenizer
-from grpo_lightning.training.data import (
-    DEFAULT_SYSTEM_PROMPT,
-    GSM8KDataModule,
-    arithmetic_problems,
-    chat_prompt,
-)
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 
 # Qwen2.5-0.5B's vocabulary and width; Llama blocks with an MLP of 2x the width: 465M parameters.

@@ -33,15 +33,9 @@ from grpo_lightning.core.rewards.scoring import (
 from grpo_lightning.core.rewards.verifiable import completion_text, normalize_number, reference_answer
 from grpo_lightning.io.export import ExportBestCallback, export_policy, read_checkpoint
 from grpo_lightning.io.models import check_loaded_model
+from grpo_lightning.io.rows import CHAT_ROLES, check_prompt, check_row, read_records
 from grpo_lightning.training.audit_callback import RewardAuditCallback
-from grpo_lightning.training.data import (
-    CHAT_ROLES,
-    GSM8KDataModule,
-    PromptDataModule,
-    check_prompt,
-    check_row,
-    read_records,
-)
+from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 from tests.test_interrupt import REPO, fit_args

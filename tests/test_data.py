@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule, collate_rows
+from grpo_lightning.io.rows import collate_rows
+from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
 TRL_ROWS = [

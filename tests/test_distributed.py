@@ -48,7 +48,7 @@ from grpo_lightning.io.distributed import (
 )
 from grpo_lightning.io.export import ExportBestCallback, export_policy
 from grpo_lightning.io.models import LoraOptions, apply_lora
-from grpo_lightning.training.data import collate_rows
+from grpo_lightning.io.rows import collate_rows
 from grpo_lightning.training.module import GRPOModule
 
 NUM_ROWS = 8

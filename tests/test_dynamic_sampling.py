@@ -13,8 +13,8 @@ from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.sampling import completion_logprobs
 from grpo_lightning.core.types import Rollout, ScoredGroups, cat_rollouts
+from grpo_lightning.io.rows import collate_rows
 from grpo_lightning.offline.tiny import build_model
-from grpo_lightning.training.data import collate_rows
 from grpo_lightning.training.module import GRPOModule
 from tests import helpers
 from tests.helpers import quiet_trainer

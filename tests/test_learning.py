@@ -11,13 +11,10 @@ import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import format_reward, reference_answer
+from grpo_lightning.io.arithmetic_task import arithmetic_problems
+from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from grpo_lightning.offline.tiny import build_model, build_tokenizer
-from grpo_lightning.training.data import (
-    DEFAULT_SYSTEM_PROMPT,
-    GSM8KDataModule,
-    arithmetic_problems,
-    chat_prompt,
-)
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 

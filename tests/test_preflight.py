@@ -8,8 +8,10 @@ import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import accuracy_reward
+from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.models import LoraOptions, ModelOptions
-from grpo_lightning.training.data import GSM8KDataModule, arithmetic_problems, collate_rows
+from grpo_lightning.io.rows import collate_rows
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.preflight import (
     Preflight,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
-from grpo_lightning.training.data import collate_rows
+from grpo_lightning.io.rows import collate_rows
 
 
 @torch.no_grad()

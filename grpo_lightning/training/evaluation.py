@@ -26,7 +26,8 @@ from grpo_lightning.core.rewards.verifiable import extract_answer, reference_ans
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import gathered_for_generation
 from grpo_lightning.io.export import resolve_attr
-from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, GSM8KDataModule, collate_rows
+from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
 
 __all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]

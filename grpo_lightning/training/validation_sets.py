@@ -10,8 +10,8 @@ Under DDP, Lightning's `DistributedSampler` pads the ranks' shares to equal leng
 then count twice. `rank_share` pads the same way, so that every rank takes as many batches (FSDP2 gathers
 the weights for each validation batch's generate: a collective), but marks the repeats, and `SetScores`
 leaves them out: the accuracy over the ranks is that of the rows, each once.
-Nothing here imports Lightning; the data module imports this file, so its own helpers are imported where
-they are used.
+Nothing here imports Lightning; rows are read and checked by `grpo_lightning/io/rows.py`, as the data
+module's.
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ from torchmetrics import MeanMetric
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.verifiable import reference_answer
+from grpo_lightning.io.rows import (
+    DATA_FILE_TYPES,
+    DEFAULT_SYSTEM_PROMPT,
+    Row,
+    chat_prompt,
+    check_prompt,
+    check_same_columns,
+    read_records,
+    read_split_records,
+)
 
-Row = dict[str, object]
 COUNTED = "_counted"  # row column: False on a rank's padding repeat, which no metric counts
 
 
@@ -110,18 +119,11 @@ def check_validation_sets(sets: Sequence[ValidationSet]) -> None:
 def read_validation_rows(validation_set: ValidationSet) -> list[Row]:
     """The set's checked rows, each with its prompt under `prompt`; a bad row raises naming it, and the
     field at fault."""
-    from grpo_lightning.training.data import (
-        DATA_FILE_TYPES,
-        PromptDataModule,
-        check_same_columns,
-        read_records,
-    )
-
     vs = validation_set
     if vs.source.endswith(DATA_FILE_TYPES):
         records = read_records(os.path.expanduser(vs.source))
     else:  # a folder or a hub data set, read as the data module reads its test split
-        records = PromptDataModule(vs.source, config_name=vs.config_name)._records(vs.split)
+        records = read_split_records(vs.source, vs.config_name, vs.split)
     records = records[: vs.size]
     if not records:
         raise ValueError(f"validation set {vs.name!r}: {vs.source} has no rows")
@@ -131,8 +133,6 @@ def read_validation_rows(validation_set: ValidationSet) -> list[Row]:
 
 
 def _prepare_row(vs: ValidationSet, row: object, where: str) -> Row:
-    from grpo_lightning.training.data import DEFAULT_SYSTEM_PROMPT, chat_prompt, check_prompt
-
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     field = vs.question_field or vs.prompt_field
