@@ -30,7 +30,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
@@ -133,13 +134,22 @@ _UNION_ERROR = re.compile(
     r"(?: - Expected a <class 'NoneType'>.*)?$"
 )
 
+# jsonargparse's report of a value outside the choices of a `Literal` option.
+_CHOICE_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)": Expected a typing\.Literal\[(?P<choices>.*)\]\. Got value: (?P<value>.*)$'
+)
+
 
 def plain_parser_error(message: str) -> str:
     """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
-    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
+    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`); a value outside an option's
+    choices in the options' own format (`data.val_split='train': must be one of holdout, test`)."""
     message = " ".join(message.split())
     while match := _UNION_ERROR.match(message):
         message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'
+    if match := _CHOICE_ERROR.match(message):
+        choices = ", ".join(choice.strip(" '\"") for choice in match["choices"].split(","))
+        message = f"{match['key']}={match['value']!r}: must be one of {choices}"
     return message
 
 

@@ -70,7 +70,7 @@ def cli_error(args: list[str], capsys) -> str:
         ("--model.grpo.num_generations=1", "GRPOConfig.num_generations=1: must be >= 2"),
         ("--model.grpo.epsilon=0", "GRPOConfig.epsilon=0.0: must be > 0"),
         ("--model.grpo.beta=-0.1", "GRPOConfig.beta=-0.1: must be >= 0"),
-        ("--model.grpo.loss_type=ppo", "GRPOConfig.loss_type='ppo': must be one of grpo, bnpo, dapo"),
+        ("--model.grpo.loss_type=ppo", "model.grpo.loss_type='ppo': must be one of grpo, bnpo, dapo"),
         ("--model.grpo.max_completion_length=0", "GRPOConfig.max_completion_length=0: must be > 0"),
         ("--model.policy=/no/such/model", "model path '/no/such/model' does not exist"),
     ],

@@ -1,8 +1,10 @@
 """Every option is range-checked where it is declared, and a resumed run never drops an option silently."""
 
+import ast
 import math
 import os
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
-from grpo_lightning.core.config import GRPO_RULES, GRPOConfig
-from grpo_lightning.io.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.options import declared_rule
+from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import digit_reward, quiet_trainer
@@ -106,17 +109,18 @@ REFUSED = {
         "target_modules": st.sampled_from([[], None, 1, ["q_proj", 2], [""]]),
     },
 }
-RULES = {GRPOConfig: GRPO_RULES, ModelOptions: MODEL_RULES, LoraOptions: LORA_RULES}
+OPTION_CLASSES = [GRPOConfig, ModelOptions, LoraOptions]
 
 
-@pytest.mark.parametrize("options", list(RULES), ids=lambda c: c.__name__)
-def test_every_option_has_a_rule_and_refused_values(options):
+@pytest.mark.parametrize("options", OPTION_CLASSES, ids=lambda c: c.__name__)
+def test_every_option_declares_its_rule_and_has_refused_values(options):
     names = {f.name for f in fields(options)}
-    assert set(RULES[options]) == names  # a new option without a rule fails here
-    assert set(REFUSED[options]) == names
+    for name in names:
+        declared_rule(options, name)  # an annotation that declares no rule raises TypeError
+    assert set(REFUSED[options]) == names  # a new option without refused values fails here
 
 
-@pytest.mark.parametrize("options", list(RULES), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("options", OPTION_CLASSES, ids=lambda c: c.__name__)
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_a_refused_value_names_its_option_and_its_rule(options, data):
@@ -185,7 +189,10 @@ def test_options_that_depend_on_each_other():
         ("--model.grpo.learning_rate=-1e-5", "GRPOConfig.learning_rate=-1e-05: must be >= 0"),
         ("--model.lora.r=0", "LoraOptions.r=0: must be >= 1"),
         ("--model.lora.dropout=1", "LoraOptions.dropout=1.0: must be >= 0 and < 1"),
-        ("--model.model_options.dtype=fp16", "ModelOptions.dtype='fp16': must be one of float32, bfloat16"),
+        (
+            "--model.model_options.dtype=fp16",
+            "model.model_options.dtype='fp16': must be one of float32, bfloat16",
+        ),
     ],
 )
 @pytest.mark.usefixtures("no_weights")
@@ -329,3 +336,77 @@ def test_every_option_is_documented_where_it_is_declared_and_shown_by_help():
     shown = " ".join(parser.format_help().split())
     for name, doc in docs.items():
         assert doc[:40] in shown, name
+
+
+# ------------------------------------------------------------------------------------------ one declaration
+PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
+# String options that name something (a reward function, a file, a data set's column) rather than choose.
+FREE_TEXT = {"dynamic_sampling_metric", "gguf_file", "attn_implementation"}
+DATA_FREE_TEXT = {"source", "config_name", "system_prompt", "question_field", "answer_field"}
+
+
+def option_tables(source: str) -> list[tuple[int, set[str]]]:
+    """(line, the GRPOConfig options it names) of every module-level table (a dict display, bare or in a
+    call) in the Python `source` that names three or more of them."""
+    options = {f.name for f in fields(GRPOConfig)}
+    tables = []
+    for statement in ast.parse(source).body:
+        if isinstance(statement, ast.Assign | ast.AnnAssign) and statement.value is not None:
+            for node in ast.walk(statement.value):
+                if isinstance(node, ast.Dict):
+                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant)} & options
+                    if len(keys) >= 3:
+                        tables.append((statement.lineno, keys))
+    return tables
+
+
+def test_each_option_is_declared_in_one_place():
+    """An option's type, choices and range are its annotation: no table beside the config restates options
+    (the check can fail: it finds a table written like the old rule table), and every field's checks come
+    from its annotation alone."""
+    old_style = 'RULES = {"top_p": Rule(float), "top_k": Rule(int), "temperature": Rule(float)}\n'
+    assert option_tables(old_style) == [(1, {"top_p", "top_k", "temperature"})]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tables = option_tables(path.read_text(encoding="utf-8"))
+        assert tables == [], f"{path} restates GRPOConfig's options in a table"
+    for field in fields(GRPOConfig):  # the default passes the rule that its annotation declares
+        assert declared_rule(GRPOConfig, field.name).problem(field.default) is None, field.name
+
+
+def help_of(option_prefix: str, shown: str, name: str) -> str:
+    """The help entry of `--<option_prefix><name>` in `shown` (whitespace made single spaces)."""
+    start = shown.index(f" --{option_prefix}{name} ")
+    end = shown.find(" --", start + 3)
+    return shown[start:end]
+
+
+def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--data.help", "GSM8KDataModule"])
+    data_shown = " ".join(capsys.readouterr().out.split())
+    owners = [
+        (GRPOConfig, "model.grpo.", shown, FREE_TEXT, [f.name for f in fields(GRPOConfig)]),
+        (ModelOptions, "model.model_options.", shown, FREE_TEXT, [f.name for f in fields(ModelOptions)]),
+        (
+            GSM8KDataModule.__init__,
+            "data.",
+            data_shown,
+            DATA_FREE_TEXT,
+            ["val_split", "batch_size", "val_size"],
+        ),
+    ]
+    choices_seen = 0
+    for owner, prefix, text, free_text, names in owners:
+        for name in names:
+            rule, entry = declared_rule(owner, name), help_of(prefix, text, name)
+            if rule.choices:
+                assert f"{{{','.join(rule.choices)}}}" in entry, name
+                choices_seen += 1
+            elif rule.kinds == (str,):
+                assert name in free_text, f"{name}: a string option without choices"
+            if rule.bounds:
+                assert ", ".join(b.strip() for b in rule.bounds.split(",")) + "]" in entry, name
+    assert choices_seen >= 8  # loss_type, scale_rewards, ..., dtype, val_split

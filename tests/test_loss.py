@@ -4,14 +4,16 @@ properties."""
 import math
 from collections import defaultdict
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.algorithm.loss import LOSS_TYPES, group_advantages, grpo_loss, kl_penalty
+from grpo_lightning.core.algorithm.loss import LossType, group_advantages, grpo_loss, kl_penalty
 
+LOSS_TYPES = get_args(LossType)
 LEVELS = ("token", "sequence")
 MAX_LEN = 8  # max_completion_length used for dr_grpo throughout
 

@@ -1,16 +1,41 @@
-"""Learning-rate schedules: the multiplier against its closed form, the run's length, and the rates a real
-fit logs (each step's `train/learning_rate` is the rate its update used)."""
+"""Learning-rate schedules: the library schedulers against the closed form, the run's length, and the rates a
+real fit logs (each step's `train/learning_rate` is the rate its update used)."""
 
 import math
 
 import lightning as L
 import pytest
+import torch
 
-from grpo_lightning.core.algorithm.schedules import lr_multiplier, optimizer_steps_in_fit
+from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str, min_ratio: float) -> float:
+    """The schedule's closed form (`grpo_lightning.core.algorithm.schedules`' doc): warm-up (s + 1) / w, then
+    constant, or linear / cosine decay to the floor over the rest of the run."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decayed = 1.0 - progress if kind == "linear" else (1.0 + math.cos(math.pi * progress)) / 2
+    return min_ratio + (1.0 - min_ratio) * decayed
+
+
+def scheduled_rates(kind: str, warmup: int, total: int, floor: float, steps: int) -> list[float]:
+    """The multipliers that `build_scheduler` gives `steps` optimizer steps (a base rate of 1)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, warmup, total, kind, floor)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
 
 
 @pytest.mark.parametrize(
@@ -32,12 +57,20 @@ from tests.helpers import quiet_trainer
     ],
 )
 def test_multiplier_matches_the_closed_form(kind, step, expected):
-    assert lr_multiplier(step, 2, 10, kind, 0.1) == pytest.approx(expected, abs=1e-12)
+    assert scheduled_rates(kind, 2, 10, 0.1, step + 1)[step] == pytest.approx(expected, abs=1e-12)
 
 
 def test_no_warmup_starts_at_the_full_rate():
-    assert lr_multiplier(0, 0, 4, "cosine", 0.0) == 1.0
-    assert lr_multiplier(2, 0, 4, "linear", 0.0) == 0.5
+    assert scheduled_rates("cosine", 0, 4, 0.0, 1) == [1.0]
+    assert scheduled_rates("linear", 0, 4, 0.0, 3)[2] == 0.5
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize(("warmup", "total"), [(0, 1), (1, 7), (3, 3), (4, 50), (7, 200)])
+def test_the_library_schedulers_give_the_closed_form_at_every_step(kind, warmup, total):
+    rates = scheduled_rates(kind, warmup, total, 0.25, total + 3)  # past the end: the floor
+    expected = [lr_multiplier(s, warmup, total, kind, 0.25) for s in range(total + 3)]
+    assert rates == pytest.approx(expected, rel=1e-15, abs=0)
 
 
 def test_the_run_length_in_optimizer_steps():

@@ -1,32 +1,31 @@
-"""Every GRPO option in one documented place, checked before any model loads."""
+"""Every GRPO option in one documented place, checked before any model loads.
 
-from __future__ import annotations
+Each option is declared once, by its annotation: its type, its choices (`Literal`, made of the registry that
+implements them) and its range (`Range`), which jsonargparse reads and `--help` prints, and which
+`check_fields` checks when the config is built. Only rules between options are written out, in
+`__post_init__`.
+"""
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from grpo_lightning.core.algorithm.loss import (
-    BASELINES,
-    IMPORTANCE_SAMPLING_LEVELS,
     K1_IN_LOSS,
-    KL_ESTIMATORS,
-    LOSS_TYPES,
-    SCALES,
+    Baseline,
+    ImportanceSamplingLevel,
+    KLEstimator,
+    LossType,
+    ScaleRewards,
 )
-from grpo_lightning.core.algorithm.schedules import SCHEDULES
-from grpo_lightning.core.options import Rule, check_options, option_differences, option_error, plain_options
+from grpo_lightning.core.algorithm.schedules import ScheduleType
+from grpo_lightning.core.options import Range, check_fields, option_error
 
-GENERATION_BACKENDS = ("auto", "eager", "static")
-
-# The option machinery lives in `options`; these names stay importable from here.
-__all__ = [
-    "GRPOConfig",
-    "GRPO_RULES",
-    "Rule",
-    "check_options",
-    "option_differences",
-    "option_error",
-    "plain_options",
-]
+# The ranges several options share.
+PositiveInt = Annotated[int, Range("> 0")]
+NonNegativeInt = Annotated[int, Range(">= 0")]
+AtLeastOne = Annotated[int, Range(">= 1")]
+PositiveFloat = Annotated[float, Range("> 0")]
+NonNegativeFloat = Annotated[float, Range(">= 0")]
 
 
 @dataclass
@@ -38,32 +37,32 @@ class GRPOConfig:
     """
 
     # -------------------------------------------------------------------------------------------- sampling
-    num_generations: int = 8
+    num_generations: Annotated[int, Range(">= 2", why="advantages compare a group")] = 8
     """Completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300, sec. 4.1.2). Must be
     >= 2: advantages are relative to the group.
     """
-    max_completion_length: int = 256
+    max_completion_length: PositiveInt = 256
     """New tokens per completion."""
-    min_completion_length: int = 0
+    min_completion_length: NonNegativeInt = 0
     """EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`); equal to
     `max_completion_length` it fixes the length, as benchmarks need. Above 0 the first tokens are drawn
     without EOS while the loss scores them under the raw policy, so the importance ratio there is
     off-policy by the EOS probability: keep 0 for training runs.
     """
-    max_prompt_length: int | None = 512
+    max_prompt_length: PositiveInt | None = 512
     """Prompt tokens kept; longer prompts are cut from the left. None keeps all."""
-    truncate_prompts: str = "left"
+    truncate_prompts: Literal["left", "error"] = "left"
     """What to do with a prompt over `max_prompt_length`: "left" (cut its start, with a warning) or "error".
     """
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature, > 0. The same temperature scales the logits of the log-probs, as the sampler saw
     them.
     """
-    top_p: float = 1.0
+    top_p: Annotated[float, Range("> 0, <= 1")] = 1.0
     """Nucleus sampling: draw from the most likely tokens whose probabilities sum to top_p, in (0, 1]; 1.0
     disables it.
     """
-    top_k: int = 0
+    top_k: Annotated[int, Range(">= 0", why="0 disables it")] = 0
     """Draw from the k most likely tokens only; 0 disables it."""
     dynamic_sampling: bool = False
     """Drop the groups whose completions all got the same reward (they carry no gradient) and sample the next
@@ -71,7 +70,7 @@ class GRPOConfig:
     arXiv:2503.14476, sec. 3.2). Rounds without an update make no optimizer step, so `max_steps` still
     counts updates. Logs `train/dynamic_sampling/frac_dropped` and `train/dynamic_sampling/extra_rounds`.
     """
-    dynamic_sampling_max_rounds: int = 9
+    dynamic_sampling_max_rounds: NonNegativeInt = 9
     """Extra generation rounds an update may wait for; after them it is topped up with uninformative groups
     (verl's DAPO recipe stops with an error after 10 rounds, `max_num_gen_batches=10`).
     """
@@ -84,15 +83,15 @@ class GRPOConfig:
     format while accuracy falls (BENCHMARKS.md measured it).
     """
     # ------------------------------------------------------------------------------------------ advantages
-    scale_rewards: str = "group"
+    scale_rewards: ScaleRewards = "group"
     """"group" divides the centred reward by the group's std (GRPO), "batch" by the batch's (Hu et al.,
     REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
     """
-    baseline: str = "mean"
+    baseline: Baseline = "mean"
     """"mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740)."""
-    advantage_clip: float | None = None
+    advantage_clip: PositiveFloat | None = None
     """Clamp advantages to [-c, c]. None: no clipping."""
-    step_credit: float = 0.0
+    step_credit: Annotated[float, Range(">= 0", why="it is subtracted from the advantage")] = 0.0
     """Token-level credit for wrong steps: each generated token that writes part of an arithmetic claim that
     does not verify (`grpo_lightning.core.rewards.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
     completion's outcome advantage, making the advantages [B, T] (process supervision at the step, as
@@ -100,27 +99,27 @@ class GRPOConfig:
     of a learned reward model). 0.0 turns it off.
     """
     # ------------------------------------------------------------------------------------------------ loss
-    loss_type: str = "dapo"
+    loss_type: LossType = "dapo"
     """"grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token mean over the
     batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max), arXiv:2503.20783), "cispo"
     (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
     """
-    importance_sampling_level: str = "token"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
     """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
-    epsilon: float = 0.2
+    epsilon: PositiveFloat = 0.2
     """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
-    epsilon_high: float | None = None
+    epsilon_high: PositiveFloat | None = None
     """Upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the IS weight). None means
     epsilon, or for cispo 5.0 (TRL's recommended value, ScaleRL arXiv:2510.13786; TRL itself falls back to
     epsilon, a cap of 0.2 that shrinks every weight).
     """
-    delta: float | None = None
+    delta: Annotated[float, Range("> 1")] | None = None
     """Cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291)."""
-    beta: float = 0.0
+    beta: NonNegativeFloat = 0.0
     """Weight of the KL penalty to the frozen reference; 0 loads no reference at all. 0.0 as TRL and DAPO
     (DeepSeekMath used 0.04).
     """
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     """"k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). In the loss (beta > 0 without
     use_kl_in_reward) k1 is refused when the config is built: its gradient, grad log pi, has mean zero
     under the policy, so it regularises nothing; k2's gradient is the KL's own, k3's the reverse KL's. k1
@@ -134,12 +133,12 @@ class GRPOConfig:
     """
     entropy_coef: float = 0.0
     """Weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty)."""
-    num_iterations: int = 1
+    num_iterations: AtLeastOne = 1
     """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1), each over its
     `steps_per_generation` mini-batches. With mu > 1 the sampling-time log-probs are kept as the old
     policy's.
     """
-    steps_per_generation: int = 1
+    steps_per_generation: AtLeastOne = 1
     """Optimizer steps per rollout: the rollout's groups (one per prompt of the batch) are shuffled, from
     the training random stream that checkpoints keep, and cut into this many mini-batches of whole groups,
     one optimizer step each; with `num_iterations` = mu, mu passes over them (a new shuffle each), so a
@@ -161,13 +160,13 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
     # ---------------------------------------------------------------------------------------- optimisation
-    learning_rate: float = 1e-6
+    learning_rate: NonNegativeFloat = 1e-6
     """AdamW learning rate; 1e-6 is TRL's GRPO default."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warm-up optimizer steps, then the `lr_scheduler_type` schedule."""
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: ScheduleType = "constant"
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
     `grpo_lightning.core.algorithm.schedules`. The run's length is the trainer's max_steps (optimizer
@@ -175,20 +174,20 @@ class GRPOConfig:
     epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
     "constant_with_warmup" is "constant" here); verl: `optim.lr_scheduler_type`.
     """
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(">= 0, <= 1", why="a share of learning_rate")] = 0.0
     """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
     "constant". verl: `optim.min_lr_ratio`; TRL: `lr_scheduler_kwargs={"min_lr_rate": ...}` with
     "cosine_with_min_lr".
     """
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float, Range("> 0", why="a negative norm flips the gradient")] | None = 1.0
     """Gradient clipping by global norm, > 0; None disables."""
-    micro_batch_size: int | None = None
+    micro_batch_size: AtLeastOne | None = None
     """Sequences per forward/backward; each optimizer step's rows (the rollout of prompts x G sequences, or
     its mini-batch with `steps_per_generation`) are split and the gradients accumulated, with the loss
     normalised over all of them, and every micro-batch padded to the rollout's longest row. None: all at
     once.
     """
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: AtLeastOne | None = None
     """A token budget per micro-batch instead of `micro_batch_size` rows, in the policy update (within each
     optimizer step's rows) and the reference and old-policy passes: rows of similar length go together,
     each micro-batch holding as many as fit in rows x its longest row's tokens (prompt + completion) <= this
@@ -201,21 +200,20 @@ class GRPOConfig:
     `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
     `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
     """
-    max_bad_steps: int = 3
+    max_bad_steps: AtLeastOne = 3
     """Stop after this many consecutive steps whose loss is not finite (each is skipped)."""
     sync_ref_model: bool = False
     """Move the reference towards the policy every `ref_model_sync_steps` optimizer steps: reference <- alpha
     x policy + (1 - alpha) x reference (TR-DPO, Gorbatovski et al., arXiv:2404.09656;
     `grpo_lightning.core.algorithm.reference_sync`). Needs beta > 0 (a reference to sync) and full
-    fine-tuning (with
-    LoRA the reference is the policy's own base weights). The reference is then stored in checkpoints.
-    TRL: `sync_ref_model`.
+    fine-tuning (with LoRA the reference is the policy's own base weights). The reference is then stored in
+    checkpoints. TRL: `sync_ref_model`.
     """
-    ref_model_mixup_alpha: float = 0.6
+    ref_model_mixup_alpha: Annotated[float, Range(">= 0, <= 1", why="the policy's share")] = 0.6
     """The policy's weight alpha in each sync, in [0, 1]; 1 copies the policy. 0.6 is TRL's default. TRL:
     `ref_model_mixup_alpha`.
     """
-    ref_model_sync_steps: int = 512
+    ref_model_sync_steps: AtLeastOne = 512
     """Optimizer steps between syncs; each sync is applied before the next rollout. 512 is TRL's default.
     TRL: `ref_model_sync_steps`.
     """
@@ -228,7 +226,7 @@ class GRPOConfig:
     (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
     """
-    generation_backend: str = "auto"
+    generation_backend: Literal["auto", "eager", "static"] = "auto"
     """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
     (`core.rollout.EagerEngine`, the reference path). "static": `generate` with a static KV cache on an
     inference copy of the policy in the compute dtype (bf16 under `bf16-mixed`, LoRA adapters merged into
@@ -249,7 +247,7 @@ class GRPOConfig:
     `optimizer_offload`; TRL: DeepSpeed/FSDP `offload_params` in its accelerate config.
     """
     # --------------------------------------------------------------------------------------------- logging
-    log_completions_every: int = 50
+    log_completions_every: Annotated[int, Range(">= 0", why="0 disables the panels")] = 50
     """Steps between TensorBoard text panels of sample completions; 0 disables."""
     preflight: bool = True
     """Before the first step, sample a few completions and report the effective batch, the share cut off by
@@ -258,7 +256,7 @@ class GRPOConfig:
     """
 
     def __post_init__(self) -> None:
-        check_options(self, GRPO_RULES)
+        check_fields(self)
 
         def bad(option: str, value: object, rule: str) -> ValueError:
             return option_error(self, option, value, rule)
@@ -283,52 +281,3 @@ class GRPOConfig:
                 budget,
                 f"must be >= max_completion_length={self.max_completion_length} (a row at the limit alone)",
             )
-
-
-GRPO_RULES = {
-    "num_generations": Rule(int, ">= 2", why="advantages compare a group"),
-    # None too: generation needs a bound, and loss_type="dr_grpo" divides by it.
-    "max_completion_length": Rule(int, "> 0"),
-    "min_completion_length": Rule(int, ">= 0"),
-    "max_prompt_length": Rule(int, "> 0", none=True),
-    "truncate_prompts": Rule(str, choices=("left", "error")),
-    "temperature": Rule(float, "> 0"),
-    "top_p": Rule(float, "> 0, <= 1"),
-    "top_k": Rule(int, ">= 0", why="0 disables it"),
-    "dynamic_sampling": Rule(bool),
-    "dynamic_sampling_max_rounds": Rule(int, ">= 0"),
-    "dynamic_sampling_metric": Rule(str, none=True),  # a reward function's name: GRPOModule checks it
-    "scale_rewards": Rule(str, choices=SCALES),
-    "baseline": Rule(str, choices=BASELINES),
-    "advantage_clip": Rule(float, "> 0", none=True),
-    "step_credit": Rule(float, ">= 0", why="it is subtracted from the advantage"),
-    "loss_type": Rule(str, choices=LOSS_TYPES),
-    "importance_sampling_level": Rule(str, choices=IMPORTANCE_SAMPLING_LEVELS),
-    "epsilon": Rule(float, "> 0"),
-    "epsilon_high": Rule(float, "> 0", none=True),
-    "delta": Rule(float, "> 1", none=True),
-    "beta": Rule(float, ">= 0"),
-    "kl_estimator": Rule(str, choices=KL_ESTIMATORS),
-    "use_kl_in_reward": Rule(bool),
-    "entropy_coef": Rule(float),  # any finite weight: a negative one penalises entropy
-    "num_iterations": Rule(int, ">= 1"),
-    "steps_per_generation": Rule(int, ">= 1"),
-    "mask_truncated_completions": Rule(bool),
-    "learning_rate": Rule(float, ">= 0"),
-    "weight_decay": Rule(float, ">= 0"),
-    "warmup_steps": Rule(int, ">= 0"),
-    "lr_scheduler_type": Rule(str, choices=SCHEDULES),
-    "min_lr_ratio": Rule(float, ">= 0, <= 1", why="a share of learning_rate"),
-    "max_grad_norm": Rule(float, "> 0", none=True, why="a negative norm would flip the gradient's sign"),
-    "micro_batch_size": Rule(int, ">= 1", none=True),
-    "max_tokens_per_micro_batch": Rule(int, ">= 1", none=True),
-    "max_bad_steps": Rule(int, ">= 1"),
-    "log_completions_every": Rule(int, ">= 0", why="0 disables the panels"),
-    "preflight": Rule(bool),
-    "share_prompt": Rule(bool),
-    "sync_ref_model": Rule(bool),
-    "ref_model_mixup_alpha": Rule(float, ">= 0, <= 1", why="the policy's share of the mixture"),
-    "ref_model_sync_steps": Rule(int, ">= 1"),
-    "cpu_offload": Rule(bool),
-    "generation_backend": Rule(str, choices=GENERATION_BACKENDS),
-}

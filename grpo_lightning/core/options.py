@@ -1,13 +1,23 @@
-"""How options are checked: one `Rule` per option (type, bounds, choices), one error format naming the
-option. Used by every option dataclass (`GRPOConfig`, `ModelOptions`, `LoraOptions`), the data modules and
-the loss functions' string arguments."""
+"""How options are declared and checked, in one place each: an option's type, its choices (`Literal`) and its
+range (`Annotated[float, Range("> 0, <= 1")]`) are its annotation, which jsonargparse reads for the CLI and
+`--help` prints; `check_fields` checks a built options object against the same annotations, with one error
+format naming the option. Rules between options stay in the owner's `__post_init__`.
+
+Used by every option dataclass (`GRPOConfig`, `ModelOptions`, `LoraOptions`) and the data modules' arguments.
+`Choices` are the registries of the loss functions' string arguments (verl's style): the choice set is the
+registry's keys, and looking up a value it lacks names the argument and its choices.
+"""
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from functools import cache
+from typing import Annotated, Literal, TypeVar
 
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 _KIND_WORDS = {
@@ -20,21 +30,28 @@ _KIND_WORDS = {
 
 
 @dataclass(frozen=True)
-class Rule:
-    """What one option accepts: its type, bounds such as "> 0, <= 1", or a set of choices.
+class Range:
+    """The bounds of a number option, as the metadata of its annotation: `Annotated[int, Range(">= 2")]`.
 
     Args:
-        kind: int, float (ints accepted, NaN and inf refused), bool, str, or list (a list of strings); a
-            tuple of them for an option of several types.
         bounds: comma-separated comparisons that the value must pass, e.g. ">= 2" or "> 0, <= 1".
-        choices: the only values allowed.
-        none: None is allowed (it means what the option's docstring says).
-        why: the reason, shown after the rule.
+        why: the reason, shown after the rule in the error.
     """
 
-    kind: type | tuple[type, ...]
+    bounds: str
+    why: str = ""
+
+    def __repr__(self) -> str:  # what `--help` prints inside the type: "Annotated[float, > 0, <= 1]"
+        return self.bounds
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one annotation allows: its kinds, bounds, choices, and whether None is allowed."""
+
+    kinds: tuple[type, ...]
     bounds: str = ""
-    choices: tuple[str, ...] = ()
+    choices: tuple = ()
     none: bool = False
     why: str = ""
 
@@ -52,13 +69,9 @@ class Rule:
                 return self.expected(type_too=False)
         return None
 
-    @property
-    def kinds(self) -> tuple[type, ...]:
-        return self.kind if isinstance(self.kind, tuple) else (self.kind,)
-
     def expected(self, type_too: bool) -> str:
         if self.choices:
-            text = "one of " + ", ".join(self.choices)
+            text = "one of " + ", ".join(map(str, self.choices))
         else:
             bounds = " and ".join(b.strip() for b in self.bounds.split(",") if b.strip())
             if bounds and not type_too:
@@ -71,6 +84,30 @@ class Rule:
         return f"{text} ({self.why})" if self.why else text
 
 
+def rule_of(annotation: object) -> Rule:
+    """The `Rule` an annotation declares: `X | None`, `Annotated[X, Range(...)]`, `Literal[...]`, `list[str]`,
+    a union of those, or a plain `int`, `float`, `bool` or `str`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        rules = [rule_of(a) for a in args if a is not type(None)]
+        rule = rules[0] if len(rules) == 1 else Rule(tuple(k for r in rules for k in r.kinds))
+        return replace(rule, none=type(None) in args)
+    if origin is Annotated:
+        base, *metadata = typing.get_args(annotation)
+        ranges = [m for m in metadata if isinstance(m, Range)]
+        rule = rule_of(base)
+        return replace(rule, bounds=ranges[0].bounds, why=ranges[0].why) if ranges else rule
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        return Rule((type(choices[0]),), choices=choices)
+    if origin is list:
+        return Rule((list,))
+    if annotation not in _KIND_WORDS:
+        raise TypeError(f"no rule for the annotation {annotation!r}")
+    return Rule((annotation,))
+
+
 def _is_kind(value: object, kind: type) -> bool:
     if kind is float:  # ints are numbers too, booleans are not; NaN and inf pass no bound: refused
         return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
@@ -81,6 +118,12 @@ def _is_kind(value: object, kind: type) -> bool:
     return isinstance(value, kind)
 
 
+@cache
+def declared_rule(owner: Callable | type, option: str) -> Rule:
+    """The `Rule` of a dataclass's field, or of a function's argument, from its annotation."""
+    return rule_of(typing.get_type_hints(owner, include_extras=True)[option])
+
+
 def option_error(options: object | str, option: str, value: object, rule: str) -> ValueError:
     """The one message format of a bad option: `Owner.option=value: rule`; the owner is the options object's
     class name, or a name such as "data"."""
@@ -88,11 +131,39 @@ def option_error(options: object | str, option: str, value: object, rule: str) -
     return ValueError(f"{owner}.{option}={value!r}: {rule}")
 
 
-def check_value(owner: str, option: str, value: object, rule: Rule) -> None:
-    """Raise `option_error` when `value` of `owner.option` breaks `rule`."""
-    problem = rule.problem(value)
-    if problem is not None:
-        raise option_error(owner, option, value, problem)
+def check_fields(options: object) -> None:
+    """Raise `option_error` for the first field of the dataclass `options` that breaks its annotation."""
+    for field in fields(options):
+        value = getattr(options, field.name)
+        problem = declared_rule(type(options), field.name).problem(value)
+        if problem is not None:
+            raise option_error(options, field.name, value, problem)
+
+
+def check_arguments(owner: str, function: Callable, values: Mapping, names: list[str]) -> None:
+    """Raise `option_error` (`owner.name=...`) for the first of `names` whose value in `values` breaks the
+    annotation of `function`'s argument of that name."""
+    for name in names:
+        problem = declared_rule(function, name).problem(values[name])
+        if problem is not None:
+            raise option_error(owner, name, values[name], problem)
+
+
+V = TypeVar("V")
+
+
+class Choices(dict[str, V]):
+    """A registry keyed by an argument's choices; a value it lacks raises naming the argument and the choices.
+
+    `Literal[tuple(choices)]` is the argument's type, for the options that take one of them.
+    """
+
+    def __init__(self, argument: str, entries: Mapping[str, V]) -> None:
+        super().__init__(entries)
+        self.argument = argument
+
+    def __missing__(self, key: object) -> V:
+        raise ValueError(f"{self.argument}={key!r}: must be one of {', '.join(self)}")
 
 
 def option_differences(
@@ -116,9 +187,3 @@ def option_differences(
 def plain_options(value: object) -> object:
     """An option dataclass as a dict (nested), anything else as it is."""
     return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
-
-
-def check_options(options: object, rules: dict[str, Rule]) -> None:
-    """Raise `option_error` for the first option of the dataclass `options` that breaks its rule."""
-    for field in fields(options):
-        check_value(type(options).__name__, field.name, getattr(options, field.name), rules[field.name])

@@ -4,8 +4,6 @@ Everything a user can point at works the same way: a hub id, a local `save_pretr
 GGUF file (dequantised by transformers). Nothing here knows about Lightning.
 """
 
-from __future__ import annotations
-
 import copy
 import glob
 import importlib.util
@@ -14,6 +12,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from transformers import (
@@ -23,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grpo_lightning.core.config import Rule, check_options
+from grpo_lightning.core.options import Range, check_fields
 
 try:  # transformers >= 5.2x keeps GGUF weights in GGUF blocks unless asked to dequantise them
     from transformers import GgufConfig
@@ -49,25 +48,15 @@ class ModelOptions:
     """
 
     gguf_file: str | None = None
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     load_in_4bit: bool = False
 
     def __post_init__(self) -> None:
-        check_options(self, MODEL_RULES)
+        check_fields(self)
 
-
-DTYPES = ("float32", "bfloat16", "float16", "auto")
-MODEL_RULES = {
-    "gguf_file": Rule(str, none=True),
-    "dtype": Rule(str, choices=DTYPES),
-    "attn_implementation": Rule(str, none=True),
-    "gradient_checkpointing": Rule(bool),
-    "trust_remote_code": Rule(bool),
-    "load_in_4bit": Rule(bool),
-}
 
 # A hub id: "name" or "org/name" of letters, digits, "-", "_" and ".".
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -252,21 +241,13 @@ class LoraOptions:
         target_modules: module names to adapt, or "all-linear". Default "all-linear".
     """
 
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: Annotated[int, Range(">= 1")] = 16
+    alpha: Annotated[float, Range("> 0")] = 32
+    dropout: Annotated[float, Range(">= 0, < 1")] = 0.0
     target_modules: list[str] | str = "all-linear"
 
     def __post_init__(self) -> None:
-        check_options(self, LORA_RULES)
-
-
-LORA_RULES = {
-    "r": Rule(int, ">= 1"),
-    "alpha": Rule(float, "> 0"),
-    "dropout": Rule(float, ">= 0, < 1"),
-    "target_modules": Rule((str, list)),
-}
+        check_fields(self)
 
 
 def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:

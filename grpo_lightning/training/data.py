@@ -7,18 +7,16 @@ data sets) from a hub data set or local `.jsonl` / `.json` / `.parquet` files. E
 question as the user's turn) and checks that every answer ends in GSM8K's `#### N` line.
 """
 
-from __future__ import annotations
-
 import functools
 import random
 import warnings
-from collections.abc import Mapping, Sequence
+from typing import Annotated, Literal
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from grpo_lightning.core.options import Rule, check_value
+from grpo_lightning.core.options import Range, check_arguments
 from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.rows import (
     DEFAULT_SYSTEM_PROMPT,
@@ -40,21 +38,10 @@ from grpo_lightning.training.validation_sets import (
     read_validation_rows,
 )
 
-DATA_RULES = {
-    "val_split": Rule(str, choices=("holdout", "test")),
-    "batch_size": Rule(int, ">= 1"),
-    "val_batch_size": Rule(int, ">= 1"),
-    "val_size": Rule(int, ">= 0"),
-    "train_size": Rule(int, ">= 1", none=True),
-    "num_workers": Rule(int, ">= 0"),
-    "arithmetic_size": Rule(int, ">= 1"),
-}
-
-
-def check_data_options(hparams: Mapping, names: Sequence[str]) -> None:
-    """Raise `option_error` ("data.<name>=...") for the first of `names` whose value breaks its rule."""
-    for name in names:
-        check_value("data", name, hparams[name], DATA_RULES[name])
+# The options' types, shared by the data modules' signatures (jsonargparse reads and `--help` prints them).
+AtLeastOne = Annotated[int, Range(">= 1")]
+NonNegativeInt = Annotated[int, Range(">= 0")]
+ValSplit = Literal["holdout", "test"]
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -93,13 +80,13 @@ class PromptDataModule(L.LightningDataModule):
         config_name: str | None = None,
         prompt_field: str = "prompt",
         answer_field: str = "answer",
-        batch_size: int = 4,
-        val_size: int = 64,
-        val_split: str = "holdout",
-        val_batch_size: int = 16,
-        train_size: int | None = None,
+        batch_size: AtLeastOne = 4,
+        val_size: NonNegativeInt = 64,
+        val_split: ValSplit = "holdout",
+        val_batch_size: AtLeastOne = 16,
+        train_size: AtLeastOne | None = None,
         seed: int = 0,
-        num_workers: int = 0,
+        num_workers: NonNegativeInt = 0,
         val_sets: list[ValidationSet] | None = None,
     ) -> None:
         super().__init__()
@@ -120,11 +107,12 @@ class PromptDataModule(L.LightningDataModule):
         Not in `__init__`: LightningCLI builds the data module inside a type union, which would fold the
         one-line message into a page of jsonargparse's own.
         """
-        hp = self.hparams
-        check_data_options(hp, ["val_split"])
+        hp, signature = self.hparams, PromptDataModule.__init__
+        check_arguments("data", signature, hp, ["val_split"])
         if not isinstance(hp.source, str) or not hp.source.strip():
             raise ValueError(f"data.source={hp.source!r}: name a hub data set, a folder or a file")
-        check_data_options(hp, ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"])
+        names = ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"]
+        check_arguments("data", signature, hp, names)
         check_validation_sets(self.val_sets)
 
     @property
@@ -296,16 +284,16 @@ class GSM8KDataModule(PromptDataModule):
         self,
         source: str = "openai/gsm8k",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        batch_size: int = 4,
-        val_size: int = 64,
-        val_split: str = "holdout",
-        val_batch_size: int = 16,
-        train_size: int | None = None,
-        arithmetic_size: int = 2000,
+        batch_size: AtLeastOne = 4,
+        val_size: NonNegativeInt = 64,
+        val_split: ValSplit = "holdout",
+        val_batch_size: AtLeastOne = 16,
+        train_size: AtLeastOne | None = None,
+        arithmetic_size: AtLeastOne = 2000,
         question_field: str = "question",
         answer_field: str = "answer",
         seed: int = 0,
-        num_workers: int = 0,
+        num_workers: NonNegativeInt = 0,
         config_name: str | None = None,
         val_sets: list[ValidationSet] | None = None,
     ) -> None:
@@ -327,7 +315,7 @@ class GSM8KDataModule(PromptDataModule):
 
     def check_options(self) -> None:
         super().check_options()
-        check_data_options(self.hparams, ["arithmetic_size"])
+        check_arguments("data", GSM8KDataModule.__init__, self.hparams, ["arithmetic_size"])
 
     @property
     def answer_column(self) -> str:

@@ -235,17 +235,20 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        trainer = self.trainer
-
-        def total_steps() -> int:  # asked once training runs and the batches per epoch are known
-            batches = trainer.num_training_batches
-            per_rollout = cfg.num_iterations * cfg.steps_per_generation
-            return optimizer_steps_in_fit(trainer.max_steps, trainer.max_epochs, batches, per_rollout)
-
+        steps = 0 if cfg.lr_scheduler_type == "constant" else self._optimizer_steps_in_fit()
         scheduler = build_scheduler(
-            optimizer, cfg.warmup_steps, total_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
+            optimizer, cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
         )
         return [optimizer], [scheduler]
+
+    def _optimizer_steps_in_fit(self) -> int:
+        """The run's optimizer steps, the length of a decaying schedule (the training batches are loaded)."""
+        trainer, cfg = self.trainer, self.grpo
+        trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
+        per_rollout = cfg.num_iterations * cfg.steps_per_generation
+        return optimizer_steps_in_fit(
+            trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, per_rollout
+        )
 
     def configure_callbacks(self) -> list[L.Callback]:
         # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the

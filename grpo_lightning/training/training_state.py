@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
-from grpo_lightning.core.config import option_differences
+from grpo_lightning.core.options import option_differences
 from grpo_lightning.io.distributed import gather_per_rank
 from grpo_lightning.training.resume import state_of_rank
 

@@ -17,16 +17,13 @@ References:
     - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
 """
 
+from collections.abc import Callable
+from typing import Literal
+
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.options import Rule, check_value
-
-SCALES = ("group", "batch", "none")
-BASELINES = ("mean", "loo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from grpo_lightning.core.options import Choices
 
 STD_EPS = 1e-4  # added to the reward std before dividing, as in TRL
 MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
@@ -41,22 +38,45 @@ K1_IN_LOSS = (
     "into the reward (use_kl_in_reward: true, as verl)"
 )
 
+# The registries of the string arguments below: each choice set is a registry's keys, declared once here;
+# `GRPOConfig` types its options with the `Literal`s made of them.
 
-# The string arguments of this file's functions, checked as the options they come from.
-ARGUMENT_RULES = {
-    "scale": Rule(str, choices=SCALES),
-    "baseline": Rule(str, choices=BASELINES),
-    "kl_estimator": Rule(str, choices=KL_ESTIMATORS),
-    "loss_type": Rule(str, choices=LOSS_TYPES),
-    "importance_sampling_level": Rule(str, choices=IMPORTANCE_SAMPLING_LEVELS),
-}
+# What each centred reward `[N, G]` is divided by: the group's std (GRPO), the batch's (REINFORCE++), none
+# (Dr. GRPO). Unbiased stds, with STD_EPS added.
+REWARD_SCALES: Choices[Callable[[Tensor], Tensor | float]] = Choices(
+    "scale",
+    {
+        "group": lambda grouped: grouped.std(dim=1, keepdim=True) + STD_EPS,  # [N, 1]
+        "batch": lambda grouped: grouped.view(-1).std() + STD_EPS,  # 0-d
+        "none": lambda grouped: 1.0,
+    },
+)
+# The factor of the centred reward for a group of G: the group mean as baseline (GRPO), or the mean of the
+# G - 1 others (RLOO), r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean).
+BASELINES: Choices[Callable[[int], float]] = Choices(
+    "baseline", {"mean": lambda group_size: 1.0, "loo": lambda group_size: group_size / (group_size - 1)}
+)
+# Per-token KL estimates from log r = log pi_ref - log pi (Schulman 2020); k3 is DeepSeekMath eq. 4's.
+KL_ESTIMATORS: Choices[Callable[[Tensor], Tensor]] = Choices(
+    "kl_estimator",
+    {
+        "k1": lambda log_ratio: -log_ratio,
+        "k2": lambda log_ratio: 0.5 * log_ratio**2,
+        "k3": lambda log_ratio: torch.exp(log_ratio) - log_ratio - 1,
+    },
+)
+ScaleRewards = Literal[tuple(REWARD_SCALES)]
+Baseline = Literal[tuple(BASELINES)]
+KLEstimator = Literal[tuple(KL_ESTIMATORS)]
+# `LOSS_TYPES` (each a surrogate and an aggregation) and `IMPORTANCE_SAMPLING_LEVELS` follow `grpo_loss`'s
+# helpers below.
 
 
 def group_advantages(
     rewards: Tensor,
     group_size: int,
-    scale: str = "group",
-    baseline: str = "mean",
+    scale: ScaleRewards = "group",
+    baseline: Baseline = "mean",
     clip: float | None = None,
 ) -> Tensor:
     """Group-relative advantages, one per completion (DeepSeekMath arXiv:2402.03300, section 4.1.2).
@@ -73,8 +93,6 @@ def group_advantages(
     Returns:
         ``[N * G]`` advantages. A group whose rewards are all equal gets exactly 0.
     """
-    check_value("group_advantages", "scale", scale, ARGUMENT_RULES["scale"])
-    check_value("group_advantages", "baseline", baseline, ARGUMENT_RULES["baseline"])
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N * group_size], got shape {tuple(rewards.shape)}.")
     if group_size < 2:
@@ -86,15 +104,11 @@ def group_advantages(
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be positive, got {clip}.")
 
+    loo_factor, std = BASELINES[baseline], REWARD_SCALES[scale]
     rewards = rewards if rewards.is_floating_point() else rewards.float()
     grouped = rewards.view(-1, group_size)  # [N, G]
     advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [N, G]
-    if baseline == "loo":
-        advantages = advantages * (group_size / (group_size - 1))
-    if scale == "group":
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + STD_EPS)  # [N, G] / [N, 1]
-    elif scale == "batch":
-        advantages = advantages / (rewards.std() + STD_EPS)
+    advantages = advantages * loo_factor(group_size) / std(grouped)  # [N, G] / ([N, 1], 0-d or 1.0)
 
     # Rounding in the mean can leave tiny non-zero values in a constant group: force them to 0.
     constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [N, 1]
@@ -105,7 +119,7 @@ def group_advantages(
 
 
 def kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", max_log_ratio: float = 20.0
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3", max_log_ratio: float = 20.0
 ) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi.
 
@@ -123,17 +137,17 @@ def kl_penalty(
     Returns:
         ``[B, T]`` per-token KL estimates (padding positions are not masked).
     """
-    check_value("kl_penalty", "estimator", estimator, ARGUMENT_RULES["kl_estimator"])
-    log_ratio = (ref_logprobs - logprobs).clamp(-max_log_ratio, max_log_ratio)  # [B, T]
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    return torch.exp(log_ratio) - log_ratio - 1
+    estimate = KL_ESTIMATORS[estimator]
+    return estimate((ref_logprobs - logprobs).clamp(-max_log_ratio, max_log_ratio))  # [B, T]
 
 
 def kl_in_reward(
-    rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1"
+    rewards: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    beta: float,
+    estimator: KLEstimator = "k1",
 ) -> Tensor:
     """`rewards - beta * sum_t KL_t`: the KL to the reference charged to each completion's reward.
 
@@ -176,6 +190,67 @@ def _stat_mean(values: Tensor, mask: Tensor) -> Tensor:
     return _masked_sum(values, mask) / mask.sum().clamp(min=1)
 
 
+# The per-token surrogates: (ratio, advantages, logprobs, epsilon, epsilon_high, delta) -> (per-token loss,
+# low-clipped, high-clipped), each [B, T] or [B, 1].
+def _clipped_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta):
+    """PPO's clipped surrogate (DeepSeekMath eq. 3) with DAPO's clip-higher and INTELLECT-2's delta cap."""
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token_loss = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)  # [B, T|1]
+    is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
+    is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return per_token_loss, is_low_clipped, is_high_clipped
+
+
+def _cispo_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta):
+    """CISPO (MiniMax-M1): the detached IS weight capped at epsilon_high times A log pi; no low clip."""
+    per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs  # [B, T]
+    is_high_clipped = (ratio > epsilon_high) & (advantages > 0)
+    return per_token_loss, torch.zeros_like(ratio, dtype=torch.bool), is_high_clipped
+
+
+# The aggregations: (per-token loss [B, T], mask, token counts [B], total tokens, total sequences,
+# max_completion_length) -> the 0-d loss.
+def _sequence_mean(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_completion_length):
+    """Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3)."""
+    sequence_means = _masked_sum(per_token_loss, mask, dim=-1) / token_counts  # [B]
+    return sequence_means.sum() / num_sequences
+
+
+def _token_mean(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_completion_length):
+    """Token sum / number of tokens (DAPO eq. 8)."""
+    return _masked_sum(per_token_loss, mask) / num_tokens
+
+
+def _constant_normaliser(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_length):
+    """Token sum / (sequences x max_completion_length) (Dr. GRPO)."""
+    return _masked_sum(per_token_loss, mask) / (num_sequences * max_length)
+
+
+LOSS_TYPES = Choices(
+    "loss_type",
+    {
+        "grpo": (_clipped_surrogate, _sequence_mean),
+        "bnpo": (_clipped_surrogate, _token_mean),
+        "dapo": (_clipped_surrogate, _token_mean),
+        "dr_grpo": (_clipped_surrogate, _constant_normaliser),
+        "cispo": (_cispo_surrogate, _token_mean),
+    },
+)
+# The log-ratio the importance ratio is taken of: per token, or the sequence's token mean (GSPO).
+IMPORTANCE_SAMPLING_LEVELS = Choices(
+    "importance_sampling_level",
+    {
+        "token": lambda log_ratio, mask, token_counts: log_ratio,  # [B, T]
+        "sequence": lambda log_ratio, mask, token_counts: (
+            _masked_sum(log_ratio, mask, dim=-1) / token_counts
+        ).unsqueeze(-1),  # [B, 1]
+    },
+)
+LossType = Literal[tuple(LOSS_TYPES)]
+ImportanceSamplingLevel = Literal[tuple(IMPORTANCE_SAMPLING_LEVELS)]
+
+
 def grpo_loss(
     logprobs: Tensor,
     advantages: Tensor,
@@ -183,8 +258,8 @@ def grpo_loss(
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
+    loss_type: LossType = "dapo",
+    importance_sampling_level: ImportanceSamplingLevel = "token",
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
@@ -192,7 +267,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     entropies: Tensor | None = None,
     entropy_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: KLEstimator = "k3",
     total_tokens: float | Tensor | None = None,
     total_sequences: int | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -253,14 +328,8 @@ def grpo_loss(
         sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
         ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
     """
-    check_value("grpo_loss", "loss_type", loss_type, ARGUMENT_RULES["loss_type"])
-    check_value(
-        "grpo_loss",
-        "importance_sampling_level",
-        importance_sampling_level,
-        ARGUMENT_RULES["importance_sampling_level"],
-    )
-    check_value("grpo_loss", "kl_estimator", kl_estimator, ARGUMENT_RULES["kl_estimator"])
+    surrogate, aggregate = LOSS_TYPES[loss_type]
+    ratio_of_level = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level]
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
     if beta != 0.0 and kl_estimator == "k1":
@@ -280,21 +349,11 @@ def grpo_loss(
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
 
-    log_ratio = logprobs - old_logprobs  # [B, T]
-    if importance_sampling_level == "sequence":
-        log_ratio = (_masked_sum(log_ratio, mask, dim=-1) / token_counts).unsqueeze(-1)  # [B, 1]
+    log_ratio = ratio_of_level(logprobs - old_logprobs, mask, token_counts)  # [B, T] or [B, 1]
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] or [B, 1]
-
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs  # [B, T]
-        is_low_clipped = torch.zeros_like(ratio, dtype=torch.bool)
-        is_high_clipped = (ratio > epsilon_high) & (advantages > 0)
-    else:
-        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-        unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-        per_token_loss = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)  # [B, T|1]
-        is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
-        is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
+    per_token_loss, is_low_clipped, is_high_clipped = surrogate(
+        ratio, advantages, logprobs, epsilon, epsilon_high, delta
+    )  # [B, T] or [B, 1], and the clip masks
 
     per_token_kl = None
     if ref_logprobs is not None:
@@ -304,13 +363,8 @@ def grpo_loss(
 
     num_tokens = _denominator(mask.sum() if total_tokens is None else total_tokens, logprobs)
     num_sequences = _denominator(logprobs.shape[0] if total_sequences is None else total_sequences, logprobs)
-    if loss_type == "grpo":
-        sequence_means = _masked_sum(per_token_loss, mask, dim=-1) / token_counts  # [B]
-        policy_loss = sequence_means.sum() / num_sequences
-    elif loss_type == "dr_grpo":
-        policy_loss = _masked_sum(per_token_loss, mask) / (num_sequences * max_completion_length)
-    else:
-        policy_loss = _masked_sum(per_token_loss, mask) / num_tokens
+    counts = (token_counts, num_tokens, num_sequences, max_completion_length)
+    policy_loss = aggregate(per_token_loss, mask, *counts)
 
     loss = policy_loss
     if entropy_coef != 0.0:

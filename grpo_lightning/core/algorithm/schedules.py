@@ -1,62 +1,59 @@
-"""Learning-rate schedules: linear warm-up, then constant, linear or cosine decay to a floor.
+"""Learning-rate schedules from the libraries: torch's `LinearLR` for the warm-up, then transformers'
+schedules (`get_constant_schedule`, or `get_wsd_schedule` decaying from the first step after the warm-up),
+chained by torch's `SequentialLR`.
 
 The multiplier of the base learning rate at optimizer step `s` (0-based: step 0 is the first update), with
 `w` warm-up steps, `n` optimizer steps in all and floor ratio `r`:
 
     warm-up   s < w:  (s + 1) / w
-    then      p = (s - w) / max(1, n - w), clamped to [0, 1]
+    then      p = (s - w) / max(1, n - w), and r once p >= 1
         constant:  1
         linear:    r + (1 - r) * (1 - p)
         cosine:    r + (1 - r) * (1 + cos(pi * p)) / 2     (SGDR, Loshchilov & Hutter, arXiv:1608.03983)
 
-As TRL's / transformers' "linear" and "cosine" schedules (and verl's `lr_scheduler_type`, OpenRLHF's
-`lr_scheduler`), with the floor of transformers' "cosine_with_min_lr" / verl's `min_lr_ratio`; the warm-up
-starts at 1/w rather than 0 so that the first update is not wasted (as this project always did).
-Nothing here imports Lightning: the module passes in the number of optimizer steps.
+The decay is transformers' "linear" and "cosine" (TRL's `lr_scheduler_type`, verl's, OpenRLHF's
+`lr_scheduler`) with the floor of transformers' "cosine_with_min_lr" / verl's `min_lr_ratio`. The warm-up
+starts at 1/w rather than transformers' 0, so that the first update is not wasted. Nothing here imports
+Lightning: the module passes in the run's number of optimizer steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Literal
 
 import torch
+from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
+from transformers import get_constant_schedule, get_wsd_schedule
 
-SCHEDULES = ("constant", "linear", "cosine")
+from grpo_lightning.core.options import Choices
 
-
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str, min_ratio: float = 0.0) -> float:
-    """The factor applied to the base learning rate at optimizer step `step` (formula in the module doc)."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"lr_scheduler_type={kind!r}: must be one of {', '.join(SCHEDULES)}")
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if kind == "constant":
-        return 1.0
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    decayed = 1.0 - progress if kind == "linear" else (1.0 + math.cos(math.pi * progress)) / 2
-    return min_ratio + (1.0 - min_ratio) * decayed
+# The schedule after the warm-up: (optimizer, its optimizer steps, floor ratio) -> a scheduler from 0.
+SCHEDULES = Choices(
+    "lr_scheduler_type",
+    {
+        "constant": lambda optimizer, steps, floor: get_constant_schedule(optimizer),
+        "linear": lambda optimizer, steps, floor: get_wsd_schedule(
+            optimizer, 0, steps, num_stable_steps=0, decay_type="linear", min_lr_ratio=floor
+        ),
+        "cosine": lambda optimizer, steps, floor: get_wsd_schedule(
+            optimizer, 0, steps, num_stable_steps=0, decay_type="cosine", min_lr_ratio=floor
+        ),
+    },
+)
+ScheduleType = Literal[tuple(SCHEDULES)]
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    warmup_steps: int,
-    total_steps: Callable[[], int],
-    kind: str,
-    min_ratio: float,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A `LambdaLR` of `lr_multiplier`, to be stepped once after each optimizer step.
-
-    `total_steps` is asked only once a decay has begun (step 0's multiplier needs no length): the trainer
-    knows its batches per epoch when training runs, not yet when the optimizer is built.
-    """
-
-    def multiplier(step: int) -> float:
-        decaying = kind != "constant" and step > warmup_steps
-        total = total_steps() if decaying else 0  # not read before the decay's first step
-        return lr_multiplier(step, warmup_steps, total, kind, min_ratio)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, kind: str, min_ratio: float
+) -> LRScheduler:
+    """The schedule of the module doc, to be stepped once after each optimizer step; `total_steps` (`n`) is
+    only read by the decaying schedules."""
+    after_warmup = SCHEDULES[kind](optimizer, max(1, total_steps - warmup_steps), min_ratio)
+    if warmup_steps == 0:
+        return after_warmup
+    warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, total_iters=warmup_steps - 1)  # (s + 1) / w
+    return SequentialLR(optimizer, [warmup, after_warmup], milestones=[warmup_steps])
 
 
 def optimizer_steps_in_fit(
