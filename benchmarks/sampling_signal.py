@@ -63,7 +63,7 @@ def signal_at(
     for start in range(0, len(rows), batch):
         part = rows[start : start + batch]
         prompts = collate_rows(part, system_prompt)["prompt"]
-        rollout, completions = module.sample(prompts, G)
+        rollout, completions = module.rollouts.sample(prompts, G)
         answers = [row["answer"] for row in part for _ in range(G)]
         scores = [f(completions=completions, answer=answers) for f in funcs]
         for f, values in zip(funcs, scores, strict=True):

@@ -16,7 +16,7 @@ seeded rollouts):
 
 With `--step_time`, a random tiny Llama (`--hidden`, `--layers`, a vocabulary of `--vocab`) also runs one
 optimizer step's work on each of `--repeats` such rollouts, on the CPU: the reference pass (no gradient)
-and the policy's forward and backward, micro-batch by micro-batch (`update.accumulate_gradients`), as the
+and the policy's forward and backward, micro-batch by micro-batch (`update.micro_batch_losses`), as the
 training step runs them; the median seconds are reported. `fixed` is then the training step with
 `micro_batch_size`, `budget` with `max_tokens_per_micro_batch` (`fixed, own longest` is not a path of the
 training step and is not timed).
@@ -39,20 +39,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from grpo_lightning.core.algorithm.batching import logprobs_in_micro_batches, micro_batches  # noqa: E402
 from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
     padded_tokens,
     padding_share,
     token_budget_micro_batches,
 )
-from grpo_lightning.core.algorithm.trajectory import build_trajectory  # noqa: E402
-from grpo_lightning.core.algorithm.update import accumulate_gradients, mini_batch_denominators  # noqa: E402
+from grpo_lightning.core.algorithm.update import (  # noqa: E402
+    MicroBatchSums,
+    OneProcess,
+    build_trajectory,
+    logprobs_in_micro_batches,
+    micro_batch_losses,
+    micro_batches,
+    mini_batch_denominators,
+)
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.core.generation.engines import LogProbScorer  # noqa: E402
-from grpo_lightning.core.types import (
-    Rollout,  # noqa: E402
-    ScoredGroups,  # noqa: E402
-)
+from grpo_lightning.core.types import Rollout, ScoredGroups  # noqa: E402
 from grpo_lightning.offline.tiny import build_model  # noqa: E402
 
 
@@ -97,8 +100,9 @@ def step_seconds(args: argparse.Namespace, model, scorer, trajectory, cfg, parts
     """One optimizer step's work: the reference pass and the policy's forward and backward."""
     start = time.perf_counter()
     logprobs_in_micro_batches(scorer, model, trajectory.rollout, parts)
-    denominators = mini_batch_denominators(trajectory, lambda tokens: tokens, world_size=1)
-    accumulate_gradients(scorer, model, trajectory, parts, cfg, *denominators)
+    denominators = mini_batch_denominators(trajectory, OneProcess())
+    for loss in micro_batch_losses(scorer, model, trajectory, parts, cfg, *denominators, MicroBatchSums()):
+        loss.backward()
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return seconds

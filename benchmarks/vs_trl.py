@@ -200,7 +200,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
             self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.generate})
 
         def time_sampling(self, module: GRPOModule) -> None:
-            sample = module.sample
+            sample = module.rollouts.sample
 
             def timed(*sample_args, **kwargs):
                 self.generate_clock.start()
@@ -210,7 +210,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
                 )
                 return out
 
-            module.sample = timed
+            module.rollouts.sample = timed
 
     timer = StepTimer()
     L.seed_everything(0, verbose=False)

@@ -144,6 +144,8 @@ class TimedGRPOModule(GRPOModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.times: list[StepTimes] = []
+        self.rollouts.sample = self._timed(self.rollouts.sample, "generate")
+        self.update.frozen_logprobs = self._timed(self.update.frozen_logprobs, "reference")
 
     def _now(self) -> float:
         return now(self.device.type)
@@ -155,19 +157,20 @@ class TimedGRPOModule(GRPOModule):
         self.times[-1].step = self._now() - start
         return loss
 
-    def sample(self, prompts, num_generations, do_sample=True):
-        start = self._now()
-        rollout, completions = super().sample(prompts, num_generations, do_sample)
-        if self.trainer.training and self.times:
-            self.times[-1].generate += self._now() - start
-            self.times[-1].tokens += int(rollout.completion_mask.sum())
-        return rollout, completions
+    def _timed(self, fn, field: str):
+        """`fn`, its time in a training step added to that step's `field` (and the sampled tokens)."""
 
-    def _frozen_logprobs(self, rollout, model):
-        start = self._now()
-        logprobs = super()._frozen_logprobs(rollout, model)
-        self.times[-1].reference += self._now() - start
-        return logprobs
+        def timed(*args, **kwargs):
+            start = self._now()
+            out = fn(*args, **kwargs)
+            if self.trainer.training and self.times:
+                times = self.times[-1]
+                setattr(times, field, getattr(times, field) + self._now() - start)
+                if field == "generate":
+                    times.tokens += int(out[0].completion_mask.sum())
+            return out
+
+        return timed
 
 
 def now(device: str) -> float:
@@ -238,7 +241,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
     n = len(measured)
     mean = {key: sum(getattr(t, key) for t in measured) / n for key in ("generate", "reference", "step")}
     tokens = sum(t.tokens for t in measured) / n
-    engine = module.rollout_engine
+    engine = module.rollouts.engine
     close_process_group()  # the next run starts its own (or none)
     return {
         "run": name,

@@ -268,10 +268,10 @@ def test_every_completion_empty_warns(tiny_model_dir, tmp_path):
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=4))
     module.configure_model()
     end_early(module, eos_logit=100.0)  # the policy ends every completion at once
-    rollout, completions = module.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
+    rollout, completions = module.rollouts.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
     assert completions == ["", ""]
     with pytest.warns(UserWarning, match="all 2 completions of this step are empty: the policy ends at once"):
-        module._check_rollout(rollout, completions)
+        module.rollouts.check(rollout, completions)
 
 
 def test_completions_that_decode_to_nothing_warn_as_such(tiny_model_dir):
@@ -283,7 +283,7 @@ def test_completions_that_decode_to_nothing_warn_as_such(tiny_model_dir):
     module.policy.resize_token_embeddings(unknown + 1)
     end_early(module, eos_logit=-100.0)
     module.policy.get_output_embeddings().bias.data[unknown] = 100.0  # always the unknown id
-    rollout, completions = module.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
+    rollout, completions = module.rollouts.sample([[{"role": "user", "content": "2 + 3?"}]], 2)
     assert completions == ["", ""] and rollout.completion_mask.sum() == 8
     message = (
         f"all 2 completions of this step are empty: 2 have tokens (8 in all) that decode to nothing "
@@ -291,7 +291,7 @@ def test_completions_that_decode_to_nothing_warn_as_such(tiny_model_dir):
         f"{unknown + 1})"
     )
     with pytest.warns(UserWarning, match=re.escape(message) + "$"):
-        module._check_rollout(rollout, completions)
+        module.rollouts.check(rollout, completions)
 
 
 def test_every_completion_truncated_warns(tiny_model_dir, tmp_path, no_audit):
@@ -308,14 +308,14 @@ def test_prompt_over_the_limit_is_cut_from_the_left_or_refused(tiny_model_dir, m
     module = GRPOModule(tiny_model_dir, grpo=grpo)
     prompts = [[{"role": "user", "content": "What is 12 + 30 + 7?"}], [{"role": "user", "content": "1?"}]]
     full = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_prompt_length=None))
-    full_ids, full_mask = full.encode_prompts(prompts)  # [2, P]
+    full_ids, full_mask = full.rollouts.encoder.encode(prompts, "cpu")  # [2, P]
     longest = int(full_mask.sum(1).max())
     if mode == "error":
         with pytest.raises(ValueError, match=f"a prompt has {longest} tokens, over max_prompt_length=6"):
-            module.encode_prompts(prompts)
+            module.rollouts.encoder.encode(prompts, "cpu")
         return
     with pytest.warns(UserWarning, match=f"prompt of {longest} tokens cut from the left to max_prompt_len"):
-        ids, mask = module.encode_prompts(prompts)
+        ids, mask = module.rollouts.encoder.encode(prompts, "cpu")
     assert ids.shape == (2, 6)
     torch.testing.assert_close(ids, full_ids[:, -6:])  # the ends, where the generation prompt is, survive
 

@@ -83,7 +83,7 @@ def scripted_sample(module, texts: list[str]):
     tok = module.tokenizer
 
     def sample(prompts, num_generations, do_sample=True):
-        ids, mask = module.encode_prompts(prompts)  # [1, P]
+        ids, mask = module.rollouts.encoder.encode(prompts, "cpu")  # [1, P]
         encoded = [encode(tok, t) for t in texts]
         T = max(map(len, encoded))
         completion_ids = torch.tensor([e + [tok.pad_token_id] * (T - len(e)) for e in encoded])  # [G, T]
@@ -98,7 +98,7 @@ def scripted_sample(module, texts: list[str]):
         )
         return rollout, tok.batch_decode(completion_ids, skip_special_tokens=True)
 
-    module.sample = sample
+    module.rollouts.sample = sample
 
 
 COMPLETIONS = [

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.algorithm.batching import micro_batches
+from grpo_lightning.core.algorithm.update import micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.sampling import completion_logprobs
 from grpo_lightning.core.rewards.verifiable import completion_text
@@ -96,10 +96,15 @@ def worker(cfg: dict) -> None:
             sgd = torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=cfg["lr"])
             return [sgd], [torch.optim.lr_scheduler.ConstantLR(sgd, factor=1.0)]
 
+        def on_fit_start(self):
+            super().on_fit_start()
+            self.real_sample, self.rollouts.sample = self.rollouts.sample, self.sample
+            self.real_micro_batches, self.update.micro_batches = self.update.micro_batches, self.micro_batches
+
         def sample(self, prompts, num_generations, do_sample=True):
             if self.global_step > 0 or cfg.get("resume"):
                 self.grpo.max_completion_length = 3 + 5 * self.global_rank
-                rollout, completions = super().sample(prompts, num_generations, do_sample)
+                rollout, completions = self.real_sample(prompts, num_generations, do_sample)
             else:
                 vocab = len(self.tokenizer) - 3  # random ordinary tokens (ids 0-2 are the special ones)
                 rows = []
@@ -129,10 +134,10 @@ def worker(cfg: dict) -> None:
             return rollout, completions
 
         def micro_batches(self, rollout):
-            parts = super().micro_batches(rollout)
+            parts = self.real_micro_batches(rollout)
             if self.grpo.max_tokens_per_micro_batch is not None:  # this rank's own count, and the one run
                 budget, group = self.grpo.max_tokens_per_micro_batch, self.grpo.num_generations
-                own = len(micro_batches(rollout, None, budget, group if self.shares_prompt() else 1))
+                own = len(micro_batches(rollout, None, budget, group if self.rollouts.shares_prompt else 1))
                 self.record.setdefault("micro_batches", []).append([own, len(parts)])
             return parts
 

@@ -40,16 +40,19 @@ class RecordingModule(GRPOModule):
     def __init__(self, *args, seed: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rank_seed, self.batches = seed, []
+        sample = self.rollouts.sample
+
+        def recording_sample(prompts, num_generations, do_sample=True):
+            rollout, completions = sample(prompts, num_generations, do_sample)
+            if self.training:
+                self.batches.append({"epoch": self.current_epoch, "completions": completions})
+            return rollout, completions
+
+        self.rollouts.sample = recording_sample
 
     def on_train_start(self) -> None:
         torch.manual_seed(self.rank_seed + self.global_rank)  # then the checkpoint's states, if resuming
         super().on_train_start()
-
-    def sample(self, prompts, num_generations, do_sample=True):
-        rollout, completions = super().sample(prompts, num_generations, do_sample)
-        if self.training:
-            self.batches.append({"epoch": self.current_epoch, "completions": completions})
-        return rollout, completions
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         record, rollout = self.batches[-1], self.last_rollout

@@ -61,7 +61,7 @@ def fit(module: GRPOModule, root, steps: int, callbacks: list, validate: bool = 
 
 def greedy_tokens(model, tokenizer, module: GRPOModule) -> torch.Tensor:
     """What the exported model decodes greedily for PROMPTS, prompts encoded exactly as the module does."""
-    ids, mask = module.encode_prompts(PROMPTS)
+    ids, mask = module.rollouts.encoder.encode(PROMPTS, "cpu")
     return generate_completions(
         model,
         ids,
@@ -118,7 +118,7 @@ def test_fit_exports_the_best_checkpoint(best_run) -> None:
     assert not all(torch.equal(best[k], last[k]) for k in best)  # the third step did change the weights
 
     # The module now holds the best weights too; the export decodes exactly its greedy tokens.
-    rollout, _ = module.sample(PROMPTS, 1, do_sample=False)
+    rollout, _ = module.rollouts.sample(PROMPTS, 1, do_sample=False)
     assert torch.equal(greedy_tokens(model, tokenizer, module), rollout.completion_ids)
 
 
@@ -143,7 +143,7 @@ def test_lora_exports_merged_or_as_adapter(tiny_model_dir: str, tmp_path) -> Non
     )
     fit(module, tmp_path, 1, [ModelCheckpoint(tmp_path / "ckpt", filename="lora")], validate=False)
     assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
-    rollout, _ = module.sample(PROMPTS, 1, do_sample=False)
+    rollout, _ = module.rollouts.sample(PROMPTS, 1, do_sample=False)
 
     # The command's config names no LoRA: the module is rebuilt with the checkpoint's own options.
     config = tmp_path / "config.yaml"

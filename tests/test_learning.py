@@ -50,7 +50,7 @@ def warm_start(model, tokenizer, rows, steps: int = 120, hash_share: float = 0.3
 def heldout_format_rate(module: GRPOModule, rows, samples: int = 8) -> float:
     torch.manual_seed(1)
     prompts = [chat_prompt(r["question"], DEFAULT_SYSTEM_PROMPT) for r in rows]
-    _, completions = module.sample(prompts, samples)
+    _, completions = module.rollouts.sample(prompts, samples)
     return sum(format_reward(completions)) / len(completions)
 
 

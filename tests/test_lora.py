@@ -77,10 +77,10 @@ def test_reference_logprobs_are_the_untouched_base_model(tiny_model_dir):
     T = rollout.completion_ids.size(1)
     expected, _ = completion_logprobs(base, rollout.input_ids, rollout.attention_mask, T)  # [B, T]
     with torch.no_grad():
-        policy, _ = module.logprobs(module.policy, rollout, slice(None))
-        with module.reference_context():
-            reference, _ = module.logprobs(module.policy, rollout, slice(None))
-        after, _ = module.logprobs(module.policy, rollout, slice(None))
+        policy, _ = module.rollouts.scorer(module.policy, rollout, slice(None))
+        with module.policy.disable_adapter():
+            reference, _ = module.rollouts.scorer(module.policy, rollout, slice(None))
+        after, _ = module.rollouts.scorer(module.policy, rollout, slice(None))
     assert (policy - expected).abs().max() > 1e-2, "the adapter should move the policy away from the base"
     torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, policy)  # the adapter is back on after the context
@@ -94,7 +94,7 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tiny_model_dir):
     assert policy.get_input_embeddings()(token).requires_grad, "input gradients must be enabled"
     perturb_adapter(module)
     rollout = fixed_rollout()
-    logprobs, _ = module.logprobs(policy, rollout, slice(None))
+    logprobs, _ = module.rollouts.scorer(policy, rollout, slice(None))
     logprobs.sum().backward()
     for name, p in policy.named_parameters():
         if "lora_A" in name:  # the first LoRA factor: its gradient needs B != 0 and the input gradient path

@@ -11,9 +11,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from grpo_lightning.core.algorithm.batching import group_rows, shuffled_mini_batches
-from grpo_lightning.core.algorithm.trajectory import build_trajectory
-from grpo_lightning.core.algorithm.update import mini_batch_denominators, mini_batches
+from grpo_lightning.core.algorithm.update import (
+    build_trajectory,
+    group_rows,
+    mini_batch_denominators,
+    mini_batches,
+    shuffled_mini_batches,
+)
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
@@ -66,7 +70,9 @@ def test_mini_batches_hold_whole_groups_advantaged_over_the_rollout():
         assert torch.equal(part.completion_ids, rollout.completion_ids[rows])
         # Advantages as over the whole rollout ("batch": its std), not recomputed on the mini-batch.
         assert torch.equal(part.advantages, trajectory.advantages[rows])
-        tokens, sequences = mini_batch_denominators(part, lambda total: total * 2, world_size=2)
+        tokens, sequences = mini_batch_denominators(
+            part, SimpleNamespace(world_size=2, sum=lambda total: total * 2)
+        )
         assert float(tokens) == float(rollout.completion_mask[rows].sum())  # this mini-batch's tokens
         assert float(sequences) == len(rows)
     assert sorted(seen) == list(range(num_groups))

@@ -122,7 +122,7 @@ def test_sample_groups_and_masks(tiny_model_dir):
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=3, max_completion_length=10))
     module.configure_model()
     prompts = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Hi"}]]
-    rollout, completions = module.sample(prompts, 3)
+    rollout, completions = module.rollouts.sample(prompts, 3)
     assert rollout.completion_ids.shape[0] == 6 and len(completions) == 6
     # Each group repeats its own prompt.
     assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2])
@@ -142,7 +142,7 @@ def test_prompt_without_chat_template_is_a_clear_error(tiny_model_dir):
     module = GRPOModule(tiny_model_dir)
     module.tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        module.encode_prompts([[{"role": "user", "content": "hi"}]])
+        module.rollouts.encoder.encode([[{"role": "user", "content": "hi"}]], "cpu")
 
 
 def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):

@@ -131,8 +131,9 @@ def test_bf16_policy_gets_float32_logprobs_and_loss(tiny_model_dir):
     module.configure_model()
     assert module.policy.dtype == torch.bfloat16
     torch.manual_seed(0)
-    rollout, _ = module.sample([[{"role": "user", "content": "What is 2 + 3?"}]], 2)
-    logprobs, entropies = module.logprobs(module.policy, rollout, slice(None), with_entropy=True)  # [2, T]
+    rollout, _ = module.rollouts.sample([[{"role": "user", "content": "What is 2 + 3?"}]], 2)
+    scorer = module.rollouts.scorer
+    logprobs, entropies = scorer(module.policy, rollout, slice(None), with_entropy=True)  # [2, T]
     assert logprobs.dtype == torch.float32 and entropies.dtype == torch.float32
 
     # The reference: the bf16 model's logits, upcast before the log-softmax.

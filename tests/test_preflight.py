@@ -77,13 +77,13 @@ def test_cut_completions_are_a_problem_only_when_most_groups_are_cut_whole(
     tiny_model_dir, monkeypatch, truncated, whole, problem
 ):
     module = module_for(tiny_model_dir)
-    sample = module.sample
+    sample = module.rollouts.sample
 
     def sample_with_truncation(prompts, num_generations):
         rollout, rest = sample(prompts, num_generations)
         return dataclasses.replace(rollout, truncated=torch.tensor(truncated, dtype=torch.bool)), rest
 
-    monkeypatch.setattr(module, "sample", sample_with_truncation)
+    monkeypatch.setattr(module.rollouts, "sample", sample_with_truncation)
     report = run_preflight(module, BATCH, samples=2)
     assert groups_cut_whole(torch.tensor(truncated, dtype=torch.bool), 4) == whole
     assert report.lines["completion length"].endswith(f"; {whole} of 2 groups were cut whole")
@@ -125,8 +125,8 @@ def first_step_completions(model_dir: str, preflight: Preflight | None) -> tuple
         source="arithmetic", system_prompt=None, arithmetic_size=10, batch_size=2, val_size=2
     )
     calls = []
-    sample = module.sample
-    module.sample = lambda *args, **kwargs: calls.append(1) or sample(*args, **kwargs)
+    sample = module.rollouts.sample
+    module.rollouts.sample = lambda *args, **kwargs: calls.append(1) or sample(*args, **kwargs)
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[preflight] if preflight else [])
     trainer.fit(module, data)
     return module.last_rollout.completions, len(calls)

@@ -23,7 +23,7 @@ def smollm2_dir() -> str:
 def test_chat_template_prompt(smollm2_dir):
     module = GRPOModule(smollm2_dir)
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
-    ids, mask = module.encode_prompts([prompt])
+    ids, mask = module.rollouts.encoder.encode([prompt], "cpu")
     text = module.tokenizer.decode(ids[0][mask[0].bool()])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n")

@@ -178,7 +178,7 @@ def test_adaptive_state_round_trips_through_a_weights_only_checkpoint(tiny_model
     module = GRPOModule(tiny_model_dir, grpo=grpo)
     module.configure_model()
     prompts = [[{"role": "user", "content": "1 + 1?"}], [{"role": "user", "content": "2 + 2?"}]]
-    rollout, completions = module.sample(prompts, 2)
+    rollout, completions = module.rollouts.sample(prompts, 2)
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])  # the first group informative, the second not
     module.group_buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
     module.step_guard.bad_steps = 2

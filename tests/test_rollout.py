@@ -16,10 +16,10 @@ PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "c
 def test_generate_answers_samples_as_the_module(tiny_model_dir):
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_completion_length=8, share_prompt=False))
     module.configure_model()
-    _, greedy = module.sample(PROMPTS, 1, do_sample=False)
+    _, greedy = module.rollouts.sample(PROMPTS, 1, do_sample=False)
     assert greedy == generate_answers(module.policy, module.tokenizer, PROMPTS, max_new_tokens=8)
     torch.manual_seed(3)
-    _, sampled = module.sample(PROMPTS, 3)
+    _, sampled = module.rollouts.sample(PROMPTS, 3)
     torch.manual_seed(3)
     assert sampled == generate_answers(
         module.policy, module.tokenizer, PROMPTS, num_generations=3, max_new_tokens=8
@@ -30,7 +30,7 @@ def test_scorer_shares_the_prompt_with_the_same_logprobs(tiny_model_dir):
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_completion_length=6))
     module.configure_model()
     torch.manual_seed(0)
-    rollout, _ = module.sample(PROMPTS, 2)
+    rollout, _ = module.rollouts.sample(PROMPTS, 2)
     shared = LogProbScorer(2, share_prompt=True)(module.policy, rollout, slice(None))[0]  # [4, T]
     unshared = LogProbScorer(2, share_prompt=False)(module.policy, rollout, slice(None))[0]
     mask = rollout.completion_mask.bool()
@@ -55,10 +55,16 @@ class CountingEngine(EagerEngine):
         self.updates.append(next(model.parameters()).detach().clone())
 
 
-class CountingModule(GRPOModule):
-    def build_rollout_engine(self) -> RolloutEngine:
-        self.engine = CountingEngine(super().build_rollout_engine().settings)
-        return self.engine
+def counting(module: GRPOModule) -> GRPOModule:
+    """`module`, its rollouts built on a `CountingEngine` (kept as `module.engine`)."""
+    build = module.rollouts.build_engine
+
+    def build_counting() -> RolloutEngine:
+        module.engine = CountingEngine(build().settings)
+        return module.engine
+
+    module.rollouts.build_engine = build_counting
+    return module
 
 
 def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
@@ -67,7 +73,7 @@ def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
     grpo = GRPOConfig(
         num_generations=2, max_completion_length=4, num_iterations=2, learning_rate=1e-2, preflight=False
     )
-    module = CountingModule(tiny_model_dir, reward_funcs=[length_reward], grpo=grpo)
+    module = counting(GRPOModule(tiny_model_dir, reward_funcs=[length_reward], grpo=grpo))
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )

@@ -290,8 +290,8 @@ def test_a_model_that_cannot_share_falls_back_with_one_warning(tiny_model_dir):
     with pytest.warns(
         UserWarning, match="grpo.share_prompt: its attention layers are not all full attention"
     ):
-        assert module.shares_prompt() is False
-    assert module.shares_prompt() is False  # decided once
+        assert module.rollouts.shares_prompt is False
+    assert module.rollouts.shares_prompt is False  # decided once
 
 
 class PlainSGD(GRPOModule):
@@ -325,7 +325,7 @@ def one_step(model_dir: str, share: bool) -> GRPOModule:
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )
     quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
-    assert module.shares_prompt() is share
+    assert module.rollouts.shares_prompt is share
     return module
 
 

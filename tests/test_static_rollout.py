@@ -291,11 +291,14 @@ def test_unsupported_models_say_why():
 def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
     auto = GRPOModule(tiny_model_dir)
     auto.configure_model()
-    assert isinstance(auto.rollout_engine, EagerEngine), "auto is eager on CPU: the default is unchanged"
+    assert isinstance(auto.rollouts.build_engine(), EagerEngine), (
+        "auto is eager on CPU: the default is unchanged"
+    )
     static = GRPOModule(tiny_model_dir, grpo=GRPOConfig(generation_backend="static"))
     static.configure_model()
-    assert isinstance(static.rollout_engine, StaticEngine)
-    assert not static.rollout_engine.compile, "no compile on CPU"
+    engine = static.rollouts.build_engine()
+    assert isinstance(engine, StaticEngine)
+    assert not engine.compile, "no compile on CPU"
     tokenizer = static.tokenizer
     recwarn.clear()
     fallback = GRPOModule(
@@ -303,14 +306,14 @@ def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
         tokenizer,
         grpo=GRPOConfig(generation_backend="static", share_prompt=False),
     )
-    fallback.sample(["1 + 1 ="], 2)
-    fallback.sample(["2 + 2 ="], 2)
+    fallback.rollouts.sample(["1 + 1 ="], 2)
+    fallback.rollouts.sample(["2 + 2 ="], 2)
     messages = [str(w.message) for w in recwarn if "generation_backend" in str(w.message)]
     assert messages == [
         "grpo.generation_backend='static': its attention layers are not all full attention "
         "(['full_attention', 'sliding_attention']); rollouts use eager decoding"
     ]
-    assert isinstance(fallback.rollout_engine, EagerEngine)
+    assert isinstance(fallback.rollouts.engine, EagerEngine)
 
 
 def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
@@ -333,15 +336,15 @@ def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
 
     trainer = quiet_trainer(max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2)
     trainer.fit(module, data)
-    engine_ = module.rollout_engine
+    engine_ = module.rollouts.engine
     assert isinstance(engine_, StaticEngine) and engine_.copy is not None
     copy = dict(engine_.copy.model.named_parameters())
     for name, value in named_generation_weights(module.policy):
         torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
     batch = next(iter(data.val_dataloader()))
-    ids, mask = module.encode_prompts(batch["prompt"])
-    static = module.sample(batch["prompt"], 1, do_sample=False)[0]
-    expected = eager_greedy(module.policy, ids, mask, G=1, **module.rollout_engine.sampling)
+    ids, mask = module.rollouts.encoder.encode(batch["prompt"], "cpu")
+    static = module.rollouts.sample(batch["prompt"], 1, do_sample=False)[0]
+    expected = eager_greedy(module.policy, ids, mask, G=1, **module.rollouts.engine.sampling)
     assert torch.equal(static.completion_ids, expected.completion_ids)
 
 
@@ -371,7 +374,7 @@ def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir)
         weights = {n: v.full_tensor() for n, v in named_generation_weights(module.policy)}
     finally:
         close_process_group()
-    copy = dict(module.rollout_engine.copy.model.named_parameters())
+    copy = dict(module.rollouts.engine.copy.model.named_parameters())
     assert set(copy) == set(weights)
     for name, value in weights.items():
         assert copy[name].dtype == torch.bfloat16
@@ -453,10 +456,10 @@ def test_an_engine_built_before_fit_follows_the_trainers_precision(tiny_model_di
     )
     module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
     module.configure_model()
-    module.sample(["1 + 1 ="], 1, do_sample=False)
-    assert module.rollout_engine.copy.model.dtype == torch.float32
+    module.rollouts.sample(["1 + 1 ="], 1, do_sample=False)
+    assert module.rollouts.engine.copy.model.dtype == torch.float32
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )
     quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, data)
-    assert module.rollout_engine.copy.model.dtype == torch.bfloat16
+    assert module.rollouts.engine.copy.model.dtype == torch.bfloat16

@@ -10,15 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_lightning.core.algorithm.batching import logprobs_in_micro_batches, micro_batches
 from grpo_lightning.core.algorithm.token_budget import (
     over_budget,
     padded_tokens,
     padding_share,
     token_budget_micro_batches,
 )
-from grpo_lightning.core.algorithm.trajectory import build_trajectory
-from grpo_lightning.core.algorithm.update import accumulate_gradients, mini_batch_denominators
+from grpo_lightning.core.algorithm.update import (
+    MicroBatchSums,
+    OneProcess,
+    build_trajectory,
+    logprobs_in_micro_batches,
+    micro_batch_losses,
+    micro_batches,
+    mini_batch_denominators,
+)
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
 from grpo_lightning.core.types import ScoredGroups
@@ -128,12 +134,14 @@ def test_budget_micro_batches_give_the_fixed_paths_loss_and_gradients_in_float64
     assert len(budget_parts) > 1
     widths = [rollout.select(rows, trim=True).completion_ids.size(1) for rows in budget_parts]
     assert min(widths) < rollout.completion_ids.size(1)  # some micro-batch is really trimmed
-    denominators = mini_batch_denominators(trajectory, lambda tokens: tokens, world_size=1)
+    denominators = mini_batch_denominators(trajectory, OneProcess())
     for loss_type in LOSS_TYPES:
         cfg = GRPOConfig(num_generations=4, max_completion_length=12, beta=0.04, loss_type=loss_type)
         results = []
         for parts in (fixed_parts, budget_parts):
-            sums = accumulate_gradients(scorer, model, trajectory, parts, cfg, *denominators)
+            sums = MicroBatchSums()
+            for loss in micro_batch_losses(scorer, model, trajectory, parts, cfg, *denominators, sums):
+                loss.backward()
             results.append((sums.values, grads(model)))
         (fixed, fixed_grads), (by_budget, budget_grads) = results
         assert abs(float(fixed["loss"])) > 1e-4, loss_type

@@ -1,14 +1,15 @@
 """`build_trajectory` alone: the loss mask, the KL charged to the reward, group advantages (also with the
 batch std over several ranks), step credit, and the update pieces that read a trajectory."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
-from grpo_lightning.core.algorithm.trajectory import build_trajectory, loss_mask
-from grpo_lightning.core.algorithm.update import MicroBatchSums, StepGuard
+from grpo_lightning.core.algorithm.update import MicroBatchSums, StepGuard, build_trajectory, loss_mask
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups
 
@@ -59,8 +60,9 @@ def test_batch_std_over_ranks_uses_every_ranks_rewards():
     cfg = GRPOConfig(num_generations=G, scale_rewards="batch")
     whole = group_advantages(everyone, G, "batch")  # [12]
     start = 0
-    for own in ranks:
-        gathered = build_trajectory(scored(own), cfg, gather=lambda r, s=start: (everyone, s))
+    for rank, own in enumerate(ranks):
+        others = SimpleNamespace(world_size=2, rank=rank, gather=lambda values: ranks)  # core's `Ranks`
+        gathered = build_trajectory(scored(own), cfg, ranks=others)
         alone = build_trajectory(scored(own), cfg)
         torch.testing.assert_close(gathered.advantages, whole[start : start + len(own)], atol=0, rtol=0)
         assert not torch.allclose(gathered.advantages, alone.advantages)

@@ -59,7 +59,7 @@ def test_validate_writes_one_line_per_problem(tiny_model_dir: str, tmp_path, cap
 
     # Greedy: the module alone decodes the same completion for the first problem as in its batch of three.
     prompt = chat_prompt(rows[0]["question"], DEFAULT_SYSTEM_PROMPT)
-    _, completions = cli.model.sample([prompt], 1, do_sample=False)
+    _, completions = cli.model.rollouts.sample([prompt], 1, do_sample=False)
     assert completions == [lines[0]["completion"]]
 
 

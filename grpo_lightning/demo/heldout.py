@@ -21,13 +21,13 @@ from grpo_lightning.io.rows import collate_rows
 
 @torch.no_grad()
 def heldout_correct(module, rows: Sequence[dict], batch_size: int, system_prompt: str | None) -> dict:
-    """Greedy completions of `module.sample` (a `GRPOModule`) on `rows`; per problem, in row order:
+    """Greedy completions of `module.rollouts.sample` (a `GRPOModule`) on `rows`; per problem, in row order:
     `strict` and `lenient` (the extracted answer equals the reference) and `formatted` (a `#### N` answer),
     lists of bools, and `lengths`, the completions' token counts."""
     results: dict[str, list] = {"strict": [], "lenient": [], "formatted": [], "lengths": []}
     for start in range(0, len(rows), batch_size):
         batch = collate_rows(list(rows[start : start + batch_size]), system_prompt)
-        rollout, completions = module.sample(batch["prompt"], 1, do_sample=False)
+        rollout, completions = module.rollouts.sample(batch["prompt"], 1, do_sample=False)
         for completion, answer in zip(completions, batch["answer"], strict=True):
             reference, strict = reference_answer(answer), extract_answer(completion, strict=True)
             results["strict"].append(strict == reference)

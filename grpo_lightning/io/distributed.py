@@ -2,7 +2,8 @@
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps every parameter as a DTensor shard and all-gathers one
 unit (a decoder layer, or the root: embeddings, final norm, LM head) around that unit's `forward`. Two
-things in GRPO do not fit that pattern, and this file handles both:
+things in GRPO do not fit that pattern, and this file handles both (and `StrategyRanks`, the other
+processes as the update asks for them):
 
 - `generate` runs the model once per new token, and ranks stop at different lengths. Gathering layer by
   layer would be one all-gather per layer per token, and collectives that the other rank never joins.
@@ -161,6 +162,23 @@ def gather_per_rank(state: Any) -> list:
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, state)
     return gathered
+
+
+class StrategyRanks:
+    """`core.algorithm.update.Ranks` over the processes of a Lightning strategy (any object with its
+    `reduce`, `all_gather`, `world_size`, `global_rank` and `root_device`)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy, self.world_size, self.rank = strategy, strategy.world_size, strategy.global_rank
+
+    def sum(self, value: Tensor) -> Tensor:
+        return self.strategy.reduce(value, reduce_op="sum")
+
+    def max(self, value: int) -> int:
+        return int(self.strategy.all_gather(torch.tensor(value, device=self.strategy.root_device)).max())
+
+    def gather(self, values: list) -> list[list]:
+        return gather_per_rank(values)  # objects: the lists may differ in length between ranks
 
 
 def close_process_group() -> None:

@@ -250,6 +250,19 @@ class LoraOptions:
         check_fields(self)
 
 
+def check_lora_choice(lora: LoraOptions | None, options: ModelOptions, sync_ref_model: bool) -> None:
+    """The options that need LoRA, or full fine-tuning, have it; before any weights load."""
+    if sync_ref_model and lora is not None:
+        raise ValueError(
+            "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
+            "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
+        )
+    if options.load_in_4bit and lora is None:
+        raise ValueError(
+            "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
+        )
+
+
 def apply_lora(model: PreTrainedModel, options: LoraOptions) -> PreTrainedModel:
     """Wrap `model` in a PEFT LoRA model; a target module that the model lacks raises naming it."""
     from peft import LoraConfig, get_peft_model

@@ -1,68 +1,60 @@
-"""GRPOModule: the Lightning glue around sampling, rewards and the GRPO loss."""
+"""GRPOModule: the Lightning glue around sampling, rewards and the GRPO update.
+
+A training step, in order: the policy samples G completions per prompt (`self.rollouts`, `rollouts.py`), the
+reward functions score them (`core/rewards/scoring.py`), dynamic sampling may wait for more groups, the
+update (`self.update`, `core/algorithm/update.py`) builds the trajectory and hands over each micro-batch's
+loss, which this module backpropagates and steps, and the step's metrics are logged (`monitoring.py`).
+"""
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
-from grpo_lightning.core.algorithm.batching import MicroBatch, logprobs_in_micro_batches, micro_batches
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
-from grpo_lightning.core.algorithm.step_metrics import training_step_metrics
-from grpo_lightning.core.algorithm.trajectory import build_trajectory
-from grpo_lightning.core.algorithm.update import (
-    StepGuard,
-    accumulate_gradients,
-    mini_batch_denominators,
-    mini_batches,
-)
+from grpo_lightning.core.algorithm.update import MicroBatchSums, OneProcess, RolloutUpdate, StepGuard
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import (
-    RolloutEngine,
-    check_chat_template,
-    warn_if_unteachable,
-)
-from grpo_lightning.core.generation.sampling import stop_token_ids
+from grpo_lightning.core.generation.engines import check_chat_template
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import (
     RewardInputs,
-    check_reward_weights,
+    checked_reward_functions,
     score_completions,
     trainer_state,
 )
-from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
+from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
+from grpo_lightning.core.types import ScoredGroups, Trajectory
 from grpo_lightning.io.checkpoints import register_safe_globals
-from grpo_lightning.io.distributed import (
-    gather_per_rank,
-    is_sharded,
-    shard_models,
-)
+from grpo_lightning.io.distributed import StrategyRanks, is_sharded, shard_models
 from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
+    check_lora_choice,
     load_model,
     load_tokenizer,
     prepare_models,
     prepare_tokenizer,
 )
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
+from grpo_lightning.training.monitoring import (
+    CollapseMonitor,
+    CompletionsPanel,
+    RolloutRecord,
+    training_step_metrics,
+)
 from grpo_lightning.training.preflight import Preflight
-from grpo_lightning.training.resume import InterruptCheckpoint
+from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.training_state import (
     drop_reference,
@@ -84,8 +76,9 @@ class GRPOModule(L.LightningModule):
     the policy, scores them with the reward functions, turns the rewards into group-relative advantages
     and takes `num_iterations` x `steps_per_generation` optimizer steps on the clipped policy loss (with a
     KL penalty to a frozen reference when `beta > 0`), each on a mini-batch of whole groups
-    (`core.update.mini_batches`). Optimisation is manual, so one training step may hold several optimizer
-    steps (each counted in `global_step`) and several micro-batches.
+    (`core.algorithm.update`). Optimisation is manual, so one training step may hold several optimizer
+    steps (each counted in `global_step`) and several micro-batches. `self.rollouts.sample(prompts, G)`
+    samples as a training step does.
 
     Args:
         policy: hub id or local folder of a causal LM, or an already-built `PreTrainedModel`.
@@ -123,31 +116,14 @@ class GRPOModule(L.LightningModule):
         self.grpo = grpo
         self.model_options = model_options
         self.lora = lora
-        self.reward_funcs = (
-            list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
-        )
-        if not self.reward_funcs:
-            raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
-        weights = reward_weights if reward_weights is not None else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs"
-            )
-        check_reward_weights(weights, self.reward_funcs)
+        self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
+        self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         if num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
 
-        if grpo.sync_ref_model and lora is not None:
-            raise ValueError(
-                "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
-                "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
-            )
-        if model_options.load_in_4bit and lora is None:
-            raise ValueError(
-                "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
-            )
+        check_lora_choice(lora, model_options, grpo.sync_ref_model)
         self.policy_source = policy if isinstance(policy, str) else None
         self.policy: PreTrainedModel | None = None if isinstance(policy, str) else policy
         if tokenizer is None and self.policy_source is None:
@@ -157,21 +133,16 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = prepare_tokenizer(tokenizer)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.reference: PreTrainedModel | None = None
+        self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
         if self.policy is not None:
             self._prepare_models()
         self.val_reward = val_reward
-        self.val_accuracy = (
-            GSM8KAccuracy(k=num_generations_eval)
-            if val_reward is None
-            else RewardAccuracy(k=num_generations_eval)
-        )
+        self.val_accuracy = (GSM8KAccuracy if val_reward is None else RewardAccuracy)(k=num_generations_eval)
         self.validation = ValidationScoring(num_generations_eval, val_reward, self.val_accuracy)
         self.automatic_optimization = False
         self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        self.group_buffer = GroupBuffer.for_config(
-            grpo, self.reward_names
-        )  # dynamic sampling's waiting groups
+        self.group_buffer = GroupBuffer.for_config(grpo, self.reward_names)  # dynamic sampling's groups
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
         self.reference_sync = (
@@ -186,19 +157,11 @@ class GRPOModule(L.LightningModule):
         # files but before any weights load, instead of at the first step.
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
-            self.check_chat_template()
+            check_chat_template(self.tokenizer)
         if stage != "fit":
             return
-        # ModelCheckpoint tests the global step after each training step, which adds this many at once.
         per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
-        for callback in self.trainer.checkpoint_callbacks:
-            every = getattr(callback, "_every_n_train_steps", 0)
-            if every % per_batch:
-                rank_zero_warn(
-                    f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a "
-                    f"training step makes {per_batch} (grpo.num_iterations x steps_per_generation): it saves "
-                    f"only where a multiple of both falls; set a multiple of {per_batch}"
-                )
+        warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, per_batch)
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -216,18 +179,13 @@ class GRPOModule(L.LightningModule):
         self.policy, self.reference = prepare_models(
             self.policy, self.tokenizer, self.policy_source, self.model_options, self.lora, self.grpo.beta > 0
         )
+        self.rollouts.policy = self.policy
 
     def train(self, mode: bool = True) -> GRPOModule:
         super().train(mode)
         if self.reference is not None:
             self.reference.eval()  # frozen: never dropout, whatever Lightning asks of the module
         return self
-
-    def reference_context(self):
-        """Where the reference log-probs come from: the frozen copy, or the policy with LoRA switched off."""
-        if self.lora is not None and self.grpo.beta > 0:
-            return self.policy.disable_adapter()
-        return nullcontext()
 
     def configure_optimizers(self):
         cfg = self.grpo
@@ -286,15 +244,19 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
+        self.on_validation_start()
+        strategy = self.trainer.strategy
+        ranks = StrategyRanks(strategy) if strategy.world_size > 1 else OneProcess()
+        self.update = RolloutUpdate(self.grpo, self.rollouts.scorer, ranks, self.tokenizer)
+
+    def on_validation_start(self) -> None:  # also `trainer.validate` alone, before the first forward
         # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
         # offloaded shards on the CPU and refuses them anywhere else. No forward has run yet.
         if self.grpo.cpu_offload:
             for model in (self.policy, self.reference):
                 if model is not None:
                     model.to("cpu")
-
-    def on_validation_start(self) -> None:
-        self.on_fit_start()  # `trainer.validate` alone: the same move, before the first forward
+        self.rollouts.place(self.device, self.trainer.precision)
 
     def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
         if self.reference_sync is not None:  # before the rollout that the reference's log-probs are for
@@ -308,77 +270,15 @@ class GRPOModule(L.LightningModule):
         # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
         vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
 
-    # ----------------------------------------------------------------------------------------- rollout
-    def check_chat_template(self) -> None:
-        check_chat_template(self.tokenizer)
-
-    def shares_prompt(self) -> bool:
-        """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
-        return self.rollouts.shares_prompt(self.policy)
-
-    def _precision(self) -> str | None:
-        return self.trainer.precision if self._trainer is not None else None
-
-    def build_rollout_engine(self) -> RolloutEngine:
-        """The engine that generates the rollouts (`grpo.generation_backend`), in the trainer's precision."""
-        return self.rollouts.build_engine(self.policy, self.device, self._precision())
-
-    @property
-    def rollout_engine(self) -> RolloutEngine:
-        """Built once the policy is loaded, and again when the trainer's precision is not the one it was built
-        for: a module that sampled before `fit` (an evaluation before training) must not keep its float32
-        inference copy under `bf16-mixed`."""
-        precision = self._precision()
-        if self.rollouts.engine is None or self.rollouts.engine_precision != precision:
-            self.rollouts.engine = self.build_rollout_engine()
-            self.rollouts.engine_precision = precision
-        return self.rollouts.engine
-
-    def encode_prompts(self, prompts: list) -> tuple[Tensor, Tensor]:
-        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
-        return self.rollouts.prompt_encoder.encode(prompts, self.device)
-
-    def sample(
-        self, prompts: list, num_generations: int, do_sample: bool = True
-    ) -> tuple[Rollout, list[str]]:
-        """Generate `num_generations` completions per prompt and decode them."""
-        return self.rollouts.sample(
-            self.rollout_engine, self.policy, prompts, num_generations, do_sample, self.device
-        )
-
-    def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
-        """`(logprobs, entropies)` `[b, T]` of `rollout`'s `rows` under `model`."""
-        return self.rollouts.scorer(self.policy)(model, rollout, rows, with_entropy)
-
-    def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
-        """`rollout`'s micro-batches: `micro_batch_size` rows, or by `max_tokens_per_micro_batch` (a
-        prompt's G rows kept together where they share its prompt pass)."""
-        cfg = self.grpo
-        group = cfg.num_generations if self.shares_prompt() else 1
-        options = (cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, group)
-        parts = micro_batches(rollout, *options)
-        if cfg.max_tokens_per_micro_batch is None or self.trainer.world_size == 1:
-            return parts
-        # Each forward/backward synchronises the ranks (DDP, FSDP2): all run as many as the busiest.
-        most = int(self.all_gather(torch.tensor(len(parts), device=self.device)).max())
-        return micro_batches(rollout, *options, at_least=most)
-
-    def _frozen_logprobs(self, rollout: Rollout, model: PreTrainedModel) -> Tensor:
-        return logprobs_in_micro_batches(self.logprobs, model, rollout, self.micro_batches(rollout))  # [B, T]
-
-    def _weights_updated(self) -> None:
-        self.rollouts.weights_updated(self.policy)
-
     # ----------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         cfg = self.grpo
         start = time.perf_counter()
-        rollout, completions = self.sample(batch["prompt"], cfg.num_generations)
+        rollout, completions = self.rollouts.sample(batch["prompt"], cfg.num_generations)
         generate_seconds = time.perf_counter() - start
-        self._check_rollout(rollout, completions)
-        scores = score_completions(
-            self.reward_funcs, self.reward_inputs(batch, rollout, completions, batch_idx)
-        )
+        self.rollouts.check(rollout, completions)
+        inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
+        scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
         scored = ScoredGroups(
@@ -386,13 +286,13 @@ class GRPOModule(L.LightningModule):
         )
         logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:
-            filled = self._dynamic_sampling(scored)
+            filled = self.group_buffer.fill(scored, self.update.ranks, self.tokenizer.pad_token_id)
             if filled is None:
                 self.last_rollout = None  # no update on this batch: nothing new for the callbacks
                 return None
             (scored, stats), logged_columns = filled, {}  # the columns belong to this round, not the update's
 
-        trajectory = self._trajectory(scored, stats)
+        trajectory = self.update.trajectory(scored, self.policy, self.reference, stats)
         stats, grad_norm = self._update(trajectory)
         step_seconds = time.perf_counter() - start
         stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
@@ -415,106 +315,35 @@ class GRPOModule(L.LightningModule):
         )
         return stats["loss"]
 
-    @property
-    def reward_names(self) -> list[str]:
-        return [reward_name(fn) for fn in self.reward_funcs]
-
-    def _trajectory(self, scored: ScoredGroups, stats: dict[str, Tensor]) -> Trajectory:
-        """The reference and old-policy passes over `scored`'s rollout, then `build_trajectory`."""
-        cfg = self.grpo
-        ref_logprobs = None
-        if cfg.beta > 0:
-            with self.reference_context():
-                ref_logprobs = self._frozen_logprobs(scored.rollout, self.reference or self.policy)  # [B, T]
-        # With one step per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
-        # The KL in the reward needs the sampling policy's log-probs before any update all the same.
-        several_steps = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
-        sampling_logprobs_needed = several_steps or cfg.use_kl_in_reward
-        old_logprobs = (
-            self._frozen_logprobs(scored.rollout, self.policy) if sampling_logprobs_needed else None
-        )
-        batch_std_over_ranks = cfg.scale_rewards == "batch" and self.trainer.world_size > 1
-        return build_trajectory(
-            scored,
-            cfg,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            tokenizer=self.tokenizer,
-            gather=self._everyones_rewards if batch_std_over_ranks else None,
-            stats=stats,
-        )
-
-    def _everyones_rewards(self, rewards: Tensor) -> tuple[Tensor, int]:
-        """The `[B]` rewards of every rank, in rank order, and where this rank's start."""
-        # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
-        per_rank = gather_per_rank(rewards.tolist())
-        everyone = torch.tensor(sum(per_rank, []), dtype=rewards.dtype, device=rewards.device)  # [sum of B]
-        return everyone, sum(len(r) for r in per_rank[: self.global_rank])
-
     def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
         """`num_iterations` passes over `trajectory`'s `steps_per_generation` mini-batches, an optimizer step
         each: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        sum_over_ranks = functools.partial(self.trainer.strategy.reduce, reduce_op="sum")
-        for _ in range(self.grpo.num_iterations):
-            for mini_batch in mini_batches(trajectory, self.grpo.steps_per_generation):
-                denominators = mini_batch_denominators(mini_batch, sum_over_ranks, self.trainer.world_size)
-                stats, grad_norm = self._optimizer_step(optimizer, mini_batch, *denominators)
-                if grad_norm is not None:
-                    self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                    scheduler.step()
-                    self._weights_updated()
+        for mini_batch, denominators in self.update.mini_batches(trajectory):
+            stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
+            if grad_norm is not None:
+                self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
+                scheduler.step()
+                self.rollouts.weights_updated()
         return stats, grad_norm
 
-    def reward_inputs(
-        self, batch: dict[str, list], rollout: Rollout, completions: list[str], batch_idx: int
-    ) -> RewardInputs:
-        """What the reward functions get for the rollout's completions of `batch`'s prompts: the prompts and
-        every other column repeated for each prompt's group, as TRL repeats them, the completions' token ids
-        (end-of-sequence token included, padding left out) and the trainer's state."""
-        completion_ids = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
-        ]
+    def _trainer_state(self, batch_idx: int) -> TrainerState:
+        """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
         trainer = self.trainer
         batches = trainer.num_training_batches
         epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
-        state = trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
-        return RewardInputs.of_groups(batch, completions, completion_ids, state)
-
-    def _dynamic_sampling(self, groups: ScoredGroups) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
-        """Buffer this round's informative groups; the update's groups once there are enough, else None."""
-        self.group_buffer.add(groups)
-        # Every rank must update together (DDP and FSDP synchronise inside the update): wait while any waits.
-        waiting = torch.tensor(float(not self.group_buffer.ready()), device=self.device)
-        if self.trainer.strategy.reduce(waiting, reduce_op="sum") > 0:
-            return None
-        groups, stats = self.group_buffer.pop(self.tokenizer.pad_token_id)
-        return groups, {f"dynamic_sampling/{key}": torch.tensor(value) for key, value in stats.items()}
-
-    def _check_rollout(self, rollout: Rollout, completions: list[str]) -> None:
-        eos = stop_token_ids(self.policy, self.tokenizer)
-        warn_if_unteachable(
-            rollout,
-            completions,
-            eos,
-            self.grpo.max_completion_length,
-            tokenizer_size=len(self.tokenizer),
-            vocab_size=self.policy.config.vocab_size,
-        )
+        return trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
 
     def _optimizer_step(
-        self, optimizer, trajectory: Trajectory, total_tokens: Tensor, total_sequences: Tensor
+        self, optimizer, mini_batch: Trajectory, denominators: tuple[Tensor, Tensor]
     ) -> tuple[dict[str, Tensor], Tensor | None]:
-        """One optimizer step on `trajectory`, micro-batch by micro-batch: its statistics, and the gradient
+        """One optimizer step on `mini_batch`, micro-batch by micro-batch: its statistics, and the gradient
         norm if the step was taken (None when the step guard skipped it)."""
         cfg = self.grpo
         optimizer.zero_grad()
-        parts = self.micro_batches(trajectory.rollout)
-        denominators = (total_tokens, total_sequences)
-        sums = accumulate_gradients(
-            self.logprobs, self.policy, trajectory, parts, cfg, *denominators, self.manual_backward
-        )
+        sums = MicroBatchSums()
+        for loss in self.update.losses(self.policy, mini_batch, denominators, sums):
+            self.manual_backward(loss)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
@@ -528,10 +357,9 @@ class GRPOModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self.validation.start(self.trainer.datamodule, self.device)
 
-    def validation_step(
-        self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0
-    ) -> dict[str, list[str]]:
-        return self.validation.step(batch, batch_idx, dataloader_idx, self.sample, self.reward_inputs)
+    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
+        state = self._trainer_state(batch_idx)
+        return self.validation.step(batch, dataloader_idx, self.rollouts, state)
 
     def on_validation_epoch_end(self) -> None:
         for key, value in self.validation.end().items():

@@ -115,7 +115,7 @@ def run_preflight(
         f"completions per step ({micro}, {cfg.num_iterations} optimizer step(s) each)"
     )
 
-    rollout, _ = module.sample(batch["prompt"][:samples], G)
+    rollout, _ = module.rollouts.sample(batch["prompt"][:samples], G)
     report.lines["memory per GPU"] = memory_line(module, prompts, devices, precision, rollout)
     cut, sampled = int(rollout.truncated.sum()), rollout.truncated.numel()
     whole, groups = groups_cut_whole(rollout.truncated, G), sampled // G

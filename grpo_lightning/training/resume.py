@@ -35,6 +35,19 @@ from grpo_lightning.io.checkpoints import AtomicCheckpointIO
 INTERRUPT_FILENAME = "interrupted.ckpt"
 
 
+def warn_checkpoint_cadence(callbacks: list[ModelCheckpoint], steps_per_batch: int) -> None:
+    """Warn for a `ModelCheckpoint(every_n_train_steps=n)` whose n is not a multiple of the optimizer steps a
+    training step makes: it tests the global step after each training step, which adds that many at once."""
+    for callback in callbacks:
+        every = getattr(callback, "_every_n_train_steps", 0)
+        if every % steps_per_batch:
+            rank_zero_warn(
+                f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a training "
+                f"step makes {steps_per_batch} (grpo.num_iterations x steps_per_generation): it saves only "
+                f"where a multiple of both falls; set a multiple of {steps_per_batch}"
+            )
+
+
 def state_of_rank(per_rank: list, rank: int, world_size: int) -> Any:
     """This rank's item of what `distributed.gather_per_rank` stored; warns if the process count changed."""
     if len(per_rank) != world_size:

@@ -1,8 +1,10 @@
 """The policy's rollouts for `GRPOModule`: its prompts encoded, completions sampled by the rollout engine of
-`grpo.generation_backend`, and per-token log-probs scored, with the decisions made once (whether groups
-share their prompt pass, which engine) and the engine told of every optimizer step.
+`grpo.generation_backend`, per-token log-probs scored, with the decisions made once (whether groups share
+their prompt pass, which engine, whether the weights are sharded) and the engine told of every optimizer
+step. `module.rollouts.sample(prompts, G)` samples as a training step does.
 
-No Lightning here: the module passes its policy (which LoRA or loading may replace), device and precision.
+No Lightning here: the module hands over its policy once it is loaded, and the device and precision of the
+trainer it runs under (`place`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from grpo_lightning.core.generation.engines import (
     PromptSampler,
     RolloutEngine,
     SamplingSettings,
+    warn_if_unteachable,
 )
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.generation.static_engine import StaticEngine, compute_dtype, resolve_backend
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.io.distributed import gathered_for_generation
+from grpo_lightning.io.distributed import call_in_root_forward, gathered_for_generation, is_sharded
 
 
 class PolicyRollouts:
@@ -39,25 +42,47 @@ class PolicyRollouts:
 
     def __init__(self, cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
-        self.engine: RolloutEngine | None = None  # built on first use, once the policy is loaded
-        self.engine_precision: str | None = None  # the trainer's precision the engine was built for
+        self.policy: PreTrainedModel | None = (
+            None  # the module's once loaded (LoRA-wrapped, sharded in place)
+        )
+        self.device: torch.device | None = None  # where prompts go; None: where the policy's weights are
+        self.precision: str | None = None  # the trainer's precision flag; None without a trainer
+        self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
+        self.engine_precision: str | None = None  # the precision the engine was built for
+        self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
+        self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
 
-    def shares_prompt(self, policy: PreTrainedModel) -> bool:
+    def place(self, device: torch.device, precision: str | None) -> None:
+        """Where the trainer runs the policy: prompts go to `device`; the engine follows `precision`."""
+        self.device, self.precision = device, precision
+
+    @property
+    def shares_prompt(self) -> bool:
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
-        if self.share_prompt is None:
-            reason = sharing_unsupported(policy) if self.cfg.share_prompt else None
+        if self._share_prompt is None:
+            reason = sharing_unsupported(self.policy) if self.cfg.share_prompt else None
             if reason is not None:
                 warnings.warn(f"grpo.share_prompt: {reason}; every prompt is encoded G times", stacklevel=3)
-            self.share_prompt = self.cfg.share_prompt and reason is None
-        return self.share_prompt
+            self._share_prompt = self.cfg.share_prompt and reason is None
+        return self._share_prompt
 
-    def build_engine(
-        self, policy: PreTrainedModel, device: torch.device, precision: str | None
-    ) -> RolloutEngine:
-        """The engine that generates the rollouts (`grpo.generation_backend`); `precision` is the trainer's,
-        None without one."""
+    @property
+    def encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.tokenizer, self.cfg.max_prompt_length, self.cfg.truncate_prompts)
+
+    @property
+    def scorer(self) -> LogProbScorer:
+        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes."""
         cfg = self.cfg
+        in_root_forward = call_in_root_forward if is_sharded(self.policy) else None
+        return LogProbScorer(
+            cfg.num_generations, cfg.temperature, self.shares_prompt, cfg.entropy_coef != 0, in_root_forward
+        )
+
+    def build_engine(self) -> RolloutEngine:
+        """The engine that generates the rollouts (`grpo.generation_backend`), in the trainer's precision."""
+        cfg, policy = self.cfg, self.policy
+        device = self.device or next(policy.parameters()).device
         settings = SamplingSettings(
             max_new_tokens=cfg.max_completion_length,
             min_new_tokens=cfg.min_completion_length,
@@ -66,49 +91,50 @@ class PolicyRollouts:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
-            share_prompt=self.shares_prompt(policy),
+            share_prompt=self.shares_prompt,
         )
+        self.engine_precision = self.precision
+        # Sharded: full weights once, no collective per token, around `generate` for an engine that reads the
+        # live weights, around `weights_updated` for one that copies them.
+        self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
         if resolve_backend(cfg.generation_backend, policy, device) == "eager":
             return EagerEngine(settings)
         return StaticEngine(
             settings,
-            dtype=compute_dtype(precision) if precision is not None else None,
+            dtype=compute_dtype(self.precision) if self.precision is not None else None,
             compile=device.type == "cuda",
             max_prompt_tokens=cfg.max_prompt_length,
         )
 
-    @property
-    def prompt_encoder(self) -> PromptEncoder:
-        return PromptEncoder(self.tokenizer, self.cfg.max_prompt_length, self.cfg.truncate_prompts)
-
-    def scorer(self, policy: PreTrainedModel) -> LogProbScorer:
-        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes."""
-        cfg = self.cfg
-        return LogProbScorer(
-            cfg.num_generations, cfg.temperature, self.shares_prompt(policy), cfg.entropy_coef != 0
-        )
-
     def sample(
-        self,
-        engine: RolloutEngine,
-        policy: PreTrainedModel,
-        prompts: list,
-        num_generations: int,
-        do_sample: bool,
-        device: torch.device,
+        self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
-        """`num_generations` completions per prompt by `engine`, decoded."""
-        sampler = PromptSampler(self.prompt_encoder, engine)
-        # Sharded: full weights once, no collective per token; an engine with a copy of its own needs them
-        # only to build it.
-        with gathered_for_generation(policy) if engine.reads_live_weights else nullcontext():
-            return sampler.sample(policy, prompts, num_generations, do_sample=do_sample, device=device)
+        """`num_generations` completions per prompt (greedy unless `do_sample`), decoded. The engine is built
+        on first use, and again for a trainer whose precision is not the one it was built for: a module that
+        sampled before `fit` must not keep a float32 inference copy under `bf16-mixed`."""
+        if self.engine is None or self.engine_precision != self.precision:
+            self.engine = self.build_engine()
+        sampler = PromptSampler(self.encoder, self.engine)
+        with self._gathered(self.policy) if self.engine.reads_live_weights else nullcontext():
+            return sampler.sample(
+                self.policy, prompts, num_generations, do_sample=do_sample, device=self.device
+            )
 
-    def weights_updated(self, policy: PreTrainedModel) -> None:
+    def weights_updated(self) -> None:
         """After an optimizer step: the engine, if built, takes the new weights."""
         engine = self.engine
         if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
             return
-        # An engine that reads the live weights has nothing to copy; another one copies them, whole.
-        with nullcontext() if engine.reads_live_weights else gathered_for_generation(policy):
-            engine.weights_updated(policy)
+        with nullcontext() if engine.reads_live_weights else self._gathered(self.policy):
+            engine.weights_updated(self.policy)
+
+    def check(self, rollout: Rollout, completions: list[str]) -> None:
+        """Warn when a training step's rollout cannot teach anything (`engines.warn_if_unteachable`)."""
+        warn_if_unteachable(
+            rollout,
+            completions,
+            stop_token_ids(self.policy, self.tokenizer),
+            self.cfg.max_completion_length,
+            tokenizer_size=len(self.tokenizer),
+            vocab_size=self.policy.config.vocab_size,
+        )

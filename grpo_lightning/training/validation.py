@@ -13,15 +13,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from transformers import TrainerState
 
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.validation_sets import COUNTED, SetScores
-
-Sample = Callable[..., tuple[Rollout, list[str]]]  # (prompts, k, do_sample=) -> rollout, completions
-MakeRewardInputs = Callable[[dict, Rollout, list[str], int], RewardInputs]  # (batch, rollout, completions, i)
 
 
 class ValidationScoring:
@@ -58,21 +56,16 @@ class ValidationScoring:
         ]
 
     def step(
-        self,
-        batch: dict[str, list],
-        batch_idx: int,
-        dataloader_idx: int,
-        sample: Sample,
-        reward_inputs: MakeRewardInputs,
+        self, batch: dict[str, list], dataloader_idx: int, rollouts: PolicyRollouts, state: TrainerState
     ) -> dict[str, list[str]]:
-        """Sample `batch`'s completions with the module's `sample` and score them into its loader's
-        `SetScores` (`reward_inputs`: the module's, for a set judged by a reward function)."""
+        """Sample `batch`'s completions with the module's `rollouts` and score them into its loader's
+        `SetScores` (`state`: the trainer's, for a set judged by a reward function)."""
         scores = self.scores[dataloader_idx]
         counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
-        rollout, completions = sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
+        rollout, completions = rollouts.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
         lengths = rollout.completion_mask.sum(1)  # [N * k]
         if scores.reward is not None:
-            inputs = reward_inputs(batch, rollout, completions, batch_idx)
+            inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
             scores.update_rewards(counted, lengths, call_reward(scores.reward, inputs))
         else:
             answers = batch[scores.answer_column or self._answer_column(batch)]

@@ -14,6 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from grpo_lightning.core.algorithm.update import Ranks
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import ScoredGroups
 
@@ -91,6 +92,19 @@ class GroupBuffer:
 
     def ready(self) -> bool:
         return self.num_kept >= self.target or self.rounds > self.max_extra_rounds
+
+    def fill(
+        self, groups: ScoredGroups, ranks: Ranks, pad_token_id: int
+    ) -> tuple[ScoredGroups, dict[str, Tensor]] | None:
+        """Keep this round's informative groups; once every rank has enough, the update's groups and their
+        `dynamic_sampling/...` statistics, else None (every rank must update together: DDP and FSDP
+        synchronise inside the update)."""
+        self.add(groups)
+        waiting = torch.tensor(float(not self.ready()), device=groups.rewards.device)
+        if ranks.sum(waiting) > 0:
+            return None
+        groups, stats = self.pop(pad_token_id)
+        return groups, {f"dynamic_sampling/{key}": torch.tensor(value) for key, value in stats.items()}
 
     def pop(self, pad_token_id: int) -> tuple[ScoredGroups, dict[str, float]]:
         """The update's groups and `{"frac_dropped", "extra_rounds"}` of the rounds that filled it."""

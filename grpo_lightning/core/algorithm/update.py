@@ -1,27 +1,165 @@
-"""One optimizer update on a `Trajectory`, in pieces that need no Lightning.
+"""The GRPO update of one scored rollout, in the order it runs; no Lightning here.
 
-- `mini_batches`: the trajectories of one rollout's optimizer steps (`grpo.steps_per_generation`), and
-  `mini_batch_denominators`, what each normalises its loss by.
-- `micro_batch_loss`: the GRPO loss (`loss.grpo_loss`) of some rows of a trajectory, with the whole
-  mini-batch's denominators, so that the micro-batch losses add up to the mini-batch's;
-  `accumulate_gradients` runs the policy pass and backward micro-batch by micro-batch.
-- `MicroBatchSums`: the statistics of an update's micro-batches, weighted by their token share.
-- `StepGuard`: the optimizer step, skipped when the loss or the gradient is not finite (a run stops after
-  `max_bad_steps` such steps in a row) or when fp16 gradients overflowed (the loss scaler lowers its scale).
+1. The trajectory (`build_trajectory`): the loss mask, the KL charged to the reward (`use_kl_in_reward`), the
+   group-relative advantages (DeepSeekMath arXiv:2402.03300 sec. 4.1.2) and step credit, after the frozen
+   passes (reference, sampling policy) over the rollout's micro-batches.
+2. Mini-batches (`steps_per_generation`; TRL's `steps_per_generation`, verl's `ppo_mini_batch_size`): the
+   rollout's groups shuffled and cut into that many mini-batches of whole groups, one optimizer step each,
+   each normalising its loss over its own mini-batch (`mini_batch_denominators`), as TRL and verl do.
+3. Micro-batches, one forward/backward each: slices of `micro_batch_size` rows (padded to the rollout's
+   longest row, as sampled), or the token-budget partition (`token_budget`, `max_tokens_per_micro_batch`)
+   as index tensors, each taken out and trimmed to its own longest row (`Rollout.select`).
+4. The loss of each micro-batch (`loss.grpo_loss`) with the whole mini-batch's denominators, so that the
+   micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), their
+   statistics weighted by token share (`MicroBatchSums`).
+5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
+
+`RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
+and the other processes (`Ranks`: sums, maxima and gathers; `OneProcess` alone).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import fields
+from typing import Protocol
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.algorithm.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
-from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.credit import step_credit_penalties
+from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss, kl_in_reward
+from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.types import Trajectory
+from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
+
+MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
+# (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
+Score = Callable[..., tuple[Tensor, Tensor]]
+
+
+class Ranks(Protocol):
+    """What an update asks of the other processes; every rank calls each method, in the same order."""
+
+    world_size: int
+    rank: int
+
+    def sum(self, value: Tensor) -> Tensor:
+        """`value` summed over the ranks."""
+        ...
+
+    def max(self, value: int) -> int:
+        """The largest of the ranks' `value`s."""
+        ...
+
+    def gather(self, values: list) -> list[list]:
+        """Every rank's `values` (lists of any length), in rank order."""
+        ...
+
+
+class OneProcess:
+    """`Ranks` of a single process: nothing to ask."""
+
+    world_size, rank = 1, 0
+
+    def sum(self, value: Tensor) -> Tensor:
+        return value
+
+    def max(self, value: int) -> int:
+        return value
+
+    def gather(self, values: list) -> list[list]:
+        return [values]
+
+
+# ------------------------------------------------------------------------------------- 1. the trajectory
+def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
+    """`[B, T]` float: the completion tokens, without the completions that never stopped when asked (DAPO
+    sec. 3.4, overlong filtering)."""
+    mask = rollout.completion_mask.float()  # [B, T]
+    if mask_truncated_completions:
+        mask = mask * (~rollout.truncated).float()[:, None]
+    return mask
+
+
+def advantages_of(outcome: Tensor, cfg: GRPOConfig, ranks: Ranks | None = None) -> Tensor:
+    """Group-relative advantages `[B]` of this rank's outcome. With `ranks` (scale_rewards="batch" over
+    several ranks) the std is that of the whole batch over all ranks, as TRL computes it."""
+    args = (cfg.num_generations, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)
+    if ranks is None:
+        return group_advantages(outcome, *args)  # [B]
+    # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
+    per_rank = ranks.gather(outcome.tolist())
+    everyone = torch.tensor(sum(per_rank, []), dtype=outcome.dtype, device=outcome.device)  # [sum of B]
+    start = sum(len(r) for r in per_rank[: ranks.rank])
+    return group_advantages(everyone, *args)[start : start + outcome.numel()]  # [B]
+
+
+def build_trajectory(
+    scored: ScoredGroups,
+    cfg: GRPOConfig,
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    ranks: Ranks | None = None,
+    stats: dict[str, Tensor] | None = None,
+) -> Trajectory:
+    """The trajectory of `scored`'s groups: loss mask, KL in the reward (verl's `use_kl_in_reward`, needs
+    `old_logprobs` and `ref_logprobs`), group advantages (over all `ranks` when given) and step credit
+    (`credit.step_credit_penalties`, needs the `tokenizer`). `stats` are earlier metrics of the step
+    (dynamic sampling's), extended with those of the options used here."""
+    rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
+    stats = dict(stats or {})
+    outcome = rewards  # [B]
+    if cfg.use_kl_in_reward:
+        outcome = kl_in_reward(
+            rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.beta, cfg.kl_estimator
+        )  # [B]
+        stats["kl_reward_penalty"] = (rewards - outcome).mean()
+    advantages = advantages_of(outcome, cfg, ranks)  # [B]
+    token_advantages = advantages  # [B], or [B, T] with step credit
+    if cfg.step_credit > 0:
+        penalties = step_credit_penalties(
+            tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.step_credit
+        )  # [B, T]
+        token_advantages = advantages[:, None] + penalties  # [B, T]
+        stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
+    return Trajectory(
+        **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
+        loss_mask=loss_mask(rollout, cfg.mask_truncated_completions),
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        advantages=advantages,
+        token_advantages=token_advantages,
+        stats=stats,
+    )
+
+
+# ------------------------------------------------------------------------------------- 2. mini-batches
+def shuffled_mini_batches(
+    num_groups: int, steps: int, generator: torch.Generator | None = None
+) -> list[Tensor]:
+    """The group indices of each of `steps` mini-batches: a permutation of `0 .. num_groups - 1` drawn from
+    `generator` (None: torch's default CPU generator, the training stream that checkpoints keep) and cut
+    into `steps` parts whose sizes differ by at most one."""
+    if num_groups < steps:
+        raise ValueError(
+            f"grpo.steps_per_generation={steps}: this rollout has only {num_groups} groups (prompts) to cut "
+            "into that many optimizer steps; lower it or raise data.batch_size"
+        )
+    order = torch.randperm(num_groups, generator=generator)  # [N]
+    return list(torch.tensor_split(order, steps))
+
+
+def group_rows(groups: Tensor, num_generations: int) -> Tensor:
+    """The rows `[len(groups) * G]` of `groups`, each group's G rows together, in the groups' order."""
+    G = num_generations
+    return (groups[:, None] * G + torch.arange(G)).reshape(-1)  # [n * G]
 
 
 def mini_batches(
@@ -29,7 +167,7 @@ def mini_batches(
 ) -> list[Trajectory]:
     """The trajectories of `steps` optimizer steps on one rollout: its groups shuffled (from `generator`,
     None: torch's default CPU generator, which checkpoints keep) and cut into `steps` mini-batches of whole
-    groups (`batching.shuffled_mini_batches`). One step: the trajectory itself, nothing drawn."""
+    groups. One step: the trajectory itself, nothing drawn."""
     if steps == 1:
         return [trajectory]
     G = trajectory.num_generations
@@ -37,17 +175,66 @@ def mini_batches(
     return [trajectory.select(group_rows(groups, G)) for groups in cut]
 
 
-def mini_batch_denominators(
-    mini_batch: Trajectory, sum_over_ranks: Callable[[Tensor], Tensor], world_size: int
-) -> tuple[Tensor, Tensor]:
+def mini_batch_denominators(mini_batch: Trajectory, ranks: Ranks) -> tuple[Tensor, Tensor]:
     """`(total_tokens, total_sequences)` that one optimizer step's loss is normalised by: the loss tokens
     of its mini-batch on every rank, divided by the world size (DDP averages the ranks' gradients), and
-    this rank's sequences in it. Per optimizer step, as TRL and verl normalise each mini-batch."""
+    this rank's sequences in it."""
     mask = mini_batch.loss_mask  # [b, T]
-    total_tokens = sum_over_ranks(mask.sum()) / world_size
+    total_tokens = ranks.sum(mask.sum()) / ranks.world_size
     return total_tokens, torch.tensor(float(mask.size(0)), device=mask.device)
 
 
+# ------------------------------------------------------------------------------------- 3. micro-batches
+def micro_batches(
+    rollout: Rollout,
+    micro_batch_size: int | None,
+    max_tokens: int | None = None,
+    group_size: int = 1,
+    at_least: int = 1,
+) -> list[MicroBatch]:
+    """The micro-batches of `rollout`'s rows: with `max_tokens`, the token-budget partition (a row's
+    length: its prompt and completion tokens; `group_size` rows kept together; `at_least` micro-batches,
+    as many as another rank runs), as index tensors; else slices of at most `micro_batch_size` rows (one
+    slice when None)."""
+    size = rollout.completion_ids.size(0)
+    if max_tokens is None:
+        step = micro_batch_size or size
+        return [slice(i, min(i + step, size)) for i in range(0, size, step)]
+    lengths = (rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).tolist()  # [B]
+    device = rollout.completion_ids.device
+    parts = token_budget_micro_batches(lengths, max_tokens, group_size, at_least)
+    return [torch.tensor(rows, dtype=torch.long, device=device) for rows in parts]
+
+
+def micro_batch_rollout(rollout: Rollout, rows: MicroBatch) -> tuple[Rollout, slice]:
+    """The rollout a micro-batch is scored on and its rows there: `rollout` itself for a slice; for
+    indices, their own rollout trimmed to their longest row, all of its rows."""
+    if isinstance(rows, slice):
+        return rollout, rows
+    return rollout.select(rows, trim=True), slice(None)
+
+
+def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
+    """As `micro_batch_rollout`, for the trajectory a micro-batch's loss reads."""
+    if isinstance(rows, slice):
+        return trajectory, rows
+    return trajectory.select(rows, trim=True), slice(None)
+
+
+@torch.no_grad()
+def logprobs_in_micro_batches(score: Score, model, rollout: Rollout, parts: list[MicroBatch]) -> Tensor:
+    """`rollout`'s per-token log-probs `[B, T]` under `model`, scored micro-batch by micro-batch (a frozen
+    pass: reference, sampling policy); the columns a trimmed micro-batch drops (padding) hold 0."""
+    ids = rollout.completion_ids
+    logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, T], as scorers give
+    for rows in parts:
+        part, part_rows = micro_batch_rollout(rollout, rows)
+        scored = score(model, part, part_rows)[0]  # [b, T']
+        logprobs[rows, : scored.size(1)] = scored
+    return logprobs
+
+
+# ------------------------------------------------------------------------------------- 4. the loss
 def micro_batch_loss(
     trajectory: Trajectory,
     rows: slice,
@@ -81,15 +268,7 @@ def micro_batch_loss(
     )
 
 
-def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
-    """The trajectory a micro-batch's loss reads and its rows there: `trajectory` itself for a slice; for
-    indices, their own trajectory trimmed to their longest row (`Trajectory.select`), all of its rows."""
-    if isinstance(rows, slice):
-        return trajectory, rows
-    return trajectory.select(rows, trim=True), slice(None)
-
-
-def accumulate_gradients(
+def micro_batch_losses(
     score: Score,
     policy: torch.nn.Module,
     trajectory: Trajectory,
@@ -97,11 +276,11 @@ def accumulate_gradients(
     cfg: GRPOConfig,
     total_tokens: Tensor,
     total_sequences: Tensor,
-    backward: Callable[[Tensor], None] = Tensor.backward,
-) -> MicroBatchSums:
-    """The policy pass and `backward` of each micro-batch of `trajectory` (`batching.micro_batches`): the
-    gradients of its whole loss, accumulated; the loss and statistics summed over the micro-batches."""
-    sums = MicroBatchSums()
+    sums: MicroBatchSums,
+) -> Iterator[Tensor]:
+    """The loss of each micro-batch of `trajectory` in turn, after its policy pass, for the caller's
+    backward (the gradients then add up to those of the whole loss); the losses and statistics are added
+    to `sums`."""
     tokens = trajectory.loss_mask.sum().clamp(min=1)
     for rows in parts:
         part, part_rows = micro_batch_trajectory(trajectory, rows)
@@ -109,9 +288,8 @@ def accumulate_gradients(
         loss, stats = micro_batch_loss(
             part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences
         )
-        backward(loss)
+        yield loss
         sums.add(loss, stats, token_share=part.loss_mask[part_rows].sum() / tokens)
-    return sums
 
 
 class MicroBatchSums:
@@ -138,6 +316,85 @@ class MicroBatchSums:
         return self.values["loss"]
 
 
+class RolloutUpdate:
+    """Steps 1-4 above for one policy under `cfg`: what the module's training step calls.
+
+    Args:
+        cfg: the algorithm's options.
+        score: the per-token log-probs of the policy and reference passes.
+        ranks: the other processes, for the loss denominators, the token-budget micro-batch count and
+            `scale_rewards="batch"`.
+        tokenizer: the policy's, for step credit.
+    """
+
+    def __init__(
+        self, cfg: GRPOConfig, score: LogProbScorer, ranks: Ranks, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
+        self.cfg, self.score, self.ranks, self.tokenizer = cfg, score, ranks, tokenizer
+        # A prompt's G rows stay in one micro-batch where they share its prompt pass.
+        self.group_size = cfg.num_generations if score.share_prompt else 1
+
+    def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
+        """`rollout`'s micro-batches; by token budget, as many as the busiest rank runs (each forward and
+        backward synchronises the ranks under DDP and FSDP2)."""
+        options = (self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch, self.group_size)
+        parts = micro_batches(rollout, *options)
+        if self.cfg.max_tokens_per_micro_batch is None or self.ranks.world_size == 1:
+            return parts
+        return micro_batches(rollout, *options, at_least=self.ranks.max(len(parts)))
+
+    def trajectory(
+        self,
+        scored: ScoredGroups,
+        policy: PreTrainedModel,
+        reference: PreTrainedModel | None,
+        stats: dict[str, Tensor],
+    ) -> Trajectory:
+        """The reference and sampling-policy passes over `scored`'s rollout, then `build_trajectory`. No
+        `reference` with beta > 0: the policy with its LoRA adapters off is the reference."""
+        cfg, rollout = self.cfg, scored.rollout
+        ref_logprobs = old_logprobs = None
+        if cfg.beta > 0:
+            with nullcontext() if reference is not None else policy.disable_adapter():
+                ref_logprobs = self.frozen_logprobs(rollout, reference or policy)  # [B, T]
+        # With one step per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
+        # The KL in the reward needs the sampling policy's log-probs before any update all the same.
+        if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or cfg.use_kl_in_reward:
+            old_logprobs = self.frozen_logprobs(rollout, policy)  # [B, T]
+        batch_std_over_ranks = cfg.scale_rewards == "batch" and self.ranks.world_size > 1
+        return build_trajectory(
+            scored,
+            cfg,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            tokenizer=self.tokenizer,
+            ranks=self.ranks if batch_std_over_ranks else None,
+            stats=stats,
+        )
+
+    def frozen_logprobs(self, rollout: Rollout, model: PreTrainedModel) -> Tensor:
+        return logprobs_in_micro_batches(self.score, model, rollout, self.micro_batches(rollout))  # [B, T]
+
+    def mini_batches(self, trajectory: Trajectory) -> Iterator[tuple[Trajectory, tuple[Tensor, Tensor]]]:
+        """`num_iterations` passes over `trajectory`'s `steps_per_generation` mini-batches (a new shuffle
+        each), with the denominators of each one's loss: one optimizer step each."""
+        for _ in range(self.cfg.num_iterations):
+            for mini_batch in mini_batches(trajectory, self.cfg.steps_per_generation):
+                yield mini_batch, mini_batch_denominators(mini_batch, self.ranks)
+
+    def losses(
+        self,
+        policy: torch.nn.Module,
+        mini_batch: Trajectory,
+        denominators: tuple[Tensor, Tensor],
+        sums: MicroBatchSums,
+    ) -> Iterator[Tensor]:
+        """Each micro-batch's loss of one optimizer step, for the caller's backward (`micro_batch_losses`)."""
+        parts = self.micro_batches(mini_batch.rollout)
+        return micro_batch_losses(self.score, policy, mini_batch, parts, self.cfg, *denominators, sums)
+
+
+# ------------------------------------------------------------------------------------- 5. the step
 class StepGuard:
     """Takes the optimizer step unless the update is not finite; counts consecutive skipped steps."""
 

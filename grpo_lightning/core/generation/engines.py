@@ -9,7 +9,8 @@
   -> the engine -> the `Rollout` and its decoded completions. Training, validation and
   `evaluation.generate_answers` all sample through it.
 - `LogProbScorer`: the per-token log-probs (and entropies) of a rollout's completions under a model, each
-  group's prompt encoded once when the policy can share it, inside the root's FSDP hooks when sharded.
+  group's prompt encoded once when the policy can share it, inside the root's FSDP hooks when the caller
+  says how (sharded models: `io.distributed.call_in_root_forward`).
 
 No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one), a tokenizer and tensors.
 """
@@ -17,7 +18,7 @@ No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one), a 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,7 +34,6 @@ from grpo_lightning.core.generation.shared_prompt import (
     rows_share_prompts,
 )
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.io.distributed import call_in_root_forward
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
 
@@ -224,12 +224,16 @@ class LogProbScorer:
         share_prompt: encode each group's prompt once (`shared_prompt.group_completion_logprobs`) when the
             scored rows hold whole groups of one prompt.
         entropy_grad: let the gradient flow through the entropies (an entropy bonus in the loss).
+        in_root_forward: runs `(model, fn, *args)` as the model's forward; for a sharded model, so that the
+            root's FSDP hooks gather the embeddings and LM head (`io.distributed.call_in_root_forward`).
+            None calls `fn` directly.
     """
 
     num_generations: int
     temperature: float = 1.0
     share_prompt: bool = False
     entropy_grad: bool = False
+    in_root_forward: Callable | None = None
 
     def __call__(
         self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False
@@ -241,15 +245,12 @@ class LogProbScorer:
         else:
             inputs = (rollout.input_ids[rows], rollout.attention_mask[rows], rollout.completion_ids.size(1))
             scorer = completion_logprobs
-        return call_in_root_forward(  # sharded: the root's FSDP hooks gather the embeddings and LM head
-            model,
-            scorer,
-            model,
-            *inputs,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            entropy_grad=with_entropy and self.entropy_grad,
-        )
+        options = dict(with_entropy=with_entropy, entropy_grad=with_entropy and self.entropy_grad)
+        if self.in_root_forward is not None:
+            return self.in_root_forward(
+                model, scorer, model, *inputs, temperature=self.temperature, **options
+            )
+        return scorer(model, *inputs, temperature=self.temperature, **options)
 
 
 def warn_if_unteachable(

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 from transformers import TrainerState
 
-from grpo_lightning.core.rewards.verifiable import reward_name
+from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
+from grpo_lightning.core.types import Rollout
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Scores",
     "call_reward",
     "check_reward_weights",
+    "checked_reward_functions",
     "score_completions",
     "trainer_state",
 ]
@@ -89,6 +91,16 @@ class RewardInputs:
         }
         prompts = [p for p in batch["prompt"] for _ in range(k)]
         return cls(prompts, completions, completion_ids, columns, state)
+
+    @classmethod
+    def of_rollout(
+        cls, batch: dict[str, list], rollout: Rollout, completions: list[str], state: TrainerState
+    ) -> RewardInputs:
+        """`of_groups` for `rollout`'s completions of `batch`'s prompts, their token ids taken from the
+        rollout (end-of-sequence token included, padding left out)."""
+        rows = zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+        ids = [row[mask.bool()].tolist() for row, mask in rows]
+        return cls.of_groups(batch, completions, ids, state)
 
     @property
     def conversational(self) -> bool:
@@ -187,6 +199,21 @@ def check_reward_weights(weights: Sequence[object], reward_funcs: Sequence[Calla
                 f"model.reward_weights[{i}]={weight!r}, the weight of reward function {reward_name(fn)!r}: "
                 "must be a finite number"
             )
+
+
+def checked_reward_functions(
+    reward_funcs: Sequence[Callable] | None, reward_weights: Sequence[object] | None
+) -> tuple[list[Callable], list[float]]:
+    """The module's reward functions (default `[accuracy_reward, format_reward]`) and one weight each
+    (default 1.0), checked; `ValueError` naming the option otherwise."""
+    funcs = list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
+    check_reward_weights(weights, funcs)
+    return funcs, weights
 
 
 def _raised(fn: Callable, err: Exception, inputs: RewardInputs) -> RuntimeError:
