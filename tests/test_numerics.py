@@ -30,11 +30,17 @@ class Poisoned(GRPOModule):
         self.batches += 1
         return super().training_step(batch, batch_idx)
 
-    def logprobs(self, model, rollout, rows, with_entropy=False):
-        logprobs, entropies = super().logprobs(model, rollout, rows, with_entropy)
-        if self.batches in self.poisoned:
-            logprobs = logprobs * math.nan
-        return logprobs, entropies
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        score = self.update.score
+
+        def poisoned_score(model, rollout, rows, with_entropy=False):
+            logprobs, entropies = score(model, rollout, rows, with_entropy)
+            if self.batches in self.poisoned:
+                logprobs = logprobs * math.nan
+            return logprobs, entropies
+
+        self.update.score = poisoned_score
 
 
 class Snapshots(L.Callback):

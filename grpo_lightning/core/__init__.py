@@ -1,2 +1,2 @@
-"""The pure core: GRPO maths, rewards, sampling and scoring. No Lightning here, and nothing from
-`grpo_lightning.training`; from `grpo_lightning.io` only what imports no Lightning (`distributed`)."""
+"""The pure core: GRPO maths, rewards, sampling and scoring. No Lightning here, and nothing from the layers
+above (`grpo_lightning.io`, `grpo_lightning.training`): what it needs from them comes in as objects."""

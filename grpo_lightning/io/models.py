@@ -175,6 +175,18 @@ def check_loaded_model(
             )
 
 
+def tokenizer_for(
+    policy: str | PreTrainedModel, tokenizer: str | PreTrainedTokenizerBase | None, gguf_file: str | None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer a module trains `policy` with: `tokenizer` (an object, or where to load it from), else
+    the policy's own (from its hub id or folder), prepared (`prepare_tokenizer`)."""
+    if tokenizer is None and not isinstance(policy, str):
+        raise ValueError("pass a tokenizer along with an already-built policy model")
+    if tokenizer is None or isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer or policy, gguf_file)
+    return prepare_tokenizer(tokenizer)
+
+
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Left padding keeps every prompt's last token at the same position, which batched `generate` needs."""
     tokenizer.padding_side = "left"

@@ -42,9 +42,8 @@ from grpo_lightning.io.models import (
     ModelOptions,
     check_lora_choice,
     load_model,
-    load_tokenizer,
     prepare_models,
-    prepare_tokenizer,
+    tokenizer_for,
 )
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.monitoring import (
@@ -113,24 +112,17 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs", "val_reward"])
-        self.grpo = grpo
-        self.model_options = model_options
-        self.lora = lora
+        self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         if num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
-
         check_lora_choice(lora, model_options, grpo.sync_ref_model)
         self.policy_source = policy if isinstance(policy, str) else None
         self.policy: PreTrainedModel | None = None if isinstance(policy, str) else policy
-        if tokenizer is None and self.policy_source is None:
-            raise ValueError("pass a tokenizer along with an already-built policy model")
-        if tokenizer is None or isinstance(tokenizer, str):
-            tokenizer = load_tokenizer(tokenizer or self.policy_source, self.model_options.gguf_file)
-        self.tokenizer = prepare_tokenizer(tokenizer)
+        self.tokenizer = tokenizer_for(policy, tokenizer, model_options.gguf_file)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
@@ -145,11 +137,8 @@ class GRPOModule(L.LightningModule):
         self.group_buffer = GroupBuffer.for_config(grpo, self.reward_names)  # dynamic sampling's groups
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
-        self.reference_sync = (
-            ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
-            if grpo.sync_ref_model
-            else None
-        )
+        sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
+        self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
 
     # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
@@ -158,10 +147,9 @@ class GRPOModule(L.LightningModule):
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
             check_chat_template(self.tokenizer)
-        if stage != "fit":
-            return
-        per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
-        warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, per_batch)
+        if stage == "fit":
+            per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
+            warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, per_batch)
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -188,25 +176,22 @@ class GRPOModule(L.LightningModule):
         return self
 
     def configure_optimizers(self):
-        cfg = self.grpo
+        cfg, trainer = self.grpo, self.trainer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        steps = 0 if cfg.lr_scheduler_type == "constant" else self._optimizer_steps_in_fit()
+        steps = 0  # the run's optimizer steps: only a decaying schedule reads them
+        if cfg.lr_scheduler_type != "constant":
+            trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
+            per_batch = cfg.num_iterations * cfg.steps_per_generation
+            steps = optimizer_steps_in_fit(
+                trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, per_batch
+            )
         scheduler = build_scheduler(
             optimizer, cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
         )
         return [optimizer], [scheduler]
-
-    def _optimizer_steps_in_fit(self) -> int:
-        """The run's optimizer steps, the length of a decaying schedule (the training batches are loaded)."""
-        trainer, cfg = self.trainer, self.grpo
-        trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
-        per_rollout = cfg.num_iterations * cfg.steps_per_generation
-        return optimizer_steps_in_fit(
-            trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, per_rollout
-        )
 
     def configure_callbacks(self) -> list[L.Callback]:
         # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the
@@ -358,8 +343,7 @@ class GRPOModule(L.LightningModule):
         self.validation.start(self.trainer.datamodule, self.device)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        state = self._trainer_state(batch_idx)
-        return self.validation.step(batch, dataloader_idx, self.rollouts, state)
+        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
 
     def on_validation_epoch_end(self) -> None:
         for key, value in self.validation.end().items():
