@@ -182,7 +182,8 @@ def build(
     trainer = L.Trainer(
         **trainer_args, logger=False, enable_checkpointing=False, callbacks=callbacks, default_root_dir=root
     )
-    module.trainer = trainer  # the evaluation before training decodes in the trainer's precision, as after
+    # The evaluation before training decodes in the trainer's precision, as the one after.
+    module.rollouts.place(trainer.strategy.root_device, trainer.precision)
     return trainer, module
 
 

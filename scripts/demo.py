@@ -76,8 +76,8 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
     cli = build_cli(cli_args, run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     # Before and after training the same rollout engine decodes, in the trainer's precision (under bf16-mixed
-    # the static path's bf16 copy): without a trainer the evaluation before would run in float32.
-    module.trainer = trainer
+    # the static path's bf16 copy): without it the evaluation before would run in float32.
+    module.rollouts.place(trainer.strategy.root_device, trainer.precision)
     budget = budget_of(trainer)
     data.setup("fit")
     if before is None:
