@@ -204,8 +204,11 @@ class GRPOModule(L.LightningModule):
         # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
         # files but before any weights load, instead of at the first step.
         datamodule = self.trainer.datamodule
-        if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
-            self.check_chat_template()
+        if isinstance(datamodule, PromptDataModule):
+            if datamodule.conversational:
+                self.check_chat_template()
+            rewards = self.reward_funcs if stage == "fit" else []
+            datamodule.check_columns(rewards, self.val_reward, validates=self.trainer.limit_val_batches != 0)
         if stage != "fit":
             return
         # ModelCheckpoint tests the global step after each training step, which adds this many at once.
