@@ -36,10 +36,16 @@ def run_folder(trainer: L.Trainer) -> str:
     return trainer.default_root_dir
 
 
+# Arguments of `Trainer.fit` itself, not of the run: left out, so that every subcommand takes the saved config.
+FIT_ARGUMENTS = ("ckpt_path", "weights_only")
+
+
 class SaveRunConfig(SaveConfigCallback):
     """Writes the run's whole config (every default filled in, the seed drawn, options taken from a resumed
     checkpoint) to `config.yaml` in `run_folder` when `fit` starts; nothing for `validate` or `export`, which
-    train nothing. A folder that already holds a config (a logger given a fixed version) is refused."""
+    train nothing. `fit`'s own `ckpt_path` and `weights_only` are left out: `validate`, `export`, `audit`
+    and `fit` all take the file. A folder that already holds a config (a logger given a fixed version) is
+    refused."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.already_saved:
@@ -53,7 +59,12 @@ class SaveRunConfig(SaveConfigCallback):
                     "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
                 )
             os.makedirs(folder, exist_ok=True)
-            self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
+            config = self.config.clone()
+            for key in FIT_ARGUMENTS:
+                config.pop(key, None)
+            self.parser.save(
+                config, path, skip_none=False, skip_check=True, overwrite=True, multifile=self.multifile
+            )
             rank_zero_info(
                 f"this run's config: {path} (cli.py validate --config {path} --ckpt_path <checkpoint>)"
             )
