@@ -36,7 +36,7 @@ def run_folder(trainer: L.Trainer) -> str:
     return trainer.default_root_dir
 
 
-# Arguments of `Trainer.fit` itself, not of the run: left out, so that every subcommand takes the saved config.
+# Arguments of `Trainer.fit` itself, not of the run: left out, so that every subcommand takes the saved file.
 FIT_ARGUMENTS = ("ckpt_path", "weights_only")
 
 
