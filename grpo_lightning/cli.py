@@ -157,22 +157,12 @@ _UNION_ERROR = re.compile(
 )
 
 
-# jsonargparse's report of a value outside a `Literal` option's choices.
-_CHOICE_ERROR = re.compile(
-    r'Parser key "(?P<key>[^"]+)": Expected a typing\.Literal\[(?P<choices>.*?)\]\. Got value: (?P<value>.*)$'
-)
-
-
 def plain_parser_error(message: str) -> str:
     """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
-    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`); a value outside an option's
-    choices as the options' own checks say it (`data.val_split='train': must be one of holdout, test`)."""
+    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
     message = " ".join(message.split())
     while match := _UNION_ERROR.match(message):
         message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'
-    if match := _CHOICE_ERROR.match(message):
-        choices = ", ".join(choice.strip().strip("'\"") for choice in match["choices"].split(","))
-        message = f"{match['key']}={match['value']!r}: must be one of {choices}"
     return message
 
 

@@ -16,7 +16,7 @@ import functools
 import random
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -107,7 +107,7 @@ class PromptDataModule(L.LightningDataModule):
         answer_field: str = "answer",
         batch_size: int = 4,
         val_size: int = 64,
-        val_split: Literal["holdout", "test"] = "holdout",
+        val_split: str = "holdout",
         val_batch_size: int = 16,
         train_size: int | None = None,
         seed: int = 0,
@@ -353,7 +353,7 @@ class GSM8KDataModule(PromptDataModule):
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         batch_size: int = 4,
         val_size: int = 64,
-        val_split: Literal["holdout", "test"] = "holdout",
+        val_split: str = "holdout",
         val_batch_size: int = 16,
         train_size: int | None = None,
         arithmetic_size: int = 2000,

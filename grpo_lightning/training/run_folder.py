@@ -52,12 +52,13 @@ class SaveRunConfig(SaveConfigCallback):
             return
         folder = run_folder(trainer)
         path = os.path.join(folder, self.config_filename)
+        taken = trainer.is_global_zero and os.path.exists(path) and not self.overwrite
+        if trainer.strategy.broadcast(taken):  # every rank stops, not rank 0 alone
+            raise ValueError(
+                f"{path} exists: that folder holds another run's config (a logger with a fixed version, "
+                "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
+            )
         if trainer.is_global_zero:
-            if os.path.exists(path) and not self.overwrite:
-                raise ValueError(
-                    f"{path} exists: that folder holds another run's config (a logger with a fixed version, "
-                    "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
-                )
             os.makedirs(folder, exist_ok=True)
             config = self.config.clone()
             for key in FIT_ARGUMENTS:
