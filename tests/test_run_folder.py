@@ -95,6 +95,16 @@ def test_fit_saves_its_whole_config_beside_its_logs_and_checkpoints(cli_run):
     )  # version_0/{config.yaml, checkpoints/}
 
 
+def test_a_folder_holding_another_runs_config_is_refused_before_training(cli_run, capsys):
+    root, config, saved, ckpt = cli_run
+    before = saved.read_text()
+    with pytest.raises(SystemExit) as exit_info:  # the logger's version fixed to the first run's
+        main(["fit", "--config", str(config), "--trainer.logger.init_args.version=version_0"])
+    assert exit_info.value.code == 2
+    assert f"error: {saved} exists: that folder holds another run's config" in capsys.readouterr().err
+    assert saved.read_text() == before and glob.glob(str(saved.parent / "checkpoints" / "*.ckpt")) == [ckpt]
+
+
 def test_validate_and_export_take_the_saved_config_and_a_checkpoint_alone(cli_run, capsys):
     root, _, saved, ckpt = cli_run
     cli = build_cli(["validate", "--config", str(saved), "--ckpt_path", ckpt])
