@@ -28,6 +28,8 @@ from grpo_lightning.io.models import LoraOptions, ModelOptions
 
 __all__ = [
     "AtomicCheckpointIO",
+    "as_options",
+    "comparable_hparams",
     "import_object",
     "import_path",
     "portable_hparams",
