@@ -33,7 +33,7 @@ class GRPOConfig:
     """Options of the GRPO algorithm (defaults follow TRL's `GRPOConfig` where both have the option).
 
     Each option is documented under its declaration (`--help` and `--print_config` show it) and checked
-    when the config is built, against its rule in `GRPO_RULES`.
+    when the config is built, against its annotation (type, `Literal` choices, `Range`).
     """
 
     # -------------------------------------------------------------------------------------------- sampling

@@ -10,8 +10,10 @@ registry's keys, and looking up a value it lacks names the argument and its choi
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -120,8 +122,13 @@ def _is_kind(value: object, kind: type) -> bool:
 
 @cache
 def declared_rule(owner: Callable | type, option: str) -> Rule:
-    """The `Rule` of a dataclass's field, or of a function's argument, from its annotation."""
-    return rule_of(typing.get_type_hints(owner, include_extras=True)[option])
+    """The `Rule` of a dataclass's field, or of a function's argument, from its annotation. A postponed
+    annotation (a string) is evaluated in the owner's module, this one alone: another argument's may name a
+    type imported only for type checkers."""
+    annotation = inspect.get_annotations(owner)[option]
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(sys.modules[owner.__module__]))  # as typing.get_type_hints does
+    return rule_of(annotation)
 
 
 def option_error(options: object | str, option: str, value: object, rule: str) -> ValueError:

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
+from grpo_lightning.core.algorithm.update import OneProcess
+
 
 def is_sharded(model: nn.Module) -> bool:
     """True once `shard_model` has been applied to `model` (FSDP2 changes its class)."""
@@ -162,6 +164,19 @@ def gather_per_rank(state: Any) -> list:
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, state)
     return gathered
+
+
+def offloaded_to_cpu(*models: nn.Module | None) -> None:
+    """Move the CPU-offloaded shards of FSDP2 `models` back to the CPU after the strategy moved every weight
+    to the device (FSDP2 refuses offloaded shards anywhere else)."""
+    for model in models:
+        if model is not None:
+            model.to("cpu")
+
+
+def ranks_of(strategy: Any) -> StrategyRanks | OneProcess:
+    """The update's `Ranks` under a Lightning strategy: `OneProcess` for one process (nothing to ask)."""
+    return StrategyRanks(strategy) if strategy.world_size > 1 else OneProcess()
 
 
 class StrategyRanks:

@@ -175,16 +175,24 @@ def check_loaded_model(
             )
 
 
-def tokenizer_for(
+def policy_and_tokenizer(
     policy: str | PreTrainedModel, tokenizer: str | PreTrainedTokenizerBase | None, gguf_file: str | None
-) -> PreTrainedTokenizerBase:
-    """The tokenizer a module trains `policy` with: `tokenizer` (an object, or where to load it from), else
-    the policy's own (from its hub id or folder), prepared (`prepare_tokenizer`)."""
-    if tokenizer is None and not isinstance(policy, str):
+) -> tuple[str | None, PreTrainedModel | None, PreTrainedTokenizerBase]:
+    """A module's `policy` argument as where it loads from (None for a model object) and the model object
+    (None until loaded), and the tokenizer it trains with: `tokenizer` (an object, or where to load it
+    from), else the policy's own, prepared (`prepare_tokenizer`)."""
+    if policy is None:
+        raise ValueError(
+            "policy is None: give a hub id, a model folder or a PreTrainedModel (the checkpoint of a "
+            "module built from a model object without a name_or_path cannot say where its policy came "
+            "from: load_from_checkpoint(ckpt, policy=...))"
+        )
+    source = policy if isinstance(policy, str) else None
+    if tokenizer is None and source is None:
         raise ValueError("pass a tokenizer along with an already-built policy model")
     if tokenizer is None or isinstance(tokenizer, str):
-        tokenizer = load_tokenizer(tokenizer or policy, gguf_file)
-    return prepare_tokenizer(tokenizer)
+        tokenizer = load_tokenizer(tokenizer or source, gguf_file)
+    return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

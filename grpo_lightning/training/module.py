@@ -15,13 +15,15 @@ from collections.abc import Callable
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
-from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
-from grpo_lightning.core.algorithm.update import MicroBatchSums, OneProcess, RolloutUpdate, StepGuard
+from grpo_lightning.core.algorithm.schedules import build_scheduler
+from grpo_lightning.core.algorithm.update import MicroBatchSums, RolloutUpdate, StepGuard
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import check_chat_template
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
@@ -29,21 +31,20 @@ from grpo_lightning.core.rewards.scoring import (
     RewardInputs,
     checked_reward_functions,
     score_completions,
-    trainer_state,
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import ScoredGroups, Trajectory
-from grpo_lightning.io.checkpoints import register_safe_globals
-from grpo_lightning.io.distributed import StrategyRanks, is_sharded, shard_models
+from grpo_lightning.io.checkpoints import as_options, portable_hparams, register_safe_globals, resolve_rewards
+from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
 from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
     check_lora_choice,
     load_model,
+    policy_and_tokenizer,
     prepare_models,
-    tokenizer_for,
 )
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.monitoring import (
@@ -55,6 +56,12 @@ from grpo_lightning.training.monitoring import (
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
+from grpo_lightning.training.trainer_options import (
+    check_after_validation,
+    map_trainer_options,
+    optimizer_steps_in_run,
+    trainer_state_of,
+)
 from grpo_lightning.training.training_state import (
     drop_reference,
     load_grpo_state,
@@ -111,7 +118,10 @@ class GRPOModule(L.LightningModule):
         val_reward: Callable | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs", "val_reward"])
+        grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
+        self.save_hyperparameters(ignore=["policy", "tokenizer"])
+        portable_hparams(self.hparams, policy, tokenizer)  # what load_from_checkpoint(ckpt) needs
+        reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # import paths: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
@@ -120,9 +130,9 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
         check_lora_choice(lora, model_options, grpo.sync_ref_model)
-        self.policy_source = policy if isinstance(policy, str) else None
-        self.policy: PreTrainedModel | None = None if isinstance(policy, str) else policy
-        self.tokenizer = tokenizer_for(policy, tokenizer, model_options.gguf_file)
+        self.policy_source, self.policy, self.tokenizer = policy_and_tokenizer(
+            policy, tokenizer, model_options.gguf_file
+        )
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
@@ -145,8 +155,11 @@ class GRPOModule(L.LightningModule):
         # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
         # files but before any weights load, instead of at the first step.
         datamodule = self.trainer.datamodule
-        if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
-            check_chat_template(self.tokenizer)
+        if isinstance(datamodule, PromptDataModule):
+            if datamodule.conversational:
+                check_chat_template(self.tokenizer)
+            rewards = self.reward_funcs if stage == "fit" else []
+            datamodule.check_columns(rewards, self.val_reward, validates=self.trainer.limit_val_batches != 0)
         if stage == "fit":
             per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
             warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, per_batch)
@@ -181,22 +194,20 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        steps = 0  # the run's optimizer steps: only a decaying schedule reads them
-        if cfg.lr_scheduler_type != "constant":
-            trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
-            per_batch = cfg.num_iterations * cfg.steps_per_generation
-            steps = optimizer_steps_in_fit(
-                trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, per_batch
-            )
-        scheduler = build_scheduler(
-            optimizer, cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio
-        )
-        return [optimizer], [scheduler]
+        per_batch = cfg.num_iterations * cfg.steps_per_generation
+        # The run's optimizer steps, which only a decaying schedule reads (they load the training data).
+        steps = optimizer_steps_in_run(trainer, per_batch) if cfg.lr_scheduler_type != "constant" else 0
+        schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
+        return [optimizer], [build_scheduler(optimizer, *schedule)]
 
     def configure_callbacks(self) -> list[L.Callback]:
-        # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the
-        # same type, so one that the Trainer's config already holds is kept as configured instead.
-        # The reward audit is part of the pre-flight block (RewardAuditCallback stays for other modules).
+        # Lightning calls this hook before it refuses the Trainer's clipping and accumulation options under
+        # manual optimisation: they become the module's own here, from Python as from the CLI.
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
+                rank_zero_info(line)
+        # GRPO's own monitors run by default (the reward audit is part of the pre-flight block); one of a type
+        # the Trainer's config already holds is kept as configured (Lightning would replace it).
         defaults = [CollapseMonitor(), InterruptCheckpoint()]
         if self.grpo.log_completions_every > 0:
             defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
@@ -230,17 +241,13 @@ class GRPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.on_validation_start()
-        strategy = self.trainer.strategy
-        ranks = StrategyRanks(strategy) if strategy.world_size > 1 else OneProcess()
+        ranks = ranks_of(self.trainer.strategy)
         self.update = RolloutUpdate(self.grpo, self.rollouts.scorer, ranks, self.tokenizer)
 
     def on_validation_start(self) -> None:  # also `trainer.validate` alone, before the first forward
-        # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
-        # offloaded shards on the CPU and refuses them anywhere else. No forward has run yet.
+        # ModelParallelStrategy moved every weight to the device after configure_model; no forward ran yet.
         if self.grpo.cpu_offload:
-            for model in (self.policy, self.reference):
-                if model is not None:
-                    model.to("cpu")
+            offloaded_to_cpu(self.policy, self.reference)
         self.rollouts.place(self.device, self.trainer.precision)
 
     def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -262,7 +269,8 @@ class GRPOModule(L.LightningModule):
         rollout, completions = self.rollouts.sample(batch["prompt"], cfg.num_generations)
         generate_seconds = time.perf_counter() - start
         self.rollouts.check(rollout, completions)
-        inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
+        state = trainer_state_of(self.trainer, batch_idx)  # as reward functions see it (TRL's)
+        inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
@@ -301,8 +309,7 @@ class GRPOModule(L.LightningModule):
         return stats["loss"]
 
     def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
-        """`num_iterations` passes over `trajectory`'s `steps_per_generation` mini-batches, an optimizer step
-        each: the last one's statistics and gradient norm."""
+        """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         for mini_batch, denominators in self.update.mini_batches(trajectory):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
@@ -312,18 +319,10 @@ class GRPOModule(L.LightningModule):
                 self.rollouts.weights_updated()
         return stats, grad_norm
 
-    def _trainer_state(self, batch_idx: int) -> TrainerState:
-        """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
-        trainer = self.trainer
-        batches = trainer.num_training_batches
-        epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
-        return trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
-
     def _optimizer_step(
         self, optimizer, mini_batch: Trajectory, denominators: tuple[Tensor, Tensor]
     ) -> tuple[dict[str, Tensor], Tensor | None]:
-        """One optimizer step on `mini_batch`, micro-batch by micro-batch: its statistics, and the gradient
-        norm if the step was taken (None when the step guard skipped it)."""
+        """One optimizer step on `mini_batch`: its statistics, the gradient norm of a step taken (or None)."""
         cfg = self.grpo
         optimizer.zero_grad()
         sums = MicroBatchSums()
@@ -343,7 +342,8 @@ class GRPOModule(L.LightningModule):
         self.validation.start(self.trainer.datamodule, self.device)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
+        state = trainer_state_of(self.trainer, batch_idx)
+        return self.validation.step(batch, dataloader_idx, self.rollouts, state)
 
     def on_validation_epoch_end(self) -> None:
         for key, value in self.validation.end().items():
