@@ -175,11 +175,11 @@ def check_loaded_model(
             )
 
 
-def policy_and_tokenizer(
-    policy: str | PreTrainedModel, tokenizer: str | PreTrainedTokenizerBase | None, gguf_file: str | None
+def policy_parts(
+    policy: str | PreTrainedModel, tokenizer: str | PreTrainedTokenizerBase | None, options: ModelOptions
 ) -> tuple[str | None, PreTrainedModel | None, PreTrainedTokenizerBase]:
-    """A module's `policy` argument as where it loads from (None for a model object) and the model object
-    (None until loaded), and the tokenizer it trains with: `tokenizer` (an object, or where to load it
+    """A module's `policy` argument in its parts: where it loads from (None for a model object), the model
+    object (None until loaded), and the tokenizer it trains with: `tokenizer` (an object, or where to load it
     from), else the policy's own, prepared (`prepare_tokenizer`)."""
     if policy is None:
         raise ValueError(
@@ -191,7 +191,7 @@ def policy_and_tokenizer(
     if tokenizer is None and source is None:
         raise ValueError("pass a tokenizer along with an already-built policy model")
     if tokenizer is None or isinstance(tokenizer, str):
-        tokenizer = load_tokenizer(tokenizer or source, gguf_file)
+        tokenizer = load_tokenizer(tokenizer or source, options.gguf_file)
     return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
 
 

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
@@ -26,11 +26,11 @@ from grpo_lightning.core.algorithm.schedules import build_scheduler
 from grpo_lightning.core.algorithm.update import MicroBatchSums, RolloutUpdate, StepGuard
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import check_chat_template
-from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import (
     RewardInputs,
     checked_reward_functions,
     score_completions,
+    trainer_state,
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
@@ -43,7 +43,7 @@ from grpo_lightning.io.models import (
     ModelOptions,
     check_lora_choice,
     load_model,
-    policy_and_tokenizer,
+    policy_parts,
     prepare_models,
 )
 from grpo_lightning.training.data import PromptDataModule
@@ -60,7 +60,6 @@ from grpo_lightning.training.trainer_options import (
     check_after_validation,
     map_trainer_options,
     optimizer_steps_in_run,
-    trainer_state_of,
 )
 from grpo_lightning.training.training_state import (
     drop_reference,
@@ -126,21 +125,17 @@ class GRPOModule(L.LightningModule):
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        if num_generations_eval < 1:
-            raise ValueError(f"num_generations_eval must be >= 1, got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
         check_lora_choice(lora, model_options, grpo.sync_ref_model)
-        self.policy_source, self.policy, self.tokenizer = policy_and_tokenizer(
-            policy, tokenizer, model_options.gguf_file
-        )
+        self.policy_source, self.policy, self.tokenizer = policy_parts(policy, tokenizer, model_options)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
         if self.policy is not None:
             self._prepare_models()
         self.val_reward = val_reward
-        self.val_accuracy = (GSM8KAccuracy if val_reward is None else RewardAccuracy)(k=num_generations_eval)
-        self.validation = ValidationScoring(num_generations_eval, val_reward, self.val_accuracy)
+        self.validation = ValidationScoring(num_generations_eval, val_reward)  # checks num_generations_eval
+        self.val_accuracy = self.validation.accuracy  # a submodule: it moves with the module
         self.automatic_optimization = False
         self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
@@ -269,7 +264,7 @@ class GRPOModule(L.LightningModule):
         rollout, completions = self.rollouts.sample(batch["prompt"], cfg.num_generations)
         generate_seconds = time.perf_counter() - start
         self.rollouts.check(rollout, completions)
-        state = trainer_state_of(self.trainer, batch_idx)  # as reward functions see it (TRL's)
+        state = self._trainer_state(batch_idx)
         inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
@@ -319,30 +314,34 @@ class GRPOModule(L.LightningModule):
                 self.rollouts.weights_updated()
         return stats, grad_norm
 
+    def _trainer_state(self, batch_idx: int) -> TrainerState:
+        """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
+        trainer = self.trainer
+        batches = trainer.num_training_batches
+        epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
+        return trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
+
     def _optimizer_step(
         self, optimizer, mini_batch: Trajectory, denominators: tuple[Tensor, Tensor]
     ) -> tuple[dict[str, Tensor], Tensor | None]:
         """One optimizer step on `mini_batch`: its statistics, the gradient norm of a step taken (or None)."""
-        cfg = self.grpo
         optimizer.zero_grad()
         sums = MicroBatchSums()
         for loss in self.update.losses(self.policy, mini_batch, denominators, sums):
             self.manual_backward(loss)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
             scaler.unscale_(optimizer.optimizer)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        taken = self.step_guard.step(optimizer, sums.loss, grad_norm, scaler is not None, self.global_step)
-        return sums.values, grad_norm if taken else None
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        step = (optimizer, sums.loss, params, self.grpo.max_grad_norm, scaler is not None, self.global_step)
+        return sums.values, self.step_guard.clip_and_step(*step)
 
     # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
         self.validation.start(self.trainer.datamodule, self.device)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        state = trainer_state_of(self.trainer, batch_idx)
+        state = self._trainer_state(batch_idx)
         return self.validation.step(batch, dataloader_idx, self.rollouts, state)
 
     def on_validation_epoch_end(self) -> None:

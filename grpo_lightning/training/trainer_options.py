@@ -13,8 +13,7 @@ the module's hook that Lightning calls before it checks these options):
   `grpo.max_grad_norm=c`. Clipping by value has no counterpart: refused, naming our option.
 
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
-options (`optimizer_steps_in_run`), and the reward functions see the Trainer as TRL's `trainer_state`
-(`trainer_state_of`).
+options (`optimizer_steps_in_run`).
 
 And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
 `check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
@@ -24,16 +23,12 @@ run that `max_steps` ends mid-epoch, before its first validation, would stop wit
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping
-from transformers import TrainerState
 
 from grpo_lightning.core.algorithm.schedules import optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import plain_options
-from grpo_lightning.core.rewards.scoring import trainer_state
 
 DEFAULT_MAX_GRAD_NORM = GRPOConfig.max_grad_norm
 VALIDATION_PREFIX = "val/"  # the metrics that only validation logs
@@ -112,11 +107,3 @@ def optimizer_steps_in_run(trainer: L.Trainer, steps_per_batch: int) -> int:
     return optimizer_steps_in_fit(
         trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, steps_per_batch
     )
-
-
-def trainer_state_of(trainer: L.Trainer, batch_idx: int) -> TrainerState:
-    """The Trainer as reward functions see it, TRL's `trainer_state`: optimizer steps so far, the fractional
-    epoch of batch `batch_idx`."""
-    batches = trainer.num_training_batches
-    epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
-    return trainer_state(trainer.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)

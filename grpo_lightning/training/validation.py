@@ -15,6 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from transformers import TrainerState
 
+from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.training.data import PromptDataModule
@@ -26,13 +27,16 @@ class ValidationScoring:
     """The validation of one `GRPOModule`.
 
     Args:
-        num_generations: samples per problem of the data module's own rows; 1 decodes greedily.
+        num_generations: samples per problem of the data module's own rows, >= 1; 1 decodes greedily.
         reward: the function that judges those rows' completions, or None for the numeric answer column.
-        accuracy: the metric of those rows (`GSM8KAccuracy` or `RewardAccuracy`, owned by the module).
     """
 
-    def __init__(self, num_generations: int, reward: Callable | None, accuracy: Metric) -> None:
-        self.num_generations, self.reward, self.accuracy = num_generations, reward, accuracy
+    def __init__(self, num_generations: int, reward: Callable | None) -> None:
+        if num_generations < 1:
+            raise ValueError(f"num_generations_eval must be >= 1, got {num_generations}")
+        self.num_generations, self.reward = num_generations, reward
+        # The metric of those rows; the module holds it too, so that it moves to the module's device.
+        self.accuracy: Metric = (GSM8KAccuracy if reward is None else RewardAccuracy)(k=num_generations)
         self.scores: list[SetScores] = []  # per validation loader, built as each validation starts
         self.answer_column = "answer"
         self.training_rng: dict | None = None  # the training stream's generators while validation runs

@@ -20,6 +20,7 @@ and the other processes (`Ranks`: sums, maxima and gathers; `OneProcess` alone).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -401,6 +402,20 @@ class StepGuard:
     def __init__(self, max_bad_steps: int) -> None:
         self.max_bad_steps = max_bad_steps
         self.bad_steps = 0  # consecutive non-finite steps, kept in checkpoints
+
+    def clip_and_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss: Tensor,
+        params: list[Tensor],
+        max_norm: float | None,
+        scaled: bool,
+        step: int,
+    ) -> Tensor | None:
+        """Clip the gradients of `params` to the global norm `max_norm` (None: measured, not clipped) and
+        `step`: the gradient norm of a step taken, None for a step skipped."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+        return grad_norm if self.step(optimizer, loss, grad_norm, scaled, step) else None
 
     def step(
         self, optimizer: torch.optim.Optimizer, loss: Tensor, grad_norm: Tensor, scaled: bool, step: int
