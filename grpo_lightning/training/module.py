@@ -64,12 +64,14 @@ from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
+from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.training_state import (
     drop_reference,
     load_grpo_state,
     reference_syncs_of,
     restore_reference,
     save_grpo_state,
+    warn_changed_data,
     warn_changed_options,
 )
 from grpo_lightning.training.validation import ValidationScoring
@@ -251,7 +253,7 @@ class GRPOModule(L.LightningModule):
         # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the
         # same type, so one that the Trainer's config already holds is kept as configured instead.
         # The reward audit is part of the pre-flight block (RewardAuditCallback stays for other modules).
-        defaults = [CollapseMonitor(), InterruptCheckpoint()]
+        defaults = [CollapseMonitor(), InterruptCheckpoint(), FitChecks()]
         if self.grpo.log_completions_every > 0:
             defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
         if self.grpo.preflight:
@@ -269,6 +271,9 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+            new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
+            warn_changed_data(checkpoint, self.trainer.datamodule, new_data)
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
         if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
@@ -453,6 +458,7 @@ class GRPOModule(L.LightningModule):
         each: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         sum_over_ranks = functools.partial(self.trainer.strategy.reduce, reduce_op="sum")
+        max_steps = self.trainer.max_steps  # -1: no limit
         for _ in range(self.grpo.num_iterations):
             for mini_batch in mini_batches(trajectory, self.grpo.steps_per_generation):
                 denominators = mini_batch_denominators(mini_batch, sum_over_ranks, self.trainer.world_size)
@@ -461,6 +467,8 @@ class GRPOModule(L.LightningModule):
                     self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                     scheduler.step()
                     self._weights_updated()
+                if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
+                    return stats, grad_norm
         return stats, grad_norm
 
     def reward_inputs(
