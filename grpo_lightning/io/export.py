@@ -175,10 +175,11 @@ def export_policy(
             always are.
     """
     guarded = {**(protected or {}), "the checkpoint exported": ckpt_path}
-    check_export_folder(out_dir, overwrite, guarded)
     if isinstance(source, PreTrainedModel | PeftModel):
         model = source
     else:
+        guarded |= sources_of(source, model_attr, tokenizer_attr)  # before the policy loads
+        check_export_folder(out_dir, overwrite, guarded)
         if getattr(source, model_attr, None) is None and hasattr(source, "configure_model"):
             source.configure_model()
         model = getattr(source, model_attr)
@@ -213,6 +214,16 @@ def loaded_from(model: object, tokenizer: object) -> dict[str, str | None]:
         "the folder the policy was loaded from": getattr(model, "name_or_path", None),
         "the folder the tokenizer was loaded from": getattr(tokenizer, "name_or_path", None),
     }
+
+
+def sources_of(module: object, model_attr: str, tokenizer_attr: str) -> dict[str, str | None]:
+    """`loaded_from` for a module's model and tokenizer; for a policy not loaded yet (`GRPOModule` loads in
+    `configure_model`), the folder it will be loaded from (`policy_source`)."""
+    model = getattr(module, model_attr, None)
+    sources = loaded_from(model, getattr(module, tokenizer_attr, None))
+    if model is None:
+        sources["the folder the policy was loaded from"] = getattr(module, "policy_source", None)
+    return sources
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -263,7 +274,7 @@ def check_export_folder(
     """
     guarded = {"the working directory": os.getcwd(), **(protected or {})}
     for what, path in guarded.items():
-        if path and os.path.exists(path) and _inside(path, out_dir):
+        if path and _inside(path, out_dir):  # also a path not made yet: a run's checkpoints to come
             where = "is" if _inside(out_dir, path) else "holds"
             raise ValueError(
                 f"export folder {out_dir!r} {where} {what} ({path}): an export replaces its folder whole; "
@@ -364,11 +375,7 @@ class ExportBestCallback(L.Callback):
 
     def _protected(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str | None]:
         """What the export folder must not be or hold: where the model came from and this run's files."""
-        model = getattr(pl_module, self.model_attr, None)
-        tokenizer = getattr(pl_module, self.tokenizer_attr, None)
-        protected = loaded_from(model, tokenizer)
-        if model is None:  # not loaded yet (GRPOModule loads in configure_model): where it will come from
-            protected["the folder the policy was loaded from"] = getattr(pl_module, "policy_source", None)
+        protected = sources_of(pl_module, self.model_attr, self.tokenizer_attr)
         protected["the checkpoint this run resumes from"] = trainer.ckpt_path
         protected["this run's logs"] = trainer.log_dir if trainer.loggers else None
         if not trainer.loggers:
