@@ -145,8 +145,9 @@ _UNION_ERROR = re.compile(
 
 
 def plain_parser_error(message: str) -> str:
-    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
-    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
+    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error;
+    a value no type takes as the key, the value and what it takes (`data.batch_size=two: expected an
+    integer`, `config_checks.plain_value_error`)."""
     message = " ".join(message.split())
     while match := _UNION_ERROR.match(message):
         message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'

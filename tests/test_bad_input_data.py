@@ -182,3 +182,28 @@ class TestDataFilesAsRead:
         )
         err = cli_error([*args, f"--data.source={source}"], capsys)
         assert f"error: {source}:2: field 'prompt', message 0 has role 'usr': a chat role is one of " in err
+
+
+@given(
+    key=st.text(st.characters(categories=["L", "N"]), min_size=1, max_size=8),
+    rows=st.lists(
+        st.fixed_dictionaries({"question": st.text(max_size=5), "answer": st.integers()}), min_size=2
+    ),
+    others=st.dictionaries(st.sampled_from(["version", "license"]), st.text(max_size=5), max_size=2),
+    pretty=st.booleans(),
+)
+def test_a_json_object_wrapping_the_rows_is_named_with_its_key(key, rows, others, pretty):
+    """`{"data": [rows...]}` (a common export): one line naming the key and how many objects it holds."""
+    document = {**{k: v for k, v in others.items() if k != key}, key: rows}
+    with pytest.raises(ValueError) as error:
+        read_text(json.dumps(document, indent=2 if pretty else None), "rows.json")
+    assert f"the whole file is one JSON object whose {key!r} holds a list of {len(rows)} objects" in str(
+        error.value
+    )
+    assert f"jq '.{key}'" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_one_row_file_with_a_chat_prompt_is_still_a_row():
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+    records, path = read_text(json.dumps({"prompt": chat, "answer": 5}) + "\n")
+    assert [row for _, row in records] == [{"prompt": chat, "answer": 5}]

@@ -8,15 +8,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import lightning as L
 import pytest
 import torch
-from hypothesis import given
+import yaml
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.config_checks import SECTIONS, check_config_files, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.scoring import (
     FLOAT32_MAX,
@@ -24,6 +27,7 @@ from grpo_lightning.core.rewards.scoring import (
     check_reward_weights,
     score_completions,
 )
+from grpo_lightning.demo.cpu_budget import CPUTimeBudget
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import cli_error, one_error_line
 from tests.test_bad_input_rewards import digit_count_reward, nan_reward
@@ -190,7 +194,7 @@ class TestOptionsTheLightningWay:
             ),
             (
                 ["--trainer.max_steps=abc"],
-                "Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc",
+                "error: trainer.max_steps=abc: expected an integer",
             ),
             (
                 ["--model.reward_weights=[.inf]"],
@@ -277,7 +281,129 @@ def test_the_cli_entry_point_prints_a_wrong_type_as_its_one_line(tiny_model_dir,
         [sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "error: Parser key \"data.batch_size\": Expected a <class 'int'>. Got value: two"
-    ), done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("error: data.batch_size=two: expected an integer"), (
+        done.stderr
+    )
     assert "usage:" not in done.stderr and "--help" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------------ noisy values
+@pytest.fixture(scope="module")
+def parser(tiny_model_dir):
+    """The CLI's parser (built once: building it is the slow part of a command), without a subcommand."""
+    return build_cli([f"--model.policy={tiny_model_dir}", "--trainer.logger=false"], run=False).parser
+
+
+# What YAML reads as text, not as a float (`.inf`, `1e999` are floats, which the options' rules refuse).
+NOT_FINITE = ["inf", "-inf", "nan", "NaN", "Infinity"]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    option=st.sampled_from(
+        ["model.grpo.learning_rate", "model.grpo.temperature", "model.grpo.max_grad_norm", "model.grpo.delta"]
+        + ["trainer.gradient_clip_val", "model.grpo.advantage_clip", "data.batch_size", "trainer.max_steps"]
+    ),
+    value=st.sampled_from(NOT_FINITE),
+)
+def test_inf_and_nan_typed_on_the_command_line_are_one_plain_line(
+    parser, tiny_model_dir, capsys, option, value
+):
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([f"--model.policy={tiny_model_dir}", f"--{option}={value}"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {option}={value}: expected ")
+    assert "<class" not in line and "Union" not in line and "Given value" not in line
+    integer = option in ("data.batch_size", "trainer.max_steps")
+    assert line.endswith("expected an integer") if integer else "a finite number" in line
+
+
+def test_a_bad_callback_value_is_the_callbacks_own_line(tiny_model_dir, tmp_path, capsys, no_weights):
+    budget = ["--trainer.callbacks+=grpo_lightning.demo.cpu_budget.CPUTimeBudget"]
+    err = cli_error(
+        fit_args(tiny_model_dir, str(tmp_path), 1, *budget, "--trainer.callbacks.max_cpu_seconds=-1"), capsys
+    )
+    assert one_error_line(err) == "error: CPUTimeBudget.max_cpu_seconds=-1.0: must be > 0 or None"
+
+
+@given(st.one_of(st.none(), st.floats(), st.integers(-3, 3), st.booleans(), st.text(max_size=3)))
+def test_the_budget_takes_exactly_a_finite_positive_number_or_none(value):
+    try:
+        CPUTimeBudget(max_wall_seconds=value)
+    except ValueError as err:
+        assert (
+            str(err)
+            == f"CPUTimeBudget.max_wall_seconds={value!r}: must be " + str(err).split(": must be ")[1]
+        )
+        assert not (value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0))
+    else:
+        assert value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0)
+
+
+YAML_VALUES = (
+    st.one_of(
+        st.integers(),
+        st.floats(allow_nan=False),
+        st.booleans(),
+        st.lists(st.integers(), max_size=2),
+        st.none(),
+    )
+    | st.text(max_size=3)
+    | st.dictionaries(st.sampled_from(["a", "b"]), st.integers(), max_size=1)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(section=st.sampled_from(sorted(SECTIONS)), value=YAML_VALUES)
+def test_a_yaml_section_of_the_wrong_type_is_named(section, value):
+    """A section (`model:`, `model.grpo:`, ...) that holds a number, a boolean or a list is named with the
+    file; a mapping, a string (a file holding the section, or a class path) or nothing passes on."""
+    config = {section[0]: value} if len(section) == 1 else {section[0]: {section[1]: value}}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "config.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        try:
+            check_config_files(["fit", "--config", path])
+        except ValueError as err:
+            assert str(err).startswith(f"config {path}: {'.'.join(section)} is ")
+            assert str(err).endswith(f"it must be a section, a mapping of {SECTIONS[section]}")
+            assert not isinstance(value, dict | str | None)
+        else:
+            assert isinstance(value, dict | str | None)
+
+
+def test_a_section_of_the_wrong_type_is_one_line_not_a_traceback(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  grpo: 3\n")  # jsonargparse took it, then failed with a TypeError traceback
+    err = cli_error([*fit_args(tiny_model_dir, str(tmp_path), 1), f"--config={path}"], capsys)
+    assert one_error_line(err) == (
+        f"error: config {path}: model.grpo is an integer (3): it must be a section, a mapping of GRPOConfig "
+        "options"
+    )
+    path.write_text("- model\n")
+    err = cli_error([*fit_args(tiny_model_dir, str(tmp_path), 1), f"--config={path}"], capsys)
+    assert "holds a list: a config is a mapping of sections (model:, data:, trainer:)" in one_error_line(err)
+
+
+def test_a_strategy_named_by_its_class_is_that_class(tiny_model_dir):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert (
+        strategy_class_path("ModelParallelStrategy")
+        == "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy"
+    )
+    assert strategy_class_path("ddp") is None and strategy_class_path("NoSuchStrategy") is None
+    # What the offload error advises, typed as it says: the class, not an unknown strategy name.
+    cli = build_cli(
+        [
+            f"--model.policy={tiny_model_dir}",
+            "--trainer.logger=false",
+            "--trainer.strategy=ModelParallelStrategy",
+        ],
+        run=False,
+    )
+    assert isinstance(cli.trainer.strategy, ModelParallelStrategy)

@@ -93,8 +93,8 @@ def read_records(path: str) -> list[tuple[str, object]]:
         if key := _wrapping_key(document):
             raise ValueError(
                 f"{path}: the whole file is one JSON object whose {key!r} holds a list of "
-                f"{len(document[key])} objects: a data file holds the rows themselves, {ROW_SHAPE}; write "
-                f"that list alone to the file (e.g. jq '.{key}')"
+                f"{len(document[key])} objects, but a row must be {ROW_SHAPE}: write that list alone to the "
+                f"file (e.g. jq '.{key}')"
             )
         if sum(bool(line.strip()) for line in lines) > 1:  # one document over several lines: not rows
             raise ValueError(
