@@ -5,8 +5,8 @@
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
-  itself, so a `val/...` name it does not log is refused with the ones it does, and so is any other name
-  close to one of them (`val_accuracy`); a `val/...` monitor with validation turned off is warned about;
+  itself, so a `val/...` name it does not log is refused with the ones it does, and so is a name without a
+  namespace close to one of them (`val_accuracy`); a `val/...` monitor with validation off is warned about;
 - the run's length: a decaying learning-rate schedule needs `trainer.max_steps` or `max_epochs`; a
   `max_steps` that is not a multiple of the optimizer steps a training step makes is warned about (the
   module stops at `max_steps`, part-way through the last rollout's mini-batches).
@@ -85,7 +85,8 @@ def check_monitors(trainer: L.Trainer, logged: list[str]) -> None:
                     "logged and the callback never acts"
                 )
             continue
-        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.8)
+        # Another namespace (`gsm8k/`, `monitor/`, `train/`) is another logger's, or a reward's log_metric.
+        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.8) if "/" not in monitor else []
         if monitor.startswith("val/") or close:
             hint = f"did you mean {close[0]!r}? " if close else ""
             shown = [name for name in logged if name.startswith("val/")]
