@@ -85,9 +85,9 @@ def check_monitors(trainer: L.Trainer, logged: list[str]) -> None:
                     "logged and the callback never acts"
                 )
             continue
+        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.8)
         # Another namespace (`gsm8k/`, `monitor/`, `train/`) is another logger's, or a reward's log_metric.
-        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.8) if "/" not in monitor else []
-        if monitor.startswith("val/") or close:
+        if monitor.startswith("val/") or (close and "/" not in monitor):
             hint = f"did you mean {close[0]!r}? " if close else ""
             shown = [name for name in logged if name.startswith("val/")]
             raise ValueError(
