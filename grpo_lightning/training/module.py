@@ -66,12 +66,12 @@ from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.training_state import (
+    check_resumed_data,
     drop_reference,
     load_grpo_state,
     reference_syncs_of,
     restore_reference,
     save_grpo_state,
-    warn_changed_data,
     warn_changed_options,
 )
 from grpo_lightning.training.validation import ValidationScoring
@@ -273,7 +273,7 @@ class GRPOModule(L.LightningModule):
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
             new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
-            warn_changed_data(checkpoint, self.trainer.datamodule, new_data)
+            check_resumed_data(checkpoint, self.trainer.datamodule, new_data)
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
         if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump

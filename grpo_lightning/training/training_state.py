@@ -105,10 +105,10 @@ def listed_differences(changed: list[tuple[str, object, object]]) -> str:
     return "; ".join(f"{key}: checkpoint {theirs!r}, this run {ours!r}" for key, theirs, ours in changed)
 
 
-def warn_changed_data(checkpoint: dict, datamodule: object, new_data: bool) -> None:
-    """On resume from Python: name the data options that differ from the checkpoint's (`cli.py fit` refuses
-    them before anything loads). With `new_data` the checkpoint's position in its data is dropped, so that
-    this data module starts from its beginning."""
+def check_resumed_data(checkpoint: dict, datamodule: object, new_data: bool) -> None:
+    """On resume: with `new_data`, drop the checkpoint's position in its data, so that this data module starts
+    from its beginning; without, warn naming the data options that differ from the checkpoint's (from
+    Python: `cli.py fit` has refused them before anything loaded)."""
     hparams = getattr(datamodule, "hparams", None)
     if new_data:
         checkpoint.pop(type(datamodule).__qualname__, None)
