@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import normalize_number, reference_answer
 from grpo_lightning.io.rows import CHAT_ROLES, check_prompt, check_row, read_records
-from grpo_lightning.training.data import PromptDataModule
-from tests.helpers import cli_error, write_rows
+from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
+from tests.helpers import cli_error, one_error_line, write_rows
 from tests.test_interrupt import fit_args
 
 ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
@@ -35,10 +35,11 @@ ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": 
         ),
     ],
 )
-def test_bad_row_names_file_line_and_field(tiny_model_dir, tmp_path, capsys, no_weights, rows, message):
+def test_bad_row_names_file_line_and_field(tmp_path, rows, message):
     source = write_rows(tmp_path / "rows.jsonl", rows)
-    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={source}"), capsys)
-    assert f"error: {tmp_path}/{message}" in err
+    with pytest.raises(ValueError) as error:  # as the data module's setup, before any weights load
+        GSM8KDataModule(source=source, val_size=0).setup("fit")
+    assert str(error.value).startswith(f"{tmp_path}/{message}")
 
 
 def test_missing_and_non_utf8_data_files(tiny_model_dir, tmp_path, capsys, no_weights):
@@ -159,12 +160,20 @@ class TestDataFilesAsRead:
             ([[ROW], ROW], "rows.jsonl:1: holds an array [{"),
         ],
     )
-    def test_the_cli_names_file_and_line_before_weights_load(
-        self, tiny_model_dir, tmp_path, capsys, no_weights, rows, message
-    ):
+    def test_the_file_and_line_are_named(self, tmp_path, rows, message):
         source = write_rows(tmp_path / "rows.jsonl", rows)
+        with pytest.raises(ValueError) as error:
+            GSM8KDataModule(source=source, val_size=0).setup("fit")
+        assert str(error.value).startswith(f"{tmp_path}/{message}")
+
+    def test_the_cli_names_file_and_line_before_weights_load(
+        self, tiny_model_dir, tmp_path, capsys, no_weights
+    ):
+        source = write_rows(tmp_path / "rows.jsonl", [ROW, {**ROW, "answer": "#### four"}])
         err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={source}"), capsys)
-        assert f"error: {tmp_path}/{message}" in err
+        assert one_error_line(err).startswith(
+            f"error: {source}:2: field 'answer' ends in '#### four', which is"
+        )
 
     def test_trl_rows_with_numbers_as_answers_are_accepted_and_bad_roles_refused(
         self, tiny_model_dir, tmp_path, capsys, no_weights

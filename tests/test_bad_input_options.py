@@ -35,14 +35,12 @@ from tests.test_interrupt import REPO, fit_args
 
 
 # ------------------------------------------------------------------------------------------ options
+# Each rule is checked where the option is built (tests/test_config.py checks the rules); the command line
+# shows its one line before any weights load, as for these two (each command costs a parser build).
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ("--model.grpo.num_generations=1", "GRPOConfig.num_generations=1: must be >= 2"),
-        ("--model.grpo.epsilon=0", "GRPOConfig.epsilon=0.0: must be > 0"),
-        ("--model.grpo.beta=-0.1", "GRPOConfig.beta=-0.1: must be >= 0"),
         ("--model.grpo.loss_type=ppo", "GRPOConfig.loss_type='ppo': must be one of grpo, bnpo, dapo"),
-        ("--model.grpo.max_completion_length=0", "GRPOConfig.max_completion_length=0: must be > 0"),
         ("--model.policy=/no/such/model", "model path '/no/such/model' does not exist"),
     ],
 )
@@ -51,6 +49,21 @@ def test_bad_option_is_one_line_before_weights_load(
 ):
     err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
     assert f"error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_generations": 1}, "GRPOConfig.num_generations=1: must be >= 2"),
+        ({"epsilon": 0.0}, "GRPOConfig.epsilon=0.0: must be > 0"),
+        ({"beta": -0.1}, "GRPOConfig.beta=-0.1: must be >= 0"),
+        ({"max_completion_length": 0}, "GRPOConfig.max_completion_length=0: must be > 0"),
+    ],
+)
+def test_bad_option_names_itself_and_its_rule(options, message):
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(**options)
+    assert str(error.value).startswith(message)
 
 
 def test_dr_grpo_without_a_length(tiny_model_dir, tmp_path, capsys, no_weights):
@@ -95,22 +108,26 @@ def test_missing_chat_template_fails_before_weights_load_with_the_fix(
 
 # ------------------------------------------------------------------------------------------ data options
 @pytest.mark.parametrize(
-    ("option", "message"),
+    ("options", "message"),
     [
-        ("--data.val_size=-1", "data.val_size=-1: must be >= 0"),
-        ("--data.train_size=0", "data.train_size=0: must be >= 1"),
-        ("--data.batch_size=0", "data.batch_size=0: must be >= 1"),
-        ("--data.val_batch_size=-3", "data.val_batch_size=-3: must be >= 1"),
-        ("--data.arithmetic_size=0", "data.arithmetic_size=0: must be >= 1"),
-        ("--data.num_workers=-1", "data.num_workers=-1: must be >= 0"),
-        ("--data.val_split=train", "data.val_split='train': must be one of holdout, test"),
+        ({"val_size": -1}, "data.val_size=-1: must be >= 0"),
+        ({"train_size": 0}, "data.train_size=0: must be >= 1"),
+        ({"batch_size": 0}, "data.batch_size=0: must be >= 1"),
+        ({"val_batch_size": -3}, "data.val_batch_size=-3: must be >= 1"),
+        ({"arithmetic_size": 0}, "data.arithmetic_size=0: must be >= 1"),
+        ({"num_workers": -1}, "data.num_workers=-1: must be >= 0"),
+        ({"val_split": "train"}, "data.val_split='train': must be one of holdout, test"),
     ],
 )
-def test_bad_data_option_is_one_line_before_weights_load(
-    tiny_model_dir, tmp_path, capsys, no_weights, option, message
-):
-    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
-    assert f"error: {message}" in err
+def test_bad_data_option_names_itself_and_its_rule(options, message):
+    with pytest.raises(ValueError) as error:
+        GSM8KDataModule(source="arithmetic", **options).setup("fit")
+    assert str(error.value).startswith(message)
+
+
+def test_a_bad_data_option_is_one_line_before_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=0"), capsys)
+    assert one_error_line(err) == "error: data.batch_size=0: must be >= 1"
 
 
 @given(st.integers(-5, 5), st.one_of(st.none(), st.integers(-5, 5)))

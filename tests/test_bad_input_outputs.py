@@ -109,7 +109,8 @@ def test_overwrite_never_replaces_what_an_export_did_not_write(
     tiny_model_dir, an_export, tmp_path_factory, monkeypatch, kept, earlier_export, target, overwrite
 ):
     """Whatever a folder holds beside an earlier export (a model, a user's file, a checkpoint, a folder),
-    an export may replace only a path that does not exist yet, or the earlier export itself when asked."""
+    an export may replace only a path that does not exist yet (and is not the policy's), or the earlier
+    export itself when asked."""
     root = tmp_path_factory.mktemp("kept")
     make = {
         "a model": lambda: copy_model(tiny_model_dir, root / "model"),
@@ -132,7 +133,8 @@ def test_overwrite_never_replaces_what_an_export_did_not_write(
         accepted = False
     else:
         accepted = True
-    assert accepted == (not out.exists() or (target == "export" and overwrite))
+    # The policy's folder is refused even where it is not made yet (as a run's checkpoints to come are).
+    assert accepted == ((not out.exists() and target != "model") or (target == "export" and overwrite))
     assert files_of(root) == before
 
 
