@@ -4,8 +4,8 @@
     python scripts/demo.py --config configs/demo_arithmetic.yaml --seeds 3   # seeds 0, 1, 2 and the mean gain
 
 Everything else comes from the YAML (the same file `cli.py fit` takes; further `--key=value` arguments
-override it as they do there); the summary goes to `<default_root_dir>/summary.json`, or `summary-1.json`, ...
-where an earlier run's is (never over it), written after each seed so that a failing seed keeps the ones
+override it as they do there); the summary goes to `<default_root_dir>/summary.json` (`summary-1.json`, ...
+where an earlier run's is: never over it), written after each seed so that a failing seed keeps the ones
 before it. Accuracies are greedy
 on the data module's held-out rows, with their binomial standard errors; the standard error of a gain is
 paired over the problems (`grpo_lightning.demo.heldout`). The accuracy before training is measured
@@ -33,8 +33,9 @@ import torch  # noqa: E402
 
 from grpo_lightning.cli import build_cli  # noqa: E402
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.demo.curves import RewardHistory, write_curves  # noqa: E402
 from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
-from grpo_lightning.demo.outputs import run_script, unused_path, write_json  # noqa: E402
+from grpo_lightning.demo.outputs import run_script, unused_paths, write_json  # noqa: E402
 
 WRITER = "scripts/demo.py"  # the mark of its summaries
 
@@ -75,9 +76,9 @@ def budget_of(trainer) -> CPUTimeBudget:
     return trainer.callbacks[0]
 
 
-def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
-    """One fine-tuning run: its summary, the before-training results (measured if `before` is None) and
-    the run's root folder."""
+def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict]:
+    """One fine-tuning run: its summary, the before-training results (measured if `before` is None), the
+    run's root folder and its curves (`write_curves`)."""
     cli = build_cli(cli_args, run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     # Before and after training the same rollout engine decodes, in the trainer's precision (under bf16-mixed
@@ -88,6 +89,8 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
     if before is None:
         module.configure_model()
         before = evaluate(module, data, trainer.strategy.root_device)
+    history = RewardHistory()
+    trainer.callbacks.append(history)
     trainer.fit(module, data)
     after = evaluate(module, data, trainer.strategy.root_device)
     summary = {
@@ -113,7 +116,9 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
         "threads": torch.get_num_threads(),
         "eval_seconds": round(before["seconds"] + after["seconds"], 1),
     }
-    return summary, before, trainer.default_root_dir
+    accuracy = [(0, summary["accuracy_before"]), (trainer.global_step, summary["accuracy_after"])]
+    curve = {"seed": summary["seed"], "reward": history.reward, "accuracy": accuracy}
+    return summary, before, trainer.default_root_dir, curve
 
 
 def describe(s: dict) -> str:
@@ -134,15 +139,17 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     seeds = [None] if args.seeds is None else list(range(args.seeds))
-    runs, before, path = [], None, None
+    runs, curves, before, paths = [], [], None, None
     for seed in seeds:
         seed_args = [] if seed is None else [f"--seed_everything={seed}"]
-        summary, before, root = run(cli_args + seed_args, before)
+        summary, before, root, curve = run(cli_args + seed_args, before)
         runs.append(summary)
+        curves.append(curve)
         print(describe(summary), flush=True)
-        path = path or unused_path(os.path.join(root, "summary.json"))  # never over an earlier run's
+        # Never over an earlier run's files: summary-1.json and curves-1.png beside summary.json, ...
+        paths = paths or unused_paths(root, ["summary.json", "curves.png", "curves.json"])
         result = summarize(runs, start)
-        write_json(path, result, WRITER)  # after each seed: a later one that fails keeps these
+        write_json(paths[0], result, WRITER)  # after each seed: a later one that fails keeps these
     if len(runs) > 1:
         gains = result["mean_gain_points"]
         print(
@@ -152,7 +159,13 @@ def main(argv: list[str]) -> None:
             f"{gains['min']:+.1f}..{gains['max']:+.1f})"
         )
     print(json.dumps(result, indent=2))
-    print(f"summary written to {path}; TensorBoard: tensorboard --logdir {root}")
+    print(f"summary written to {paths[0]}; TensorBoard: tensorboard --logdir {root}")
+    picture = write_curves(paths[1], curves)
+    if picture is None:
+        curves_json = paths[2]
+        print(f"curves written to {curves_json}; to draw them: pip install -e '.[plot]' and run again")
+    else:
+        print(f"reward and held-out accuracy over steps: {os.path.abspath(picture)}")
 
 
 def summarize(runs: list[dict], start: float) -> dict:

@@ -240,7 +240,8 @@ def test_two_runs_without_a_logger_keep_their_own_checkpoints(tiny_model_dir, tm
     folders = sorted(os.listdir(tmp_path / "checkpoints"))
     assert folders == ["version_0", "version_1"]
     for folder in folders:
-        assert os.listdir(tmp_path / "checkpoints" / folder) == ["epoch=0-step=1.ckpt"]
+        files = sorted(os.listdir(tmp_path / "checkpoints" / folder))
+        assert files == ["config.yaml", "epoch=0-step=1.ckpt"]
 
 
 def test_interrupted_checkpoint_goes_where_the_readme_says_and_never_over_a_file(tmp_path):

@@ -4,7 +4,8 @@ input as one `error:` line.
 - `claim_output`: the file a script will write, checked before any work: not a folder, not a path through
   a file; an existing file is refused unless `overwrite` is given, and then only when the script itself wrote
   it (its `written_by` mark), never a user's file.
-- `unused_path`: `summary.json`, else `summary-1.json`, `summary-2.json`, ...: the first name not taken.
+- `unused_paths`: `summary.json`, else `summary-1.json`, `summary-2.json`, ...: the first names not taken,
+  one number for all of a run's files.
 - `write_json`: the record with its mark, written whole (beside the target, then renamed over it).
 - `run_script`: a script's `main`, its bad input (the errors `cli.py` reports so: a bad option, file, row or
   reward function) printed as one `error:` line with exit status 2; `GRPO_DEBUG=1` shows the traceback.
@@ -62,14 +63,18 @@ def claim_output(path: str, option: str, writer: str, overwrite: bool = False) -
         )
 
 
-def unused_path(path: str) -> str:
-    """`path` if nothing is there, else the first free one of `<stem>-1<suffix>`, `<stem>-2<suffix>`, ..."""
-    stem, suffix = os.path.splitext(path)
-    candidate, n = path, 0
-    while os.path.exists(candidate):
+def unused_paths(folder: str, names: list[str]) -> list[str]:
+    """`names` in `folder` if none is there, else the first of `<stem>-1<suffix>`, `<stem>-2<suffix>`, ...
+    free for all of them: the files of one run keep one number."""
+
+    def numbered(name: str, n: int) -> str:
+        stem, suffix = os.path.splitext(name)
+        return os.path.join(folder, f"{stem}-{n}{suffix}" if n else name)
+
+    n = 0
+    while any(os.path.exists(numbered(name, n)) for name in names):
         n += 1
-        candidate = f"{stem}-{n}{suffix}"
-    return candidate
+    return [numbered(name, n) for name in names]
 
 
 def write_json(path: str, record: dict, writer: str) -> None:
