@@ -1,9 +1,8 @@
 """GRPOModule: the Lightning glue around sampling, rewards and the GRPO update.
 
-A training step, in order: the policy samples G completions per prompt (`self.rollouts`, `rollouts.py`), the
-reward functions score them (`core/rewards/scoring.py`), dynamic sampling may wait for more groups, the
-update (`self.update`, `core/algorithm/update.py`) builds the trajectory and hands over each micro-batch's
-loss, which this module backpropagates and steps, and the step's metrics are logged (`monitoring.py`).
+A training step: the policy samples G completions per prompt (`self.rollouts`), the reward functions score
+them, dynamic sampling may wait for more groups, the update (`self.update`, `core/algorithm/update.py`)
+builds the trajectory and hands over each micro-batch's loss, which this module backpropagates and steps.
 """
 
 from __future__ import annotations
@@ -56,12 +55,14 @@ from grpo_lightning.training.monitoring import (
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
+from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.trainer_options import (
     check_after_validation,
     map_trainer_options,
     optimizer_steps_in_run,
 )
 from grpo_lightning.training.training_state import (
+    check_resumed_data,
     drop_reference,
     load_grpo_state,
     reference_syncs_of,
@@ -145,7 +146,6 @@ class GRPOModule(L.LightningModule):
         sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
         self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
 
-    # ----------------------------------------------------------------------------------------- models
     def setup(self, stage: str) -> None:
         # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
         # files but before any weights load, instead of at the first step.
@@ -196,14 +196,13 @@ class GRPOModule(L.LightningModule):
         return [optimizer], [build_scheduler(optimizer, *schedule)]
 
     def configure_callbacks(self) -> list[L.Callback]:
-        # Lightning calls this hook before it refuses the Trainer's clipping and accumulation options under
-        # manual optimisation: they become the module's own here, from Python as from the CLI.
+        # Called before Lightning refuses the Trainer's clipping and accumulation under manual optimisation:
+        # they become the module's own here, from Python as from the CLI.
         if self.trainer.state.fn == TrainerFn.FITTING:
             for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
                 rank_zero_info(line)
-        # GRPO's own monitors run by default (the reward audit is part of the pre-flight block); one of a type
-        # the Trainer's config already holds is kept as configured (Lightning would replace it).
-        defaults = [CollapseMonitor(), InterruptCheckpoint()]
+        # GRPO's monitors (the reward audit in the pre-flight), unless the Trainer holds one of that type.
+        defaults = [CollapseMonitor(), InterruptCheckpoint(), FitChecks()]
         if self.grpo.log_completions_every > 0:
             defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
         if self.grpo.preflight:
@@ -221,6 +220,9 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+            new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
+            check_resumed_data(checkpoint, self.trainer.datamodule, new_data)
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
         if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
@@ -257,15 +259,13 @@ class GRPOModule(L.LightningModule):
         # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
         vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
 
-    # ----------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         cfg = self.grpo
         start = time.perf_counter()
         rollout, completions = self.rollouts.sample(batch["prompt"], cfg.num_generations)
         generate_seconds = time.perf_counter() - start
         self.rollouts.check(rollout, completions)
-        state = self._trainer_state(batch_idx)
-        inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
+        inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
@@ -306,12 +306,15 @@ class GRPOModule(L.LightningModule):
     def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
         """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        max_steps = self.trainer.max_steps  # -1: no limit
         for mini_batch, denominators in self.update.mini_batches(trajectory):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                 scheduler.step()
                 self.rollouts.weights_updated()
+            if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
+                break
         return stats, grad_norm
 
     def _trainer_state(self, batch_idx: int) -> TrainerState:
@@ -336,13 +339,11 @@ class GRPOModule(L.LightningModule):
         step = (optimizer, sums.loss, params, self.grpo.max_grad_norm, scaler is not None, self.global_step)
         return sums.values, self.step_guard.clip_and_step(*step)
 
-    # ----------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
         self.validation.start(self.trainer.datamodule, self.device)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        state = self._trainer_state(batch_idx)
-        return self.validation.step(batch, dataloader_idx, self.rollouts, state)
+        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
 
     def on_validation_epoch_end(self) -> None:
         for key, value in self.validation.end().items():
