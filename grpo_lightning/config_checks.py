@@ -77,7 +77,8 @@ _UNION = re.compile(
     r"Subtypes: \[(?P<types>.*?)\] Errors:(?P<errors>.*?)"
     r"(?: Given value type: .*? Given value: (?P<value>.*))?$"
 )
-_TYPE = re.compile(r"list\[[\w.]+\]|<class '[\w.]+'>")
+# A type of the Subtypes list: `list[str]`, `<class 'float'>`, or the base of `typing.Annotated[float, > 0]`.
+_TYPE = re.compile(r"list\[[\w.]+\]|<class '[\w.]+'>|(?<=Annotated\[)[\w.]+")
 # The errors jsonargparse writes of a type it tried; anything else is the class's own message.
 _GENERIC = ("Expected a ", "Not a valid subclass", "Does not validate", "a class path", "a dict with")
 _TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}

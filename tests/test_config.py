@@ -347,14 +347,26 @@ DATA_FREE_TEXT = {"config_name", "system_prompt", "question_field", "answer_fiel
 
 def option_tables(source: str) -> list[tuple[int, set[str]]]:
     """(line, the GRPOConfig options it names) of every module-level table (a dict display, bare or in a
-    call) in the Python `source` that names three or more of them."""
+    call) in the Python `source` that restates three or more options' own rules: a call (`Rule(...)`), a
+    type, or a tuple of constants (a choice set) for each. Tables of rules between options (whose entries
+    hold a test of the other options, a lambda) are what rule tables are for."""
     options = {f.name for f in fields(GRPOConfig)}
+
+    def restates(value: ast.expr) -> bool:
+        if isinstance(value, ast.Tuple | ast.List):
+            return all(isinstance(v, ast.Constant) for v in value.elts)
+        return isinstance(value, ast.Call | ast.Name)
+
     tables = []
     for statement in ast.parse(source).body:
         if isinstance(statement, ast.Assign | ast.AnnAssign) and statement.value is not None:
             for node in ast.walk(statement.value):
                 if isinstance(node, ast.Dict):
-                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant)} & options
+                    keys = {
+                        k.value
+                        for k, v in zip(node.keys, node.values, strict=True)
+                        if isinstance(k, ast.Constant) and k.value in options and restates(v)
+                    }
                     if len(keys) >= 3:
                         tables.append((statement.lineno, keys))
     return tables
@@ -366,6 +378,10 @@ def test_each_option_is_declared_in_one_place():
     from its annotation alone."""
     old_style = 'RULES = {"top_p": Rule(float), "top_k": Rule(int), "temperature": Rule(float)}\n'
     assert option_tables(old_style) == [(1, {"top_p", "top_k", "temperature"})]
+    across = (
+        'INERT = {"top_p": ("a", lambda c: c.x), "top_k": ("b", lambda c: c.y), "beta": ("c", lambda c: 1)}'
+    )
+    assert option_tables(across) == []  # a rule between options: allowed
     for path in sorted(PACKAGE.rglob("*.py")):
         tables = option_tables(path.read_text(encoding="utf-8"))
         assert tables == [], f"{path} restates GRPOConfig's options in a table"
