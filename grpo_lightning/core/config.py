@@ -107,6 +107,26 @@ class GRPOConfig:
     """
     importance_sampling_level: str = "token"
     """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
+    importance_sampling_correction: bool = False
+    """Correct for the rollout engine's sampler not being the policy the loss scores: weight each token's
+    policy term by min(pi_old / pi_sampler, importance_sampling_cap), detached (truncated importance
+    sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"; `grpo_lightning.core.algorithm.sampler_correction`). pi_sampler is the log-prob each token
+    was drawn with (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
+    update; with one optimizer step per rollout it costs nothing more. Where they are equal the loss and
+    gradients are unchanged. Every step logs the gap either way (`rollout/logp_gap_mean`, `_max`,
+    `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: the
+    rollout engines sample the scored policy itself (eager) or a copy that computes as the scorer does
+    (static), and the gaps measured on CPU are rounding (BENCHMARKS.md); turn it on where
+    `rollout/logp_gap_mean` says otherwise, or with top_p/top_k/min_completion_length, whose truncation
+    is a gap by design. TRL: `vllm_importance_sampling_correction` (on with vLLM) with
+    `vllm_importance_sampling_mode="token_truncate"`; verl: `algorithm.rollout_is` with
+    `rollout_is_level: token`, `rollout_is_mode: truncate`.
+    """
+    importance_sampling_cap: float = 2.0
+    """The truncation C of `importance_sampling_correction`'s weights; 2.0 as Yao et al. 2025 (TRL's
+    `vllm_importance_sampling_clip_max` defaults to 3.0, verl's `rollout_is_threshold` to 2.0).
+    """
     epsilon: float = 0.2
     """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
     epsilon_high: float | None = None
@@ -230,15 +250,20 @@ class GRPOConfig:
     """
     generation_backend: str = "auto"
     """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
-    (`core.rollout.EagerEngine`, the reference path). "static": `generate` with a static KV cache on an
-    inference copy of the policy in the compute dtype (bf16 under `bf16-mixed`, LoRA adapters merged into
-    it), overwritten in place after every optimizer step; on CUDA its decoding step is compiled once
-    (`torch.compile` with CUDA graphs, through transformers' `CompileConfig`), on CPU it runs uncompiled
-    (`grpo_lightning.core.generation.static_engine`). Same sampling (the tokens' distribution is the policy's,
-    tests/test_static_rollout.py); costs one more copy of the weights in the compute dtype, on every rank
-    under FSDP2, and a compile warm-up (tens of seconds) per batch shape. "auto": "static" on CUDA, "eager"
-    elsewhere. A model the static path cannot serve (sliding-window or linear-attention layers, a quantized
-    base, DoRA) falls back to "eager" with one warning.
+    (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
+    static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
+    weights in the compute dtype, LoRA adapters unmerged, embeddings and norms as the policy holds them,
+    under the trainer's autocast), refreshed in place once before each rollout after the weights changed;
+    on CUDA its decoding step is compiled once (`torch.compile` with CUDA graphs, through transformers'
+    `CompileConfig`), on CPU it runs uncompiled (`grpo_lightning.core.generation.static_engine`). Same
+    sampling (each drawn token's log-prob is the scorer's, tests/test_static_rollout.py); costs the copy
+    (on every rank under FSDP2, refreshed one unit at a time) and one KV cache for the largest batch, both
+    in the pre-flight's memory estimate, and a compile warm-up (tens of seconds) per batch shape. Logs
+    `rollout/tokens_per_second`, `rollout/ms_per_decoding_step` and what compiling did
+    (`rollout/recompiles`, `rollout/cudagraph_skips`, ...; a warning names the cause once if the fast path
+    degrades). "auto": "static" on CUDA, "eager" elsewhere. A model the static path cannot serve
+    (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
+    warning.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
@@ -304,6 +329,8 @@ GRPO_RULES = {
     "step_credit": Rule(float, ">= 0", why="it is subtracted from the advantage"),
     "loss_type": Rule(str, choices=LOSS_TYPES),
     "importance_sampling_level": Rule(str, choices=IMPORTANCE_SAMPLING_LEVELS),
+    "importance_sampling_correction": Rule(bool),
+    "importance_sampling_cap": Rule(float, ">= 1", why="a cap below 1 would shrink every on-policy token"),
     "epsilon": Rule(float, "> 0"),
     "epsilon_high": Rule(float, "> 0", none=True),
     "delta": Rule(float, "> 1", none=True),

@@ -77,6 +77,10 @@ from grpo_lightning.training.validation import ValidationScoring
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
 
+def _weights_loaded(module: GRPOModule, incompatible_keys) -> None:
+    module.rollouts.weights_changed()
+
+
 class GRPOModule(L.LightningModule):
     """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300) with verifiable rewards.
 
@@ -156,6 +160,8 @@ class GRPOModule(L.LightningModule):
             tokenizer = load_tokenizer(tokenizer or self.policy_source, self.model_options.gguf_file)
         self.tokenizer = prepare_tokenizer(tokenizer)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
+        # After any `load_state_dict` (Lightning restoring, or a user) rollouts sample the loaded weights.
+        self.register_load_state_dict_post_hook(_weights_loaded)
         self.reference: PreTrainedModel | None = None
         if self.policy is not None:
             self._prepare_models()
@@ -268,6 +274,7 @@ class GRPOModule(L.LightningModule):
             drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.rollouts.weights_changed()  # the loaded weights, not the copy's, are sampled next
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
@@ -283,6 +290,7 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
+        self.rollouts.weights_changed()  # whatever changed the policy since, the first rollout samples it
         # ModelParallelStrategy moved every weight to the device after configure_model; FSDP2 keeps
         # offloaded shards on the CPU and refuses them anywhere else. No forward has run yet.
         if self.grpo.cpu_offload:
@@ -364,7 +372,7 @@ class GRPOModule(L.LightningModule):
         return logprobs_in_micro_batches(self.logprobs, model, rollout, self.micro_batches(rollout))  # [B, T]
 
     def _weights_updated(self) -> None:
-        self.rollouts.weights_updated(self.policy)
+        self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
 
     # ----------------------------------------------------------------------------------------- training
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
@@ -392,7 +400,8 @@ class GRPOModule(L.LightningModule):
         trajectory = self._trajectory(scored, stats)
         stats, grad_norm = self._update(trajectory)
         step_seconds = time.perf_counter() - start
-        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
+        extra = {**scores.metrics, **self.rollouts.engine_metrics()}  # rewards' metrics, the engine's speed
+        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}}
         metrics = training_step_metrics(
             trajectory,
             stats,

@@ -1,6 +1,7 @@
 """The policy's rollouts for `GRPOModule`: its prompts encoded, completions sampled by the rollout engine of
 `grpo.generation_backend`, and per-token log-probs scored, with the decisions made once (whether groups
-share their prompt pass, which engine) and the engine told of every optimizer step.
+share their prompt pass, which engine) and the engine told when the weights change (it refreshes an
+inference copy once, before the next rollout).
 
 No Lightning here: the module passes its policy (which LoRA or loading may replace), device and precision.
 """
@@ -24,9 +25,9 @@ from grpo_lightning.core.generation.engines import (
 )
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.static_engine import StaticEngine, compute_dtype, resolve_backend
+from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, resolve_backend
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.io.distributed import gathered_for_generation
+from grpo_lightning.io.distributed import full_weights_by_unit, gathered_for_generation
 
 
 class PolicyRollouts:
@@ -72,9 +73,10 @@ class PolicyRollouts:
             return EagerEngine(settings)
         return StaticEngine(
             settings,
-            dtype=compute_dtype(precision) if precision is not None else None,
+            precision=copy_precision(precision),  # the copy computes as the scorer does
             compile=device.type == "cuda",
             max_prompt_tokens=cfg.max_prompt_length,
+            weights=full_weights_by_unit,  # sharded: one unit gathered at a time
         )
 
     @property
@@ -97,18 +99,21 @@ class PolicyRollouts:
         do_sample: bool,
         device: torch.device,
     ) -> tuple[Rollout, list[str]]:
-        """`num_generations` completions per prompt by `engine`, decoded."""
+        """`num_generations` completions per prompt by `engine`, decoded. Sharded, an engine with a copy of
+        its own refreshes it one unit at a time, and one on the live weights gets them gathered once for
+        the call, so that `generate` needs no collective (ranks may stop at different lengths)."""
+        engine.refresh(policy, device)  # a collective under FSDP2, where the copy is stale
         sampler = PromptSampler(self.prompt_encoder, engine)
-        # Sharded: full weights once, no collective per token; an engine with a copy of its own needs them
-        # only to build it.
         with gathered_for_generation(policy) if engine.reads_live_weights else nullcontext():
             return sampler.sample(policy, prompts, num_generations, do_sample=do_sample, device=device)
 
-    def weights_updated(self, policy: PreTrainedModel) -> None:
-        """After an optimizer step: the engine, if built, takes the new weights."""
-        engine = self.engine
-        if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
-            return
-        # An engine that reads the live weights has nothing to copy; another one copies them, whole.
-        with nullcontext() if engine.reads_live_weights else gathered_for_generation(policy):
-            engine.weights_updated(policy)
+    def weights_changed(self) -> None:
+        """After an optimizer step or a checkpoint load: the engine, if built, takes the new weights before
+        its next rollout (and only then: several optimizer steps per rollout refresh it once)."""
+        if self.engine is not None:
+            self.engine.weights_changed()
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's `rollout/...` metrics: its last call's speed, and for the static engine what
+        compiling did (`compile_watch.FastPathReport`) and how often the copy was refreshed."""
+        return {} if self.engine is None else {f"rollout/{k}": v for k, v in self.engine.metrics().items()}

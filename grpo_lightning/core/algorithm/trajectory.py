@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
@@ -56,7 +57,9 @@ def build_trajectory(
     """The trajectory of `scored`'s groups: loss mask, KL in the reward (verl's `use_kl_in_reward`, needs
     `old_logprobs` and `ref_logprobs`), group advantages (DeepSeekMath arXiv:2402.03300 sec. 4.1.2) and
     step credit (`credit.step_credit_penalties`, needs the `tokenizer`). `stats` are earlier metrics of the
-    step (dynamic sampling's), extended with those of the options used here."""
+    step (dynamic sampling's), extended with those of the options used here, and with `old_logprobs` and
+    the sampler's, the gap between them over the whole rollout (`sampler_correction.logprob_gap_stats`; one
+    update per rollout measures it in the loss instead, which then has the scorer's log-probs)."""
     rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
     stats = dict(stats or {})
     outcome = rewards  # [B]
@@ -73,9 +76,13 @@ def build_trajectory(
         )  # [B, T]
         token_advantages = advantages[:, None] + penalties  # [B, T]
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
+    mask = loss_mask(rollout, cfg.mask_truncated_completions)  # [B, T]
+    if old_logprobs is not None and rollout.sampler_logprobs is not None:
+        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
+        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, cap))
     return Trajectory(
         **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
-        loss_mask=loss_mask(rollout, cfg.mask_truncated_completions),
+        loss_mask=mask,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
         advantages=advantages,

@@ -3,7 +3,8 @@
 - `mini_batches`: the trajectories of one rollout's optimizer steps (`grpo.steps_per_generation`), and
   `mini_batch_denominators`, what each normalises its loss by.
 - `micro_batch_loss`: the GRPO loss (`loss.grpo_loss`) of some rows of a trajectory, with the whole
-  mini-batch's denominators, so that the micro-batch losses add up to the mini-batch's;
+  mini-batch's denominators, so that the micro-batch losses add up to the mini-batch's, and the
+  sampler/scorer gap of its tokens (truncated importance weights where asked, `sampler_correction`);
   `accumulate_gradients` runs the policy pass and backward micro-batch by micro-batch.
 - `MicroBatchSums`: the statistics of an update's micro-batches, weighted by their token share.
 - `StepGuard`: the optimizer step, skipped when the loss or the gradient is not finite (a run stops after
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from grpo_lightning.core.algorithm.batching import MicroBatch, Score, group_rows, shuffled_mini_batches
 from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Trajectory
 
@@ -58,13 +60,25 @@ def micro_batch_loss(
     total_sequences: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there,
-    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`)."""
+    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`). With the sampler's
+    log-probs, the statistics hold the gap to the scorer's, pi_old: the rollout-time log-probs, or with one
+    optimizer step per rollout the policy's own (the same weights), so the gap costs no extra pass; with
+    `importance_sampling_correction` the loss weights each token by `truncated_importance_weights`."""
     t = trajectory
-    return grpo_loss(
+    old_logprobs = None if t.old_logprobs is None else t.old_logprobs[rows]  # [b, T]
+    weights, gap = None, {}
+    if t.rollout.sampler_logprobs is not None:
+        scorer = old_logprobs if old_logprobs is not None else logprobs.detach()  # [b, T] pi_old
+        sampler = t.rollout.sampler_logprobs[rows]  # [b, T]
+        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
+        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], cap)
+        if cap is not None:
+            weights = truncated_importance_weights(scorer, sampler, cap)  # [b, T]
+    loss, stats = grpo_loss(
         logprobs,
         t.token_advantages[rows],
         t.loss_mask[rows],
-        old_logprobs=None if t.old_logprobs is None else t.old_logprobs[rows],
+        old_logprobs=old_logprobs,
         ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[rows],
         loss_type=cfg.loss_type,
         importance_sampling_level=cfg.importance_sampling_level,
@@ -78,7 +92,9 @@ def micro_batch_loss(
         entropy_coef=cfg.entropy_coef,
         total_tokens=total_tokens,
         total_sequences=total_sequences,
+        importance_weights=weights,
     )
+    return loss, {**stats, **gap}
 
 
 def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
@@ -118,10 +134,12 @@ class MicroBatchSums:
     """An update's loss and statistics over its micro-batches.
 
     The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add up, as does
-    `policy_loss`. The other statistics are micro-batch means, weighted by the micro-batch's token share.
+    `policy_loss`. Maxima take the largest; the other statistics are micro-batch means, weighted by the
+    micro-batch's token share.
     """
 
     ADDED = ("policy_loss",)
+    MAXED = ("rollout/logp_gap_max",)
 
     def __init__(self) -> None:
         self.values: dict[str, Tensor] = {}
@@ -129,9 +147,12 @@ class MicroBatchSums:
     def add(self, loss: Tensor, stats: dict[str, Tensor], token_share: Tensor) -> None:
         self.values["loss"] = self.values.get("loss", 0.0) + loss.detach()
         for key, value in stats.items():
-            self.values[key] = self.values.get(key, 0.0) + (
-                value if key in self.ADDED else value * token_share
-            )
+            if key in self.MAXED:
+                self.values[key] = torch.maximum(self.values[key], value) if key in self.values else value
+            else:
+                self.values[key] = self.values.get(key, 0.0) + (
+                    value if key in self.ADDED else value * token_share
+                )
 
     @property
     def loss(self) -> Tensor:
