@@ -11,6 +11,7 @@ two gloo ranks.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -377,6 +378,102 @@ def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
         eos_token_ids=list(s.eos_token_ids),
     )
     assert torch.equal(static.completion_ids, expected.completion_ids)
+
+
+class CheckedModule(GRPOModule):
+    """Checks, at every rollout, that the static engine's copy holds the policy's weights of that moment,
+    and counts the rollouts."""
+
+    rollouts_sampled = 0
+
+    def sample(self, prompts, num_generations, do_sample=True):
+        result = super().sample(prompts, num_generations, do_sample)
+        assert_copy_holds(self.rollout_engine, self.policy)
+        self.rollouts_sampled += 1
+        return result
+
+
+def test_copy_refreshes_once_per_rollout_with_two_steps_each(tiny_model_dir):
+    """`steps_per_generation` 2: two optimizer steps per rollout, one refresh per rollout (the first
+    fill included), each rollout sampling the weights of its moment."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        generation_backend="static",
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    module = CheckedModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=16, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, data)  # 3 rollouts x 2 optimizer steps
+    assert module.trainer.global_step == 6 and module.rollouts_sampled == 3
+    assert module.rollout_engine.refreshes == 3
+
+
+def test_a_checkpoint_load_is_sampled_next(tiny_model_dir):
+    """A module samples (its copy holds the initial weights), then loads trained weights: its next rollout
+    samples those, as eager decoding on them does."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=6,
+        generation_backend="static",
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    trained = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=2, limit_val_batches=0).fit(trained, data)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    module.configure_model()
+    prompts_ = ["12 + 7 =", "3 * 4 ="]
+    before = module.sample(prompts_, 1, do_sample=False)[0].completion_ids
+    module.load_state_dict(trained.state_dict())
+    after = module.sample(prompts_, 1, do_sample=False)[0]
+    assert_copy_holds(module.rollout_engine, module.policy)
+    ids, mask = module.encode_prompts(prompts_)
+    s = module.rollout_engine.settings
+    eager = eager_greedy(
+        module.policy,
+        ids,
+        mask,
+        G=1,
+        max_new_tokens=6,
+        pad_token_id=s.pad_token_id,
+        eos_token_ids=list(s.eos_token_ids),
+    )
+    assert torch.equal(after.completion_ids, eager.completion_ids)
+    assert not torch.equal(after.completion_ids, before), "the loaded weights write something else"
+
+
+def test_gsm8k_callback_samples_through_the_modules_engine(tiny_model_dir):
+    """The accuracy callback decodes a GRPOModule's policy with its rollout engine (here the static copy,
+    refreshed first): its greedy answers are the engine's, at the callback's own length."""
+    from grpo_lightning.io.rows import collate_rows
+    from grpo_lightning.training.evaluation import GSM8KAccuracyCallback, generate_answers
+    from tests.helpers import GSM8K_DIR
+
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
+    )
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    module.configure_model()
+    engine_ = module.rollout_engine
+    callback = GSM8KAccuracyCallback(source=GSM8K_DIR, split="holdout", num_problems=2, max_new_tokens=6)
+    callback.setup(None, module, "fit")
+    callback.evaluate(module)
+    assert engine_.copy is not None and engine_.refreshes == 1, "the callback built the copy and sampled"
+    batch = collate_rows(callback.data.val_rows, callback.data.hparams.system_prompt)
+    answers = functools.partial(generate_answers, module.policy, module.tokenizer, batch["prompt"])
+    through_engine = answers(max_new_tokens=6, engine=engine_)
+    assert through_engine == answers(max_new_tokens=6)  # float32: the copy is the policy, greedy agrees
+    assert through_engine != answers(max_new_tokens=4, engine=engine_), (
+        "the callback's length, not training's"
+    )
 
 
 # ----------------------------------------------------------------------------------------- FSDP2

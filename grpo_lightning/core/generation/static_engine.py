@@ -213,6 +213,16 @@ class InferenceCopy:
         }
         self.filled = False
         self.refreshes = 0  # times the policy's weights were written in
+        self._take_buffers(model, device)
+
+    def _take_buffers(self, model: PreTrainedModel, device: torch.device) -> None:
+        """The policy's buffers as it holds them (the rotary embedding's frequencies: a base cast with
+        `.to(torch.bfloat16)` has them in bf16, a fresh model in float32)."""
+        for name, buffer in hf_model(model).named_buffers():
+            module_name, _, attr = name.rpartition(".")
+            owner = self.model.get_submodule(module_name)
+            if attr in owner._buffers:
+                setattr(owner, attr, buffer.detach().to(device, copy=True))
 
     def take_dtypes(self, dtypes: Iterable[tuple[str, torch.dtype]]) -> None:
         """Give each tensor its dtype for the policy's weights arriving in `dtypes` (what the first fill
