@@ -11,6 +11,7 @@ two gloo ranks.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -126,6 +127,26 @@ def test_each_drawn_token_is_scored_as_it_was_drawn(precision, share_prompt, tol
         assert copy.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # autocast's matmuls
         assert copy.model.embed_tokens.weight.dtype == torch.float32  # float32 residual stream, as scored
         assert copy.model.norm.weight.dtype == torch.float32
+
+
+def test_copy_computes_as_the_autocast_scorer():
+    """Full fine-tuning under `bf16-mixed`: float32 master weights scored under bf16 autocast. On the same
+    tokens, in one pass, the copy's log-probs are the scorer's exactly; a copy with every weight in bf16
+    (norms and the residual stream in bf16 too) is not."""
+    model = tiny().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # logits of a few units, as a trained model's
+    ids = torch.randint(3, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
+
+    def scored(m) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return completion_logprobs(m, ids, torch.ones_like(ids), 12)[0]
+
+    rollouts = engine(precision=copy_precision("bf16-mixed"))
+    rollouts.refresh(model, torch.device("cpu"))
+    torch.testing.assert_close(scored(rollouts.copy.model), scored(model), rtol=0, atol=0)
+    all_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert (scored(all_bf16) - scored(model)).abs().max() > 1e-3
 
 
 def two_sample_chi_square(a: torch.Tensor, b: torch.Tensor, bins: int = 12) -> tuple[float, int]:

@@ -115,11 +115,12 @@ class GRPOConfig:
     was drawn with (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
     update; with one optimizer step per rollout it costs nothing more. Where they are equal the loss and
     gradients are unchanged. Every step logs the gap either way (`rollout/logp_gap_mean`, `_max`,
-    `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: the
-    rollout engines sample the scored policy itself (eager) or a copy that computes as the scorer does
-    (static), and the gaps measured on CPU are rounding (BENCHMARKS.md); turn it on where
-    `rollout/logp_gap_mean` says otherwise, or with top_p/top_k/min_completion_length, whose truncation
-    is a gap by design. TRL: `vllm_importance_sampling_correction` (on with vLLM) with
+    `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: measured
+    on CPU (BENCHMARKS.md), the gap is rounding, 3e-5 nats per token in float32, and under bf16-mixed
+    2-3e-2 for eager decoding and the static copy alike (decoding token by token rounds otherwise than
+    scoring the whole sequence), while what the correction does to learning is not measured yet. Turn it
+    on where `rollout/logp_gap_frac_above` is material, or with top_p/top_k/min_completion_length, whose
+    truncation is a gap by design. TRL: `vllm_importance_sampling_correction` (on with vLLM) with
     `vllm_importance_sampling_mode="token_truncate"`; verl: `algorithm.rollout_is` with
     `rollout_is_level: token`, `rollout_is_mode: truncate`.
     """

@@ -26,11 +26,15 @@ to happen once per run and keep holding, and reports when it does not (`compile_
   distribution it was drawn from (`Rollout.sampler_logprobs`), which the trainer compares with the loss's.
 
 The copy samples from the policy the loss scores, by construction: it holds each weight as the scorer
-computes with it and runs under the same autocast (`InferenceCopy`). Measured on CPU (BENCHMARKS.md): with
-LoRA the log-probs equal the scorer's exactly at every adapter size, where a copy with the adapters merged
-into bf16 weights lost up to half of an early update's effect; with full fine-tuning under `bf16-mixed`
-they equal the scorer's on the same tokens. What still differs is the decoding itself: attention over a
-KV cache one token at a time rounds in another order than the scorer's single pass, in the compute dtype.
+computes with it and runs under the same autocast (`InferenceCopy`), so on the same tokens, in one pass,
+its log-probs are the scorer's exactly, with full fine-tuning and with LoRA at every adapter size
+(tests/test_static_lora.py; a copy with the adapters merged into bf16 weights kept 0.4-0.5 of the
+scorer's log-prob change at B ~ 1e-4). A copy all in the compute dtype would differ where autocast keeps
+float32: the embeddings, so the residual stream, and the norms. What still differs is decoding itself: one
+token at a time over a KV cache rounds otherwise than one pass over the sequence in bf16 (and compiled
+kernels fuse in their own order). Measured on CPU (benchmarks/sampler_gap.py, BENCHMARKS.md) that leaves
+2-3e-2 nats per token under bf16-mixed, as for eager decoding under autocast, where an all-bf16 copy had
+5e-2; every training step logs it (`rollout/logp_gap_*`).
 No hand-written decoding loop: `generate` does the decoding. No Lightning here.
 """
 
@@ -279,6 +283,22 @@ def inference_copy_nbytes(
     return plan.nbytes()
 
 
+# dynamo's switch that makes the recompile limit an error, and the error (named "cache limit" before 2.7).
+_LIMIT_OPTION = next(
+    (
+        o
+        for o in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
+        if hasattr(torch._dynamo.config, o)
+    ),
+    None,
+)
+_LIMIT_ERROR = (
+    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)
+    or getattr(torch._dynamo.exc, "FailOnCacheLimitHit", None)
+    or ()
+)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -523,11 +543,12 @@ class StaticEngine(RolloutEngine):
             self.compile_failed = refusal
             return self._decode(twin, ids, mask, call, False, cache)
         shape = (cache.layers[0].keys.shape, self.caches.generation)
+        # Past the limit, dynamo would run the step uncompiled for good with one log line: fail instead.
+        fail_at_limit = {_LIMIT_OPTION: True} if _LIMIT_OPTION else {}
         try:
-            # Past the limit, dynamo would run the step uncompiled for good with one log line: fail instead.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), self.watch.call(shape):
+            with torch._dynamo.config.patch(**fail_at_limit), self.watch.call(shape):
                 return generate_completions(twin, ids, mask, compile_config=self._compile_config, **call)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except _LIMIT_ERROR:
             limit = torch._dynamo.config.recompile_limit
             self.compile_failed = f"dynamo's recompile limit ({limit}) was hit; decoding stays uncompiled"
             cache.reset()
