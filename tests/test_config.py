@@ -63,6 +63,8 @@ REFUSED = {
         "step_credit": below(0, inclusive=False),
         "loss_type": st.sampled_from(["ppo", "GRPO", "dapo ", None]),
         "importance_sampling_level": st.sampled_from(["tokens", "seq", None]),
+        "importance_sampling_correction": NOT_A_FLAG,
+        "importance_sampling_cap": below(1, inclusive=False) | NOT_A_NUMBER,
         "epsilon": below(0, inclusive=True) | NOT_A_NUMBER,
         "epsilon_high": below(0, inclusive=True),
         "delta": below(1, inclusive=True),

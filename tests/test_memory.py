@@ -94,7 +94,9 @@ def test_static_engine_estimate_equals_its_copy_and_caches(tiny_model_dir, tied)
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    grpo = GRPOConfig(num_generations=2, max_completion_length=4, generation_backend="static", preflight=False)
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
+    )
     module = GRPOModule(LlamaForCausalLM(config), tokenizer, grpo=grpo)
     rollouts = module.rollouts
     rollouts.engine = rollouts.build_engine(module.policy, torch.device("cpu"), "bf16-mixed")
@@ -177,7 +179,13 @@ def test_preflight_prints_the_estimate(tiny_model_dir):
 # ----------------------------------------------------------------------------- the configs' comments
 # Qwen2.5 shapes as the configs' comments state them (no download here). The largest FSDP2 unit of the 7B
 # is the root's own: its untied embedding and LM head (2 x 152064 x 3584) and final norm.
-QWEN_7B = {"parameters": 7.62e9, "layers": 28, "kv_heads": 4, "head_dim": 128, "root": 2 * 152064 * 3584 + 3584}
+QWEN_7B = {
+    "parameters": 7.62e9,
+    "layers": 28,
+    "kv_heads": 4,
+    "head_dim": 128,
+    "root": 2 * 152064 * 3584 + 3584,
+}
 QWEN_1_5B = {"parameters": 1.54e9, "layers": 28, "kv_heads": 2, "head_dim": 128, "root": 0}
 # LoRA r=16 on all linear layers of Qwen2.5-1.5B (hidden 1536, KV 256, MLP 8960), per layer:
 # r x (in + out) for q, o (1536 -> 1536), k, v (1536 -> 256), gate, up (1536 -> 8960), down (8960 -> 1536).

@@ -76,7 +76,7 @@ class RolloutEngine(Protocol):
         ...
 
     def weights_changed(self) -> None:
-        """`model`'s weights changed (an optimizer step, a checkpoint load): the next rollout samples from the
+        """The policy's weights changed (an optimizer step, a checkpoint load): the next rollout samples the
         new ones. Cheap: an engine with a copy of its own takes them in `refresh`, once."""
         ...
 

@@ -174,7 +174,7 @@ def generate_completions(
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
     sampler_logprobs = None
-    if do_sample:  # one draw per generated column, in order
+    if do_sample and len(drawn) >= completion_ids.size(1):  # one draw per generated column, in order
         drawn_columns = torch.stack(drawn[: completion_ids.size(1)], dim=1)  # [N*G, T]
         sampler_logprobs = drawn_columns.masked_fill(completion_mask == 0, 0.0)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, sampler_logprobs)
