@@ -318,6 +318,28 @@ def test_compiled_decoding_never_recompiles_after_warm_up(recwarn):
     assert rollouts.metrics()["eager_fallbacks"] == 2.0
 
 
+def test_fast_path_degradations_are_counted_and_warned_once(recwarn):
+    """What torch's counters say happened inside a decoding call: graphs compiled on a shape's first call
+    are its warm-up, on a later call recompiles; CUDA-graph skips and graph breaks count whenever. Each
+    cause is warned about once, by name."""
+    from torch._dynamo.utils import counters
+
+    from grpo_lightning.core.generation.compile_watch import CompileWatch
+
+    watch = CompileWatch()
+    for _ in range(3):  # one shape: a warm-up that compiles a graph, then two calls that compile again
+        with watch.call("rows=8"):
+            counters["stats"]["unique_graphs"] += 1
+    with watch.call("rows=16"):  # a new shape's warm-up
+        counters["stats"]["unique_graphs"] += 1
+        counters["inductor"]["cudagraph_skips"] += 1
+    report = watch.report
+    assert (report.graphs_compiled, report.recompiles, report.cudagraph_skips) == (4, 2, 1)
+    messages = [str(w.message) for w in recwarn if "fast path" in str(w.message)]
+    assert len(messages) == 2 and "recompiles=1" in messages[0] and "cudagraph_skips=1" in messages[1]
+    assert "TORCH_LOGS=recompiles" in messages[0]
+
+
 # ----------------------------------------------------------------------------------------- the module
 def sliding_window_model(vocab: int = VOCAB) -> torch.nn.Module:
     """A Qwen2 whose second layer attends over a sliding window of 4 tokens."""
