@@ -54,14 +54,14 @@ class InverseCDFSampler(LogitsProcessor):
         self.drawn_logprobs = drawn_logprobs
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        scores = scores.float()  # [B, V]
-        log_z = scores.logsumexp(dim=-1, keepdim=True)  # [B, 1]
-        cdf = (scores - log_z).exp().double().cumsum(dim=-1)  # [B, V] float64: p ~1e-8 keeps its share
+        probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
+        cdf = probs.double().cumsum(dim=-1)  # [B, V] float64: tokens of probability ~1e-8 keep their share
         u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [B, 1], [0, total)
         # right=True returns the first index whose cdf exceeds u, never a zero-probability token.
         tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.size(-1) - 1)  # [B, 1]
-        if self.drawn_logprobs is not None:
-            self.drawn_logprobs.append((scores.gather(-1, tokens) - log_z).squeeze(-1))  # [B]
+        if self.drawn_logprobs is not None:  # the draw's log-prob under the distribution it came from
+            log_z = scores.float().logsumexp(dim=-1, keepdim=True)  # [B, 1]
+            self.drawn_logprobs.append((scores.gather(-1, tokens).float() - log_z).squeeze(-1))  # [B]
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
 
