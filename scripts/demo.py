@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from grpo_lightning.cli import build_cli  # noqa: E402
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
+from grpo_lightning.demo.curves import RewardHistory, write_curves  # noqa: E402
 from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 
 
@@ -70,9 +71,9 @@ def budget_of(trainer) -> CPUTimeBudget:
     return trainer.callbacks[0]
 
 
-def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
-    """One fine-tuning run: its summary, the before-training results (measured if `before` is None) and
-    the run's root folder."""
+def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict]:
+    """One fine-tuning run: its summary, the before-training results (measured if `before` is None), the
+    run's root folder and its curves (`write_curves`)."""
     cli = build_cli(cli_args, run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     # Before and after training the same rollout engine decodes, in the trainer's precision (under bf16-mixed
@@ -83,6 +84,8 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
     if before is None:
         module.configure_model()
         before = evaluate(module, data, trainer.strategy.root_device)
+    history = RewardHistory()
+    trainer.callbacks.append(history)
     trainer.fit(module, data)
     after = evaluate(module, data, trainer.strategy.root_device)
     summary = {
@@ -108,7 +111,9 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str]:
         "threads": torch.get_num_threads(),
         "eval_seconds": round(before["seconds"] + after["seconds"], 1),
     }
-    return summary, before, trainer.default_root_dir
+    accuracy = [(0, summary["accuracy_before"]), (trainer.global_step, summary["accuracy_after"])]
+    curve = {"seed": summary["seed"], "reward": history.reward, "accuracy": accuracy}
+    return summary, before, trainer.default_root_dir, curve
 
 
 def describe(s: dict) -> str:
@@ -126,11 +131,12 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     seeds = [None] if args.seeds is None else list(range(args.seeds))
-    runs, before, root = [], None, None
+    runs, curves, before, root = [], [], None, None
     for seed in seeds:
         seed_args = [] if seed is None else [f"--seed_everything={seed}"]
-        summary, before, root = run(cli_args + seed_args, before)
+        summary, before, root, curve = run(cli_args + seed_args, before)
         runs.append(summary)
+        curves.append(curve)
         print(describe(summary), flush=True)
     result = runs[0] if len(runs) == 1 else {"runs": runs}
     if len(runs) > 1:
@@ -149,6 +155,12 @@ def main(argv: list[str]) -> None:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
     print(f"summary written to {path}; TensorBoard: tensorboard --logdir {root}")
+    picture = write_curves(os.path.join(root, "curves.png"), curves)
+    if picture is None:
+        curves_json = os.path.join(root, "curves.json")
+        print(f"curves written to {curves_json}; to draw them: pip install -e '.[plot]' and run again")
+    else:
+        print(f"reward and held-out accuracy over steps: {os.path.abspath(picture)}")
 
 
 if __name__ == "__main__":

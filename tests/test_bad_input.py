@@ -1056,7 +1056,8 @@ class TestOutputsThatOverwrite:
         folders = sorted(os.listdir(tmp_path / "checkpoints"))
         assert folders == ["version_0", "version_1"]
         for folder in folders:
-            assert os.listdir(tmp_path / "checkpoints" / folder) == ["epoch=0-step=1.ckpt"]
+            files = sorted(os.listdir(tmp_path / "checkpoints" / folder))
+            assert files == ["config.yaml", "epoch=0-step=1.ckpt"]
 
     def test_export_best_callback_refuses_a_non_empty_folder_before_training(self, tmp_path):
         out = tmp_path / "export"

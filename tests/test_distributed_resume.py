@@ -214,7 +214,8 @@ def test_ddp_resume_continues_every_rank_exactly(tiny_model_dir, tmp_path):
     saved = torch.load(os.path.join(dynamic, "stopped.ckpt"), weights_only=True)
     per_rank = saved["grpo_state"]["per_rank"]
     assert [own["group_buffer"]["rounds"] > 0 for own in per_rank] == [True, True], "groups waiting"
-    prompts = [{p[-1]["content"] for g in own["group_buffer"]["kept"] for p in g.prompts} for own in per_rank]
+    kept = [own["group_buffer"]["kept"] for own in per_rank]  # plain dicts, as weights_only reads them
+    prompts = [{p[-1]["content"] for g in groups for p in g["prompts"]} for groups in kept]
     assert not prompts[0] & prompts[1], "each rank's own waiting groups"
     runs = assert_resume_continues_the_straight_run(dynamic)
     assert runs["stopped"][0][-1]["waiting"] and not runs["resumed"][0][-1]["waiting"]

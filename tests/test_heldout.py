@@ -11,11 +11,13 @@ import statistics
 import time
 from unittest import mock
 
+import matplotlib.image
 import pytest
 import torch
 import yaml
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from grpo_lightning.demo import curves as curves_module
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget
 from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread
 from tests.helpers import quiet_trainer
@@ -139,6 +141,26 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     assert summary["mean_gain_points"]["mean"] == pytest.approx(sum(gains) / 2, abs=1e-9)
     for r in runs:
         assert r["gain"] == pytest.approx(r["accuracy_after"] - r["accuracy_before"], abs=1e-12)
+    check_curves(tmp_path, runs)
+
+
+def check_curves(folder, runs: list[dict]) -> None:
+    """The demo's picture: the numbers beside it are each seed's logged rewards and held-out accuracies, and
+    the PNG, read back, is the figure's size with both panels' lines drawn."""
+    curves = json.loads((folder / "curves.json").read_text())["runs"]
+    assert [c["seed"] for c in curves] == [r["seed"] for r in runs]
+    for curve, run in zip(curves, runs, strict=True):
+        ((step, reward),) = curve["reward"]  # one rollout, whose 2 optimizer steps end at step 2
+        assert step == 2 and 0.0 <= reward <= 2.0  # accuracy + format rewards
+        assert curve["accuracy"] == [[0, run["accuracy_before"]], [2, run["accuracy_after"]]]
+    image = matplotlib.image.imread(folder / "curves.png")  # [H, W, RGBA] in 0..1
+    inches, dpi = curves_module.FIGURE_INCHES, curves_module.DPI
+    assert image.shape[:2] == (int(inches[1] * dpi), int(inches[0] * dpi))
+    top, bottom = image[: image.shape[0] // 2, :, :3], image[image.shape[0] // 2 :, :, :3]
+    blue = top[..., 2] - top[..., 0] > 0.2  # the reward's points and legend, any seed's shade
+    red = bottom[..., 0] - bottom[..., 2] > 0.2  # the accuracy lines from step 0 to step 2
+    assert blue.sum() > 30 and not (bottom[..., 2] - bottom[..., 0] > 0.2).any()
+    assert red.sum() > 300 and not (top[..., 0] - top[..., 2] > 0.2).any()
 
 
 def load_script(name: str, path: str):

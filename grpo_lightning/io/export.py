@@ -214,6 +214,9 @@ def _write_folder(out_dir: str, write: Callable[[str], object]) -> None:
     parent, name = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # a folder as `mkdir` makes it (0755), not mkdtemp's private 0700
     try:
         write(staging)
     except BaseException:

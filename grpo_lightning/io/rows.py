@@ -1,5 +1,10 @@
-"""Data rows: reading data files, checking each row (errors name the file and line, or the data set, split
+"""Data rows: reading data sets, checking each row (errors name the file and line, or the data set, split
 and row, and the field at fault), and building the prompts of a batch.
+
+Rows come from whatever `datasets` holds or reads: a `datasets.Dataset` or `DatasetDict` object, a folder
+written by `save_to_disk`, a folder of `<split>.<type>` files, one file, or a hub data set. JSON and JSON
+lines files (compressed or not) are read here, so that an error names the file and line; CSV, TSV, Arrow,
+Parquet and the rest go through `datasets.load_dataset` and are named by row.
 
 No Lightning here: the data modules (`grpo_lightning/training/data.py`) and the validation sets read rows
 through these functions.
@@ -7,28 +12,57 @@ through these functions.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import math
 import os
+from typing import Any
 
 from grpo_lightning.core.rewards.verifiable import reference_answer
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."
 )
-DATA_FILE_TYPES = (".jsonl", ".json", ".parquet")
+JSON_TYPES = (".jsonl", ".json")
+# The `datasets.load_dataset` builder of each table type, with its options.
+TABLE_TYPES = {
+    ".parquet": ("parquet", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".arrow": ("arrow", {}),
+}
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # read by extension, as `datasets` does
+DATA_FILE_TYPES = tuple(
+    kind + compression for kind in (*JSON_TYPES, *TABLE_TYPES) for compression in ("", *COMPRESSIONS)
+)
 
 Row = dict[str, object]
+
+
+def _file_type(path: str) -> tuple[str, str]:
+    """(type, compression) by the file's extensions: ("jsonl", ".gz") for `train.jsonl.gz`."""
+    stem, compression = os.path.splitext(path)
+    if compression not in COMPRESSIONS:
+        stem, compression = path, ""
+    return os.path.splitext(stem)[1], compression
 
 
 def _read_lines(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
+    opener = COMPRESSIONS.get(_file_type(path)[1])
     try:
-        with open(path, encoding="utf-8") as f:
+        if opener is None:
+            with open(path, encoding="utf-8") as f:
+                return f.readlines()
+        with opener(path, "rt", encoding="utf-8") as f:
             return f.readlines()
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    except (OSError, EOFError, lzma.LZMAError) as err:  # a file that is not what its extension says
+        raise ValueError(f"{path}: cannot decompress it ({err})") from None
 
 
 # What a row is, in a data file's own terms, for messages about one that is something else.
@@ -51,19 +85,14 @@ def _rows_of(records: list[tuple[str, object]]) -> list[tuple[str, object]]:
 
 
 def read_records(path: str) -> list[tuple[str, object]]:
-    """The raw rows of a `.jsonl`, `.json` (an array of objects, or JSON lines) or `.parquet` file, each with
-    where it comes from (`file:line`, `file[i]` or `file row i`) for error messages. Valid JSON of another
-    shape (a line holding an array, one object spread over lines) is named as what it is, never as invalid."""
-    if path.endswith(".parquet"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data file {path!r} does not exist")
-        import pyarrow.parquet  # comes with `datasets`; only parquet files need it
-
-        try:
-            table = pyarrow.parquet.read_table(path)
-        except Exception as err:  # pyarrow raises its own types for a file that is not parquet
-            raise ValueError(f"{path}: not a readable parquet file ({err})") from None
-        return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    """The raw rows of a data file, each with where it comes from for error messages: `file:line` or
+    `file[i]` for `.jsonl` / `.json` (an array of objects, or JSON lines; also compressed, `.jsonl.gz`), `file
+    row i` for the table types (`.parquet`, `.csv`, `.tsv`, `.arrow`, read by `datasets.load_dataset`).
+    Valid JSON of another shape (a line holding an array, one object spread over lines) is named as what it
+    is, never as invalid."""
+    kind, compression = _file_type(path)
+    if kind in TABLE_TYPES:
+        return _table_records(path, *TABLE_TYPES[kind])
     lines = _read_lines(path)
     whole_error = None
     try:
@@ -210,20 +239,86 @@ def collate_rows(rows: list[Row], system_prompt: str | None) -> dict[str, list]:
     return batch
 
 
-def read_split_records(source: str, config_name: str | None, split: str) -> list[tuple[str, object]]:
-    """Raw rows of a split of `source` (a folder of `<split>` files, one file, or a hub data set) with
-    where each comes from; hub failures say what to do offline."""
+def _table_records(path: str, builder: str, options: dict) -> list[tuple[str, object]]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    import datasets  # only the table types need it
+
+    try:
+        table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+    except Exception as err:  # pyarrow and datasets raise their own types for a file of another kind
+        raise ValueError(f"{path}: not a readable {builder} file ({type(err).__name__}: {err})") from None
+    return [(f"{path} row {i}", row) for i, row in enumerate(table)]
+
+
+def is_dataset(source: object) -> bool:
+    """Whether `source` is a `datasets.Dataset` or `DatasetDict` object (checked without importing
+    `datasets` for a path)."""
+    if isinstance(source, str):
+        return False
+    import datasets
+
+    return isinstance(source, datasets.Dataset | datasets.DatasetDict)
+
+
+def _dataset_records(data: Any, split: str, name: str) -> list[tuple[str, object]]:
+    """The rows of a `Dataset` (one split: "train") or of a `DatasetDict`'s `split`."""
+    import datasets
+
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"{name} has no {split!r} split (it has {sorted(data)})")
+        data = data[split]
+    elif split != "train":
+        raise ValueError(
+            f"{name} is one Dataset, the training rows: use val_split='holdout', or give a DatasetDict "
+            f"with a {split!r} split"
+        )
+    return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(data)]
+
+
+def _saved_to_disk(folder: str) -> bool:
+    """A folder that `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote."""
+    return any(os.path.isfile(os.path.join(folder, n)) for n in ("dataset_dict.json", "state.json"))
+
+
+def read_split_records(source: object, config_name: str | None, split: str) -> list[tuple[str, object]]:
+    """Raw rows of a split of `source` with where each comes from: a `Dataset` / `DatasetDict` object, a
+    `save_to_disk` folder, a folder of `<split>.<type>` files (or any folder `datasets.load_dataset` reads),
+    one file, or a hub data set; hub failures say what to do offline."""
+    if is_dataset(source):
+        return _dataset_records(source, split, f"{type(source).__name__} object")
     if os.path.isdir(source):
+        if _saved_to_disk(source):
+            import datasets
+
+            return _dataset_records(datasets.load_from_disk(source), split, source)
         names = [f"{split}{ext}" for ext in DATA_FILE_TYPES]
         found = [os.path.join(source, n) for n in names if os.path.isfile(os.path.join(source, n))]
-        if not found:
-            raise FileNotFoundError(f"data folder {source!r} has none of {names}")
-        return read_records(found[0])
+        if found:
+            return read_records(found[0])
+        return _folder_records(source, split)
     if source.endswith(DATA_FILE_TYPES) or source.startswith((".", "/", "~")):
         if split != "train":
             raise ValueError(f"data.source={source!r} is a single file: use val_split='holdout'")
         return read_records(os.path.expanduser(source))
     return _hub_records(source, config_name, split)
+
+
+def _folder_records(folder: str, split: str) -> list[tuple[str, object]]:
+    """A folder of another layout that `datasets.load_dataset` reads (a hub data set's download, with its
+    files under `data/`); its splits come from the file names."""
+    import datasets
+
+    try:
+        data = datasets.load_dataset(folder)
+    except Exception as err:  # datasets raises its own types for a folder it cannot read
+        names = ", ".join(f"{split}{ext}" for ext in (*JSON_TYPES, *TABLE_TYPES))
+        raise FileNotFoundError(
+            f"data folder {folder!r} has no {split} file ({names}, or compressed) and datasets.load_dataset "
+            f"cannot read it ({type(err).__name__}: {err})"
+        ) from None
+    return _dataset_records(data, split, folder)
 
 
 def _hub_records(source: str, config_name: str | None, split: str) -> list[tuple[str, object]]:
@@ -235,8 +330,8 @@ def _hub_records(source: str, config_name: str | None, split: str) -> list[tuple
         raise ConnectionError(
             f"data.source={source!r}: could not reach the Hugging Face Hub ({err}), and no local "
             "folder or file of that name exists. Offline, pass a folder holding train.jsonl (and "
-            "test.jsonl) or a .jsonl / .json / .parquet file as data.source (a hub data set saved once "
-            "with `datasets.load_dataset(...)[split].to_json(path)`), or `source: arithmetic` for GSM8K"
+            "test.jsonl) or a .jsonl / .json / .parquet / .csv file as data.source (a hub data set saved "
+            "once with `datasets.load_dataset(...).save_to_disk(folder)`), or `source: arithmetic` for GSM8K"
         ) from None
     except (OSError, ValueError) as err:  # no such data set, config or split
         raise ValueError(f"data.source={source!r} (config {config_name!r}, split {split!r}): {err}") from None

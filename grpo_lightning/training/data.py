@@ -1,8 +1,11 @@
 """Data for GRPO as a LightningDataModule: prompts in TRL's format, with GSM8K as a preset.
 
 `PromptDataModule` reads rows with a `prompt` column (text, or a list of chat messages, as TRL's "prompt-only"
-data sets) from a hub data set or local `.jsonl` / `.json` / `.parquet` files. Each batch is a dict of lists:
-`prompt` and every other column of the rows, which reach the reward functions as keyword lists, as in TRL.
+data sets) from whatever `datasets` holds or reads: a `Dataset` / `DatasetDict` object, a `save_to_disk`
+folder, local `.jsonl` / `.json` / `.parquet` / `.csv` files (also compressed), or a hub data set. Each batch
+is a dict of lists: `prompt` and every other column of the rows, which reach the reward functions as keyword
+lists, as in TRL. The columns the reward functions and the validation check need are checked when `fit` or
+`validate` sets up, before any weights load (`check_columns`).
 `GSM8KDataModule` builds the prompts from a question column instead (an optional system prompt, then the
 question as the user's turn) and checks that every answer ends in GSM8K's `#### N` line.
 """
@@ -12,13 +15,16 @@ from __future__ import annotations
 import functools
 import random
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from grpo_lightning.core.options import Rule, check_value
+from grpo_lightning.core.rewards.scoring import required_columns
+from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.rows import (
     DEFAULT_SYSTEM_PROMPT,
@@ -29,6 +35,7 @@ from grpo_lightning.io.rows import (
     check_row,
     check_same_columns,
     collate_rows,
+    is_dataset,
     read_split_records,
 )
 from grpo_lightning.training.resume import ResumableSampler
@@ -39,6 +46,9 @@ from grpo_lightning.training.validation_sets import (
     rank_share,
     read_validation_rows,
 )
+
+if TYPE_CHECKING:  # a type of `source`; `datasets` is imported where a source needs it
+    from datasets import Dataset, DatasetDict
 
 DATA_RULES = {
     "val_split": Rule(str, choices=("holdout", "test")),
@@ -66,9 +76,11 @@ class PromptDataModule(L.LightningDataModule):
     raises `ValueError` naming it (file:line, or data set, split and row) and the field at fault.
 
     Args:
-        source: where the rows come from. A folder holding `train.jsonl` (or `.json` / `.parquet`) and
-            optionally `test.*`; a single `.jsonl` / `.json` / `.parquet` file; or a hub data set loaded
-            with `datasets.load_dataset(source, config_name, split=...)`. Required.
+        source: where the rows come from: a `datasets.Dataset` (the training rows) or `DatasetDict` (its
+            "train" and "test" splits); a folder written by `save_to_disk`; a folder holding `train.jsonl`
+            (or `.json`, `.parquet`, `.csv`, `.tsv`, `.arrow`, each also `.gz` / `.bz2` / `.xz`) and
+            optionally `test.*`, or any other folder `datasets.load_dataset` reads; a single such file; or a
+            hub data set loaded with `datasets.load_dataset(source, config_name, split=...)`. Required.
         config_name: the hub data set's configuration (GSM8K's is "main"); None for its default.
         prompt_field: the column holding the prompt. Default "prompt". It reaches the rewards as `prompts`.
         answer_field: the column holding the reference answer that validation checks (a number, or
@@ -89,7 +101,7 @@ class PromptDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        source: str,
+        source: str | Dataset | DatasetDict,
         config_name: str | None = None,
         prompt_field: str = "prompt",
         answer_field: str = "answer",
@@ -103,7 +115,11 @@ class PromptDataModule(L.LightningDataModule):
         val_sets: list[ValidationSet] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["val_sets"])  # their reward functions do not go in checkpoints
+        # Their reward functions, and a data set object, do not go in checkpoints: the hyper-parameters hold
+        # `source` only when it is a path or hub id.
+        self.save_hyperparameters(ignore=["val_sets", "source"])
+        self.hparams["source"] = source if isinstance(source, str) else None
+        self.source = source
         self.val_sets = list(val_sets or [])
         self.val_set_rows: list[list[Row]] = []  # each set's rows, read in `setup`
         # `_loader` hands it to `collate_rows`, which only uses it for rows without a prompt (GSM8K's preset
@@ -122,8 +138,11 @@ class PromptDataModule(L.LightningDataModule):
         """
         hp = self.hparams
         check_data_options(hp, ["val_split"])
-        if not isinstance(hp.source, str) or not hp.source.strip():
-            raise ValueError(f"data.source={hp.source!r}: name a hub data set, a folder or a file")
+        if not is_dataset(self.source) and (not isinstance(self.source, str) or not self.source.strip()):
+            raise ValueError(
+                f"data.source={self.source!r}: name a hub data set, a folder or a file, or give a "
+                "datasets.Dataset or DatasetDict"
+            )
         check_data_options(hp, ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"])
         check_validation_sets(self.val_sets)
 
@@ -156,14 +175,14 @@ class PromptDataModule(L.LightningDataModule):
         return {"prompt": prompt, **out}
 
     def _records(self, split: str) -> list[tuple[str, object]]:
-        return read_split_records(self.hparams.source, self.hparams.config_name, split)
+        return read_split_records(self.source, self.hparams.config_name, split)
 
     def _read_split(self, split: str, like: tuple[str, Row] | None = None) -> tuple[list[Row], list[str]]:
         """A split's checked rows and where each comes from; `like` is a row of another split (and where it
         comes from) whose columns these rows must have too."""
         records = self._records(split)
         if not records:
-            raise ValueError(f"data.source={self.hparams.source!r}: the {split} split has no rows")
+            raise ValueError(f"data.source={self._source_name()}: the {split} split has no rows")
         rows = [self._prepare_row(row, where) for where, row in records]
         wheres = [where for where, _ in records]
         if like is None:
@@ -171,6 +190,9 @@ class PromptDataModule(L.LightningDataModule):
         else:
             check_same_columns([like[1], *rows], [like[0], *wheres])
         return rows, wheres
+
+    def _source_name(self) -> str:
+        return repr(self.source) if isinstance(self.source, str) else f"a {type(self.source).__name__}"
 
     def _split_rows(self) -> tuple[list[Row], list[Row]]:
         """Training and validation rows: a seeded hold-out of the train split, or the test split."""
@@ -196,6 +218,39 @@ class PromptDataModule(L.LightningDataModule):
         if stage == "validate" and not self.val_rows and not self.val_sets:
             raise ValueError(
                 f"nothing to validate: data.val_size={self.hparams.val_size} gives no validation rows"
+            )
+
+    def check_columns(
+        self, reward_funcs: Sequence[Callable], val_reward: Callable | None, validates: bool
+    ) -> None:
+        """Refuse, before any training step, rows that lack a column the reward functions require (every
+        parameter without a default beyond the keywords each call gets, `scoring.required_columns`), or, when
+        `validates`, one that the validation check reads: `val_reward`'s columns, else the answer column."""
+        train_columns = set(self.train_rows[0]) - {"prompt"} if self.train_rows else None
+        for fn in reward_funcs if train_columns is not None else []:
+            missing = [c for c in required_columns(fn) if c not in train_columns]
+            if missing:
+                raise ValueError(
+                    f"reward function {reward_name(fn)!r} needs the data column {missing[0]!r}, which the "
+                    f"training rows lack (they have {sorted(train_columns)}): rename the column in the data, "
+                    "or choose another reward function"
+                )
+        if not validates or not self.val_rows:
+            return
+        val_columns = set(self.val_rows[0]) - {"prompt"}
+        if val_reward is not None:
+            missing = [c for c in required_columns(val_reward) if c not in val_columns]
+            if missing:
+                raise ValueError(
+                    f"model.val_reward {reward_name(val_reward)!r} needs the data column {missing[0]!r}, "
+                    f"which the validation rows lack (they have {sorted(val_columns)})"
+                )
+        elif self.answer_column not in val_columns:
+            raise ValueError(
+                f"validation checks the reference answer in the data column {self.answer_column!r}, which "
+                f"the validation rows lack (they have {sorted(val_columns)}): name the answer column with "
+                "data.answer_field, or judge the completions with model.val_reward (e.g. "
+                "trl.rewards.accuracy_reward for a `solution` column)"
             )
 
     def _loader(self, rows: list[Row], batch_size: int, sampler: DistributedSampler | None) -> DataLoader:
@@ -274,9 +329,9 @@ class GSM8KDataModule(PromptDataModule):
     `answer_field`; they reach the rewards as `question` and `answer`).
 
     Args:
-        source: a folder holding `train.jsonl` (and optionally `test.jsonl`; or `.json` / `.parquet`), a
-            single file, `"arithmetic"` (the built-in generated task, no download), or a hub data set
-            loaded with `datasets.load_dataset(source, config_name)`. Default `"openai/gsm8k"`.
+        source: `"arithmetic"` (the built-in generated task, no download), or any source
+            `PromptDataModule` reads (a `Dataset` / `DatasetDict`, a `save_to_disk` folder, a folder of
+            `train` / `test` files, one file, a hub data set). Default `"openai/gsm8k"`.
         system_prompt: system message asking for the `#### N` form; None for none.
         batch_size: prompts per training step (each is sampled `num_generations` times). Default 4.
         val_size: rows of the train split held out for validation, >= 0. Default 64.
@@ -294,7 +349,7 @@ class GSM8KDataModule(PromptDataModule):
 
     def __init__(
         self,
-        source: str = "openai/gsm8k",
+        source: str | Dataset | DatasetDict = "openai/gsm8k",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         batch_size: int = 4,
         val_size: int = 64,
@@ -340,7 +395,7 @@ class GSM8KDataModule(PromptDataModule):
 
     def _split_rows(self) -> tuple[list[Row], list[Row]]:
         hp = self.hparams
-        if hp.source != "arithmetic":
+        if self.source != "arithmetic":
             return super()._split_rows()
         train = [self._prepare_row(r, "arithmetic") for r in arithmetic_problems(hp.arithmetic_size, hp.seed)]
         seen = {row["question"] for row in train}

@@ -12,7 +12,8 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -46,7 +47,12 @@ from grpo_lightning.core.rewards.scoring import (
 from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
-from grpo_lightning.io.checkpoints import register_safe_globals
+from grpo_lightning.io.checkpoints import (
+    as_options,
+    portable_hparams,
+    register_safe_globals,
+    resolve_callable,
+)
 from grpo_lightning.io.distributed import (
     gather_per_rank,
     is_sharded,
@@ -61,6 +67,7 @@ from grpo_lightning.io.models import (
     prepare_models,
     prepare_tokenizer,
 )
+from grpo_lightning.trainer_options import check_after_validation, map_trainer_options
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel, RolloutRecord
 from grpo_lightning.training.preflight import Preflight
@@ -121,7 +128,13 @@ class GRPOModule(L.LightningModule):
         val_reward: Callable | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "tokenizer", "reward_funcs", "val_reward"])
+        grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
+        self.save_hyperparameters(ignore=["policy", "tokenizer"])
+        portable_hparams(self.hparams, policy, tokenizer)  # what load_from_checkpoint(ckpt) needs
+        if reward_funcs is not None:
+            reward_funcs = [resolve_callable(fn, f"reward_funcs[{i}]") for i, fn in enumerate(reward_funcs)]
+        if val_reward is not None:
+            val_reward = resolve_callable(val_reward, "val_reward")
         self.grpo = grpo
         self.model_options = model_options
         self.lora = lora
@@ -149,6 +162,12 @@ class GRPOModule(L.LightningModule):
         if model_options.load_in_4bit and lora is None:
             raise ValueError(
                 "ModelOptions.load_in_4bit trains LoRA adapters over a frozen 4-bit base: set `lora`"
+            )
+        if policy is None:
+            raise ValueError(
+                "policy is None: give a hub id, a model folder or a PreTrainedModel (the checkpoint of a "
+                "module built from a model object without a name_or_path cannot say where its policy came "
+                "from: load_from_checkpoint(ckpt, policy=...))"
             )
         self.policy_source = policy if isinstance(policy, str) else None
         self.policy: PreTrainedModel | None = None if isinstance(policy, str) else policy
@@ -188,8 +207,11 @@ class GRPOModule(L.LightningModule):
         # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
         # files but before any weights load, instead of at the first step.
         datamodule = self.trainer.datamodule
-        if isinstance(datamodule, PromptDataModule) and datamodule.conversational:
-            self.check_chat_template()
+        if isinstance(datamodule, PromptDataModule):
+            if datamodule.conversational:
+                self.check_chat_template()
+            rewards = self.reward_funcs if stage == "fit" else []
+            datamodule.check_columns(rewards, self.val_reward, validates=self.trainer.limit_val_batches != 0)
         if stage != "fit":
             return
         # ModelCheckpoint tests the global step after each training step, which adds this many at once.
@@ -254,6 +276,11 @@ class GRPOModule(L.LightningModule):
         # GRPO's own monitors run by default. Lightning would let these replace a Trainer callback of the
         # same type, so one that the Trainer's config already holds is kept as configured instead.
         # The reward audit is part of the pre-flight block (RewardAuditCallback stays for other modules).
+        # Lightning calls this hook before it refuses the Trainer's clipping and accumulation options under
+        # manual optimisation: they become the module's own here, from Python as from the CLI.
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
+                rank_zero_info(line)
         defaults = [CollapseMonitor(), InterruptCheckpoint()]
         if self.grpo.log_completions_every > 0:
             defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))

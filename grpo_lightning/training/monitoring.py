@@ -2,19 +2,25 @@
 
 `GRPOModule` leaves a `RolloutRecord` in `last_rollout` after each step; two callbacks read it:
 
-- `CompletionsPanel`: a TensorBoard text table of sample completions (`completions_table`) with their
-  rewards per function, total and advantage;
+- `CompletionsPanel`: a table of sample completions (`completion_rows`) with their rewards per function,
+  total and advantage, printed on the console (with `rich` where it is installed, as TRL prints it) and
+  written to every logger that takes tables: TensorBoard's text tab, `completions.csv` beside CSVLogger's
+  metrics, W&B's and MLflow's `log_table`;
 - `CollapseMonitor`: per-step diversity of the sampled groups, and alarms when the policy collapses, the
   rewards carry no signal, or completions run out of tokens.
 """
 
 from __future__ import annotations
 
+import csv
 import html
+import os
+import shutil
+import textwrap
 from dataclasses import dataclass, field
 
 import lightning as L
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -24,7 +30,9 @@ __all__ = [
     "CollapseMonitor",
     "CompletionsPanel",
     "RolloutRecord",
+    "completion_rows",
     "completions_table",
+    "console_table",
     "logging_step",
     "prompt_text",
 ]
@@ -93,55 +101,173 @@ def _markdown_cell(text: str, max_chars: int) -> str:
     return html.escape(text, quote=False).replace("|", "&#124;").replace("\n", "<br>")
 
 
-def completions_table(record: RolloutRecord, num_prompts: int = 2, max_chars: int = 1000) -> str:
-    """A Markdown table of the first `num_prompts` groups: each completion with its rewards and advantage,
-    then the columns the reward functions logged with `log_extra`."""
-    header = ["prompt", "completion", *record.reward_names, "reward", "advantage", "tokens", *record.extra]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def completion_rows(record: RolloutRecord, num_prompts: int = 2) -> tuple[list[str], list[list]]:
+    """The first `num_prompts` groups as a table: its column names, and a row per completion (prompt,
+    completion, each reward function's value, the weighted total, the advantage, the length in tokens,
+    whether it was cut at `max_completion_length`, then the columns the reward functions logged with
+    `log_extra`). Values are plain Python: text, floats (NaN where a function answered None), ints, bools."""
+    columns = ["prompt", "completion", *record.reward_names, "reward", "advantage", "tokens", "cut"]
+    columns += list(record.extra)
+    rows = []
     G = record.num_generations
     for i in range(min(num_prompts, len(record.prompts))):
         for row in range(i * G, (i + 1) * G):
-            prompt = _markdown_cell(prompt_text(record.prompts[i]), max_chars) if row == i * G else ""
-            length = f"{int(record.completion_lengths[row])}{' (cut)' if record.truncated[row] else ''}"
-            cells = [
-                prompt,
-                _markdown_cell(record.completions[row], max_chars),
-                *(f"{float(v):.3f}" for v in record.rewards_per_func[row]),
-                f"{float(record.rewards[row]):.3f}",
-                f"{float(record.advantages[row]):+.3f}",
-                length,
-                *(_markdown_cell(str(values[row]), max_chars) for values in record.extra.values()),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(
+                [
+                    prompt_text(record.prompts[i]),
+                    record.completions[row],
+                    *(float(v) for v in record.rewards_per_func[row]),
+                    float(record.rewards[row]),
+                    float(record.advantages[row]),
+                    int(record.completion_lengths[row]),
+                    bool(record.truncated[row]),
+                    *(values[row] for values in record.extra.values()),
+                ]
+            )
+    return columns, rows
+
+
+def _shown(column: str, value: object) -> str:
+    """A cell's text: numbers to 3 decimals, the advantage signed, the token count and "cut" together."""
+    if column == "advantage":
+        return f"{value:+.3f}"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _display(columns: list[str], rows: list[list]) -> tuple[list[str], list[list[str]]]:
+    """The columns and cells as shown: the cut flag folded into the token count ("64 (cut)")."""
+    cut = columns.index("cut")
+    shown = [c for c in columns if c != "cut"]
+    cells = []
+    for row in rows:
+        texts = [_shown(c, v) for c, v in zip(columns, row, strict=True)]
+        texts[cut - 1] += " (cut)" if row[cut] else ""
+        cells.append(texts[:cut] + texts[cut + 1 :])
+    return shown, cells
+
+
+def completions_table(record: RolloutRecord, num_prompts: int = 2, max_chars: int = 1000) -> str:
+    """A Markdown table of the first `num_prompts` groups (`completion_rows`), each prompt shown once, on
+    its group's first row."""
+    columns, rows = _display(*completion_rows(record, num_prompts))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for i, cells in enumerate(rows):
+        cells[0] = cells[0] if i % record.num_generations == 0 else ""
+        lines.append("| " + " | ".join(_markdown_cell(cell, max_chars) for cell in cells) + " |")
     return "\n".join(lines)
 
 
-class CompletionsPanel(L.Callback):
-    """Every `every_n_steps` training steps (from the first), a TensorBoard text panel `completions`:
-    the completions of a few prompts with each completion's rewards per function, total and advantage, and
-    the columns reward functions logged with TRL's `log_extra(column, values)`.
+def console_table(record: RolloutRecord, step: int, num_prompts: int = 1, max_chars: int = 300) -> str:
+    """The first `num_prompts` groups as plain text for a terminal (what `CompletionsPanel` prints where
+    `rich` is not installed): each prompt, then one line per completion with its numbers first."""
+    columns, rows = _display(*completion_rows(record, num_prompts))
+    width = max(60, shutil.get_terminal_size().columns)
+    numbers = columns[2:]
+    widths = [max(len(c), *(len(r[2 + j]) for r in rows)) for j, c in enumerate(numbers)]
+    header = "  ".join(c.rjust(w) for c, w in zip(numbers, widths, strict=True)) + "  completion"
+    lines = [f"completions at step {step}"]
+    for i, cells in enumerate(rows):
+        if i % record.num_generations == 0:
+            lines += textwrap.wrap(f"prompt: {' '.join(cells[0].split())[:max_chars]}", width) + [header]
+        text = " ".join(cells[1].split())
+        text = text[:max_chars] + " …" if len(text) > max_chars else text
+        line = "  ".join(v.rjust(w) for v, w in zip(cells[2:], widths, strict=True)) + f"  {text!r}"
+        lines.append(line)
+    return "\n".join(lines)
 
-    Reads `pl_module.last_rollout` (a `RolloutRecord`); only TensorBoard loggers get the panel.
+
+def _print_rich(record: RolloutRecord, step: int, num_prompts: int, max_chars: int) -> bool:
+    """Print the groups as a `rich` table, as TRL does; False where rich is not installed."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return False
+    columns, rows = _display(*completion_rows(record, num_prompts))
+    table = Table(title=f"completions at step {step}", show_lines=True)
+    for column in columns:
+        numeric = column not in ("prompt", "completion") and column not in record.extra
+        table.add_column(column, justify="right" if numeric else "left", overflow="fold")
+    for i, cells in enumerate(rows):
+        cells[0] = cells[0][:max_chars] if i % record.num_generations == 0 else ""
+        cells[1] = cells[1][:max_chars] + (" …" if len(cells[1]) > max_chars else "")
+        table.add_row(*cells)
+    Console().print(table)
+    return True
+
+
+class CompletionsPanel(L.Callback):
+    """Every `every_n_steps` training steps (from the first), the completions of a few prompts with each
+    completion's rewards per function, total, advantage and length, and the columns reward functions logged
+    with TRL's `log_extra(column, values)`:
+
+    - on the console (`console`): the first `console_prompts` groups, as a `rich` table where rich is
+      installed, else as text (`console_table`);
+    - in every logger that takes tables: TensorBoard's text tab (`completions`, Markdown), a
+      `completions.csv` beside CSVLogger's metrics (one row per completion, with its step), W&B's and
+      MLflow's `log_table` (`completions`; MLflow: `completions/step_<N>.json`).
+
+    Reads `pl_module.last_rollout` (a `RolloutRecord`).
     """
 
-    def __init__(self, every_n_steps: int = 50, num_prompts: int = 2, max_chars: int = 1000) -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        num_prompts: int = 2,
+        max_chars: int = 1000,
+        console: bool = True,
+        console_prompts: int = 1,
+    ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.num_prompts = num_prompts
         self.max_chars = max_chars
+        self.console = console
+        self.console_prompts = console_prompts
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         step = logging_step(trainer)
         record = getattr(pl_module, "last_rollout", None)
-        if record is None or step % self.every_n_steps:
+        if record is None or step % self.every_n_steps or not trainer.is_global_zero:
             return
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        if not loggers or not trainer.is_global_zero:
-            return
-        table = completions_table(record, self.num_prompts, self.max_chars)
+        if self.console and not _print_rich(record, step, self.console_prompts, self.max_chars // 3):
+            print(console_table(record, step, self.console_prompts, self.max_chars // 3), flush=True)
+        self.log_tables(trainer.loggers, record, step)
+
+    def log_tables(self, loggers: list, record: RolloutRecord, step: int) -> None:
+        """Write the groups' table to each logger that takes tables."""
+        columns, rows = completion_rows(record, self.num_prompts)
         for logger in loggers:
-            logger.experiment.add_text("completions", table, global_step=step)
+            if isinstance(logger, TensorBoardLogger):
+                table = completions_table(record, self.num_prompts, self.max_chars)
+                logger.experiment.add_text("completions", table, global_step=step)
+            elif isinstance(logger, CSVLogger):
+                _append_csv(os.path.join(logger.log_dir, "completions.csv"), ["step", *columns], step, rows)
+            elif isinstance(logger, WandbLogger):
+                data = [[_plain_cell(v) for v in row] for row in rows]
+                logger.log_table(key="completions", columns=columns, data=data, step=step)
+            elif isinstance(logger, MLFlowLogger):
+                data = {c: [_plain_cell(row[j]) for row in rows] for j, c in enumerate(columns)}
+                logger.experiment.log_table(logger.run_id, data, f"completions/step_{step:06d}.json")
+
+
+def _plain_cell(value: object) -> object:
+    """A table cell the W&B and MLflow tables take: numbers and booleans as they are, the rest as text."""
+    return value if isinstance(value, int | float | bool | str) else str(value)
+
+
+def _append_csv(path: str, columns: list[str], step: int, rows: list[list]) -> None:
+    """Append one line per completion (its step first) to `path`, with a header when the file is new."""
+    new = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(columns)
+        writer.writerows([step, *(_plain_cell(v) for v in row)] for row in rows)
 
 
 class CollapseMonitor(L.Callback):

@@ -9,7 +9,7 @@ CPU. The frozen reference never changes: it is rebuilt from the policy's source,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
@@ -17,6 +17,8 @@ from torch import nn
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import option_differences
+from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.io.checkpoints import comparable_hparams
 from grpo_lightning.io.distributed import gather_per_rank
 from grpo_lightning.training.resume import state_of_rank
 
@@ -42,7 +44,7 @@ def save_grpo_state(
 ) -> None:
     """Store the GRPO state of every rank (a collective under several processes: every rank calls it), and
     the reference syncs done (`grpo.sync_ref_model`; None without)."""
-    buffer = {k: v for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
+    buffer = {k: _plain(v) for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
     own = {"rng": rng, "group_buffer": move_data_to_device(buffer, "cpu")}
     checkpoint[STATE_KEY] = {"bad_steps": bad_steps, "per_rank": gather_per_rank(own)}
     if reference_syncs is not None:
@@ -55,7 +57,27 @@ def load_grpo_state(checkpoint: dict, rank: int, world_size: int) -> RankState |
         return None
     state = checkpoint[STATE_KEY]
     own = state_of_rank(state["per_rank"], rank, world_size)
-    return RankState(state["bad_steps"], own["rng"], own["group_buffer"])
+    buffer = {k: _scored_groups(v) for k, v in own["group_buffer"].items()}
+    return RankState(state["bad_steps"], own["rng"], buffer)
+
+
+# Dynamic sampling's waiting groups as dicts of tensors, which `torch.load(weights_only=True)` reads without
+# importing grpo-lightning; checkpoints that hold the dataclasses themselves still load (safe globals).
+def _plain(value: object) -> object:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, ScoredGroups):
+        plain = {f.name: getattr(value, f.name) for f in fields(ScoredGroups)}
+        return {**plain, "rollout": dict(vars(value.rollout))}
+    return value
+
+
+def _scored_groups(value: object) -> object:
+    if isinstance(value, list):
+        return [_scored_groups(v) for v in value]
+    if isinstance(value, dict) and "rollout" in value:
+        return ScoredGroups(**{**value, "rollout": Rollout(**value["rollout"])})
+    return value
 
 
 def reference_syncs_of(checkpoint: dict, every: int) -> int:
@@ -67,7 +89,11 @@ def reference_syncs_of(checkpoint: dict, every: int) -> int:
 
 def warn_changed_options(saved: dict, own: dict) -> None:
     """Lightning restores weights and state into the module as built, whose options (`own`) win over the
-    checkpoint's hyper-parameters (`saved`): said, not silent."""
+    checkpoint's hyper-parameters (`saved`): said, not silent. Where the policy and tokenizer load from is
+    not an option: `load_from_checkpoint(ckpt, policy=...)` only says where to find the same model."""
+    saved, own = comparable_hparams(saved), comparable_hparams(own)
+    for where in ("policy", "tokenizer"):
+        saved.pop(where, None)
     changed = option_differences(saved, own)
     if changed:
         listed = "; ".join(

@@ -44,9 +44,12 @@ __all__ = [
     "Scores",
     "call_reward",
     "check_reward_weights",
+    "required_columns",
     "score_completions",
     "trainer_state",
 ]
+# The keywords every reward function gets; any other parameter it requires is a data column.
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def trainer_state(
@@ -56,6 +59,22 @@ def trainer_state(
     return TrainerState(
         global_step=global_step, max_steps=max_steps, epoch=epoch, num_train_epochs=num_epochs
     )
+
+
+def required_columns(fn: Callable) -> list[str]:
+    """The data columns a reward function cannot run without: its parameters without a default other than
+    the keywords every call passes (TRL's `accuracy_reward(completions, solution, **kwargs)` needs
+    `solution`). A function whose signature cannot be read needs none that can be named."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in parameters
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in CALL_KEYWORDS
+    ]
 
 
 @dataclass
