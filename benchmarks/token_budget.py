@@ -14,22 +14,28 @@ five ways, and the share of computed decoder positions that are padding is repor
   micro_batch_size x (prompt_max + max_completion_length), the fixed path's worst-case micro-batch: the
   same peak memory; `--group` keeps each prompt's completions together, as `share_prompt` needs;
 - `fixed, packed` and `budget, packed`: the same micro-batches with their rows packed end to end
-  (`grpo.packed_sequences`, `grpo_lightning.core.generation.packing`); with `--group` each line holds a
-  group's prompt once and several of its completions, so that fewer positions than the rows' tokens run.
+  (`grpo.packed_sequences`, `grpo_lightning.core.generation.packing`; lines as wide as its cost model
+  picks for the model timed, the tiny Llama's without `--model`); with `--group` each line holds a group's
+  prompt once and several of its completions, so that fewer positions than the rows' tokens run.
+
+The attention keys per position count the scores sdpa and eager attention compute, masked ones too.
 
 With `--group` the padded layouts count what the shared passes run: one prompt pass per group, then the
 completions.
 
-With `--step_time`, a random tiny Llama (`--hidden`, `--layers`, a vocabulary of `--vocab`) also runs one
-optimizer step's work on each of `--repeats` such rollouts, on the CPU: the reference pass (no gradient)
-and the policy's forward and backward, micro-batch by micro-batch (`update.accumulate_gradients`), as the
-training step runs them; the median seconds are reported. `fixed` is then the training step with
-`micro_batch_size`, `budget` with `max_tokens_per_micro_batch`, and the packed rows the same with
-`packed_sequences` (`fixed, own longest` is not a path of the training step and is not timed).
+With `--step_time`, a random tiny Llama (`--hidden`, `--layers`, a vocabulary of `--vocab`) or `--model`'s
+checkpoint also runs one optimizer step's work on each of `--repeats` such rollouts, on the CPU: the
+reference pass (no gradient) and the policy's forward and backward, micro-batch by micro-batch
+(`update.accumulate_gradients`), as the training step runs them; the median seconds are reported.
+`fixed` is then the training step with `micro_batch_size`, `budget` with `max_tokens_per_micro_batch`, and
+the packed rows the same with `packed_sequences` (`fixed, own longest` is not a path of the training step
+and is not timed).
 
     python benchmarks/token_budget.py
     python benchmarks/token_budget.py --max_completion_length 2048 --at_limit 0.1 --group
     python benchmarks/token_budget.py --step_time --rollouts 3 --repeats 3
+    python benchmarks/token_budget.py --step_time --group --model models/smollm2-135m-instruct \
+        --prompts 2 --max_completion_length 256 --rollouts 3 --repeats 2
 """
 
 from __future__ import annotations
@@ -163,10 +169,21 @@ def step_seconds(args: argparse.Namespace, model, scorer, trajectory, cfg, parts
     return seconds
 
 
+def the_model(args: argparse.Namespace) -> torch.nn.Module:
+    """`--model`'s checkpoint in float32 (its vocabulary then sets `--vocab`), or a random tiny Llama."""
+    torch.manual_seed(0)
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        args.vocab = model.config.vocab_size
+        return model
+    return build_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers)
+
+
 def step_times(args: argparse.Namespace, budget: int, group: int) -> dict[str, float]:
     """Median step seconds of each timed layout over `--repeats` rollouts."""
-    torch.manual_seed(0)
-    model = build_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers).train()
+    model = the_model(args).train()
     padded = LogProbScorer(args.generations, share_prompt=args.group)
     packed = PackedLogProbScorer(args.generations, share_prompt=args.group)
     times = {name: [] for name in TIMED}
@@ -213,12 +230,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--model", help="a checkpoint folder to time instead of the tiny Llama")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads; default torch's")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     budget = args.micro_batch_size * (args.prompt_max + args.max_completion_length)
     group = args.generations if args.group else 1
     names = ("fixed", "fixed, own longest", "budget", "fixed, packed", "budget, packed")
-    cost = scores_per_position(build_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers))
+    cost = scores_per_position(the_model(args))
     totals = {name: [0.0] * 4 for name in names}  # padding share, positions per token, keys, micro-batches
     every_row = []
     for seed in range(args.rollouts):
@@ -257,10 +278,10 @@ def main() -> None:
     )
     seconds = step_times(args, budget, group) if args.step_time else {}
     if seconds:
-        print(
-            f"step time: median of {args.repeats} rollouts, tiny Llama (hidden {args.hidden}, {args.layers} "
-            f"layers, vocabulary {args.vocab}), {torch.get_num_threads()} threads"
+        model = (
+            args.model or f"tiny Llama (hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab})"
         )
+        print(f"step time: median of {args.repeats} rollouts, {model}, {torch.get_num_threads()} threads")
     print(
         "| micro-batches | padding share | positions per row token | attention keys per position "
         "| micro-batches per rollout | step time (s) |"

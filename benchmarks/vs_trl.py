@@ -3,7 +3,9 @@
 All of them run the same model (fp32), the same chat prompts, G completions per prompt of exactly L tokens
 (`min_new_tokens = max_new_tokens`), the same loss type and beta, the same reward function and the same
 number of torch threads. Our module runs twice: `shared` encodes each prompt once per group
-(`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`). Each framework runs in
+(`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`); both pack their
+log-prob passes (`grpo.packed_sequences`, the default), and `--frameworks ...,padded` adds `shared` with
+padded passes (`packed_sequences: false`) to compare. Each framework runs in
 its own subprocess, so that its peak RSS is its own; the order cycles through `--frameworks` (TRL, unshared,
 shared, floor, TRL, ...) and the figures are medians over every timed step.
 
@@ -44,7 +46,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TRAIN = os.path.join(REPO, "data", "gsm8k", "train.jsonl")
-FRAMEWORKS = ("trl", "unshared", "shared", "floor")
+FRAMEWORKS = ("trl", "unshared", "shared", "floor", "padded")  # padded: shared, packed_sequences false
+DEFAULT_FRAMEWORKS = ("trl", "unshared", "shared", "floor")
 REFERENCES = ("trl", "floor", "unshared")  # what each step time is compared with, where it ran
 RESULT_PREFIX = "RESULT "
 
@@ -66,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, the same for all")
     parser.add_argument(
         "--frameworks",
-        default=",".join(FRAMEWORKS),
+        default=",".join(DEFAULT_FRAMEWORKS),
         type=lambda text: text.split(","),
         help=f"comma-separated, in the order they alternate; of {','.join(FRAMEWORKS)}",
     )
@@ -227,7 +230,9 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     return timer.steps
 
 
-def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> list[dict[str, float]]:
+def run_ours(
+    args: argparse.Namespace, prompts: list, share_prompt: bool, packed: bool = True
+) -> list[dict[str, float]]:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -262,6 +267,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
     if args.demo_config:  # the config's own model, data and options; only the step count and logging change
         overrides = [
             f"--model.grpo.share_prompt={str(share_prompt).lower()}",
+            f"--model.grpo.packed_sequences={str(packed).lower()}",
             f"--trainer.max_steps={args.warmup + args.steps}",
         ]
         overrides += [
@@ -289,6 +295,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
             log_completions_every=0,
             preflight=False,
             share_prompt=share_prompt,
+            packed_sequences=packed,
         ),
     )
     timer.time_parts(module)
@@ -391,6 +398,7 @@ def child(args: argparse.Namespace) -> None:
         "trl": run_trl,
         "unshared": functools.partial(run_ours, share_prompt=False),
         "shared": functools.partial(run_ours, share_prompt=True),
+        "padded": functools.partial(run_ours, share_prompt=True, packed=False),
         "floor": run_floor,
     }[args.only]
     result = {
@@ -439,6 +447,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "trl": f"TRL {_version('trl')} GRPOTrainer",
         "unshared": "grpo-lightning, share_prompt: false",
         "shared": "grpo-lightning, share_prompt: true",
+        "padded": "grpo-lightning, share_prompt: true, packed_sequences: false",
         "floor": "floor",
     }
     references = [ref for ref in REFERENCES if ref in results]
@@ -463,7 +472,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         ]
         lines.append("| " + " | ".join(cells + ratios) + " |")
     lines.append(f"\n{where_time_goes(results, names)}")
-    for fw in ("trl", "unshared", "shared", "floor"):
+    for fw in FRAMEWORKS:
         if fw in results:
             parts = [key for key in results[fw][0]["steps"][0] if key not in ("seconds", "cpu_seconds")]
             values = ", ".join(f"{key} {median(results[fw], key):.3f}" for key in parts)

@@ -229,13 +229,14 @@ class GRPOConfig:
     keeps the unshared path, with a warning.
     """
     packed_sequences: bool = True
-    """Run the reference, old-policy and policy passes padding-free: each micro-batch's rows laid end to
-    end in a few lines, their prompts and completions but no padding, kept apart by one attention mask, with
-    position ids restarting at each row (with `share_prompt`, a line holds a group's prompt once and several
-    of its completions); the LM head runs on the completion tokens only. Same log-probs and gradients up to
-    rounding (tests/test_packing.py); the tokens computed drop by the rollout's padding share
-    (`benchmarks/token_budget.py`). Needs sdpa or eager attention and full-attention layers: another model
-    (flash attention, sliding-window layers) keeps the padded passes, with a warning
+    """Pack the reference, old-policy and policy passes: each micro-batch's rows laid end to end in a few
+    lines (their prompts and completions, padding only where a line ends), kept apart by one attention
+    mask, with position ids restarting at each row; with `share_prompt` a line holds a group's prompt once
+    and several of its completions. The LM head runs on the completion tokens only. Same log-probs and
+    gradients up to rounding (tests/test_packing.py). On MATH-like rollouts with `share_prompt` and the
+    token budget the decoder computes 0.99 positions per token of the rows instead of 1.58
+    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full-attention layers: another
+    model (flash attention, sliding-window layers) keeps the padded passes, with a warning
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
     generation_backend: str = "auto"

@@ -1,27 +1,29 @@
-"""Padding-free log-prob passes: a micro-batch's rows packed end to end into a few lines, no padding
-computed (`grpo.packed_sequences`).
+"""Packed log-prob passes: a micro-batch's rows laid end to end in a few lines, with padding only where a
+line ends (`grpo.packed_sequences`).
 
 A rollout is a padded tensor: prompts left-padded to the longest prompt, completions right-padded to the
 longest completion. Its decoder passes (reference, old policy, policy) compute every padding position as if
 it were a token. Here each row's real tokens (its prompt, then its completion but the last token, which
-predicts nothing that is scored) are laid end to end in lines, as many as fit a line's width, and one
-attention mask keeps the rows apart; position ids restart at each row's prompt, as `sampling.position_ids`
-numbers the padded row. Every real token then sees exactly the tokens, at exactly the positions, it sees in
-the padded row, so its log-prob is the same up to rounding (tests/test_packing.py checks this in float64).
+predicts nothing that is scored) go end to end into lines, and one attention mask keeps the rows apart;
+position ids restart at each row's prompt, as `sampling.position_ids` numbers the padded row. Every real
+token then sees exactly the tokens, at exactly the positions, it sees in its padded row, so its log-prob is
+the same up to rounding (tests/test_packing.py checks this in float64).
 
-- Unshared (one prompt pass per row): a line holds whole rows, a block-diagonal causal mask, as
-  transformers' "padding-free" collators (`DataCollatorWithFlattening`) pack; lines are as wide as the
-  longest row, so that no line's attention costs more than a padded row's.
+- Unshared (one prompt pass per row): a line holds whole rows under a block-diagonal causal mask, as
+  transformers' padding-free collator (`DataCollatorWithFlattening`) packs them.
 - Shared (`grpo.share_prompt`, Prefix Grouper arXiv:2506.05433): a line holds segments, each one copy of a
   group's prompt followed by several of its completions; a completion token sees its prompt and the tokens
-  of its own completion before it, never its siblings'. Lines are twice as wide as the longest row, so that
-  most of a group's completions share one copy of their prompt while no token attends over more than twice
-  a padded row (the mask's zeros are still computed by sdpa and eager attention).
+  of its own completion before it, never its siblings'.
+
+sdpa and eager attention compute a masked score as dearly as any other, so a line's attention costs its
+width squared: lines are as wide as the longest row, twice that, or (shared) a whole group, whichever
+computes the fewest FLOPs (`pack_rows`, `scores_per_position`). Wider lines waste less room at their ends
+and copy a group's prompt fewer times, but every token attends over the whole line.
 
 The LM head then runs on the scored tokens only (`sampling.head_logprobs`), not on the padding after each
 row's end. The mask is a 4-D tensor in the format of the model's attention implementation (boolean for
 sdpa, additive for eager); flash attention takes no such mask, so `packing_unsupported` sends those models
-(and models with sliding-window layers, whose masks differ per layer) to the padded path.
+(and models with sliding-window layers, whose masks differ per layer) to the padded passes.
 
 No Lightning here.
 """
