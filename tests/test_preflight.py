@@ -21,7 +21,7 @@ from grpo_lightning.training.preflight import (
     run_preflight,
 )
 from tests.helpers import length_reward, quiet_trainer
-from tests.test_bad_input import end_early
+from tests.test_bad_input_rewards import end_early
 
 BATCH = collate_rows(arithmetic_problems(2, seed=3), system_prompt=None)
 

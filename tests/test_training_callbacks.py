@@ -279,6 +279,9 @@ def test_completions_table_keeps_each_completion_in_its_cell() -> None:
     escaped = "\\#\\#\\#\\# 5 &#124; x<br>&lt;b&gt;bold&lt;/b&gt; \\*a\\*"
     assert lines[2] == f"| q0 | {escaped} | 1.000 | 1.000 | +0.707 | 5 |"
     assert lines[3] == "|  | plain | 0.000 | 0.000 | -0.707 | 5 (cut) |"
+    # Decoded random tokens hold other line breaks too (\r, \x85, \u2028): each stays in its cell.
+    step = record(["a\rb\x85c\u2028d", "e\x0bf"], [1.0, 0.0], [False, True])
+    assert len(completions_table(step).splitlines()) == 4
 
 
 def first_hash_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]:

@@ -50,7 +50,7 @@ def test_validate_writes_one_line_per_problem(tiny_model_dir: str, tmp_path, cap
     assert [line["question"] for line in lines] == [r["question"] for r in rows]
     assert [line["answer"] for line in lines] == [reference_answer(r["answer"]) for r in rows]
     for line in lines:
-        assert set(line) == {"question", "sample", "completion", "extracted", "answer", "correct"}
+        assert set(line) == {"set", "question", "sample", "completion", "extracted", "answer", "correct"}
         assert line["sample"] == 0  # greedy: one completion per problem
         assert line["extracted"] == extract_answer(line["completion"])
         assert line["correct"] == (line["extracted"] == line["answer"])

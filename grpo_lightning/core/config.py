@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 
 from grpo_lightning.core.algorithm.loss import (
     BASELINES,
@@ -285,6 +286,10 @@ class GRPOConfig:
             raise bad("kl_estimator", "k1", K1_IN_LOSS)
         if self.sync_ref_model and self.beta == 0:
             raise bad("sync_ref_model", True, "needs beta > 0 (with beta 0 there is no reference to sync)")
+        for option, (needed, applies) in INERT_UNLESS.items():
+            if getattr(self, option) != _DEFAULTS[option] and not applies(self):
+                value = getattr(self, option)
+                warnings.warn(f"GRPOConfig.{option}={value!r} has no effect without {needed}", stacklevel=3)
         budget = self.max_tokens_per_micro_batch
         if budget is not None and self.micro_batch_size is not None:
             raise bad("max_tokens_per_micro_batch", budget, "set it or micro_batch_size, not both")
@@ -295,6 +300,18 @@ class GRPOConfig:
                 f"must be >= max_completion_length={self.max_completion_length} (a row at the limit alone)",
             )
 
+
+# Options that do nothing unless another is set: that other setting, and the test that it is. Set alone,
+# each is warned about, naming both.
+INERT_UNLESS = {
+    "ref_model_sync_steps": ("sync_ref_model: true", lambda c: c.sync_ref_model),
+    "ref_model_mixup_alpha": ("sync_ref_model: true", lambda c: c.sync_ref_model),
+    "dynamic_sampling_max_rounds": ("dynamic_sampling: true", lambda c: c.dynamic_sampling),
+    "dynamic_sampling_metric": ("dynamic_sampling: true", lambda c: c.dynamic_sampling),
+    "min_lr_ratio": ("lr_scheduler_type: linear or cosine", lambda c: c.lr_scheduler_type != "constant"),
+    "kl_estimator": ("beta > 0", lambda c: c.beta > 0),
+}
+_DEFAULTS = {f.name: f.default for f in fields(GRPOConfig)}
 
 GRPO_RULES = {
     "num_generations": Rule(int, ">= 2", why="advantages compare a group"),

@@ -66,6 +66,7 @@ class GSM8KAccuracy(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
 
     def __init__(self, k: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -101,7 +102,7 @@ class GSM8KAccuracy(Metric):
             setattr(self, name, getattr(self, name) + total)
 
     def compute(self) -> dict[str, Tensor]:
-        """The metrics over all problems seen (nan before any update)."""
+        """The metrics over all problems seen (nan before any update), under `KEYS`."""
         problems = self.problems
         return {
             "accuracy": self.mean / problems,
@@ -126,6 +127,7 @@ class RewardAccuracy(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    KEYS = ("accuracy", "pass@k")
 
     def __init__(self, k: int = 1, full_marks: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from grpo_lightning.core.options import Rule, check_value
 
 
 class CPUTimeBudget(L.Callback):
@@ -23,7 +26,7 @@ class CPUTimeBudget(L.Callback):
     end of a batch (put this one first) are left out. The stop is predicted from the mean cost of the
     batches so far, so a run ends under the budget unless a single batch costs more than the mean by more
     than what is left. Unlike the trainer's `max_time`, which stops after the batch that passed it, the run
-    ends under the limit.
+    ends under the limit. The stop is logged with the figures behind it, and `stopped_by` names the limit.
 
     Args:
         max_cpu_seconds: the budget, in CPU seconds of this process (e.g. 1200 = 10 minutes of 2 busy
@@ -34,13 +37,13 @@ class CPUTimeBudget(L.Callback):
 
     def __init__(self, max_cpu_seconds: float | None = None, max_wall_seconds: float | None = None) -> None:
         for name, value in (("max_cpu_seconds", max_cpu_seconds), ("max_wall_seconds", max_wall_seconds)):
-            if value is not None and not value > 0:
-                raise ValueError(f"CPUTimeBudget: {name} must be > 0, got {value!r}")
+            check_value("CPUTimeBudget", name, value, Rule(float, "> 0", none=True))
         self.max_cpu_seconds = max_cpu_seconds
         self.max_wall_seconds = max_wall_seconds
         self.cpu_seconds = 0.0  # training CPU seconds so far
         self.wall_seconds = 0.0  # the same batches' wall-clock
         self.batches = 0
+        self.stopped_by: str | None = None  # the limit that stopped the run, if one did
         self._cpu_start = self._wall_start = 0.0
 
     def on_train_batch_start(
@@ -54,9 +57,15 @@ class CPUTimeBudget(L.Callback):
         self.cpu_seconds += time.process_time() - self._cpu_start
         self.wall_seconds += time.perf_counter() - self._wall_start
         self.batches += 1
-        for spent, limit in (
-            (self.cpu_seconds, self.max_cpu_seconds),
-            (self.wall_seconds, self.max_wall_seconds),
+        for name, spent, limit in (
+            ("max_cpu_seconds", self.cpu_seconds, self.max_cpu_seconds),
+            ("max_wall_seconds", self.wall_seconds, self.max_wall_seconds),
         ):
-            if limit is not None and spent + spent / self.batches > limit:
+            if limit is not None and spent + spent / self.batches > limit and not trainer.should_stop:
                 trainer.should_stop = True
+                self.stopped_by = name
+                rank_zero_info(
+                    f"CPUTimeBudget: stopping after {self.batches} training batch(es), {trainer.global_step} "
+                    f"optimizer step(s): {spent:.1f} s spent, and one more batch at their mean of "
+                    f"{spent / self.batches:.1f} s would pass {name}={limit:g}"
+                )

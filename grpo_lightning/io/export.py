@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import os
 import pickle
 import shutil
@@ -26,7 +27,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import is_sharded
 
-__all__ = ["ExportBestCallback", "export_policy", "load_policy_weights", "read_checkpoint", "resolve_attr"]
+__all__ = [
+    "EXPORT_MARKER",
+    "ExportBestCallback",
+    "check_export_folder",
+    "export_policy",
+    "load_policy_weights",
+    "read_checkpoint",
+    "resolve_attr",
+]
 
 
 def read_checkpoint(path: str, **load_kwargs) -> dict:
@@ -142,11 +151,13 @@ def export_policy(
     model_attr: str = "policy",
     tokenizer_attr: str = "tokenizer",
     overwrite: bool = False,
+    protected: Mapping[str, str | None] | None = None,
 ) -> str:
     """Write the policy and its tokenizer to `out_dir` with `save_pretrained`; returns `out_dir`.
 
     The folder is written whole beside `out_dir` and then put in its place: it never holds a mix of two
-    exports (a stale adapter beside new weights), and a failed export leaves what was there.
+    exports (a stale adapter beside new weights), and a failed export leaves what was there. It is marked
+    as an export (`EXPORT_MARKER`, listing what it wrote), so that `overwrite` can tell it from anything else.
 
     Args:
         source: a `PreTrainedModel` / `PeftModel` (then pass `tokenizer`), or a module holding them at
@@ -157,46 +168,137 @@ def export_policy(
         ckpt_path: a Lightning checkpoint whose `<model_attr>.*` weights are loaded into the policy first
             (in place: the module then holds the checkpoint's weights).
         merge_lora: for a LoRA policy, save the merged weights (True) or only the adapter (False).
-        overwrite: replace a non-empty `out_dir` (whole). Default False: refused. The folder the policy or
-            the tokenizer was loaded from is refused either way.
+        overwrite: replace an earlier export in `out_dir` (whole). Default False: a non-empty `out_dir` is
+            refused. Either way only an export's own folder is replaced (`check_export_folder`).
+        protected: more paths `out_dir` must not hold or be, by what they are (e.g. a run's checkpoints);
+            the folders the policy and the tokenizer were loaded from, `ckpt_path` and the working directory
+            always are.
     """
-    check_export_folder(out_dir, overwrite)
+    guarded = {**(protected or {}), "the checkpoint exported": ckpt_path}
     if isinstance(source, PreTrainedModel | PeftModel):
         model = source
     else:
+        guarded |= sources_of(source, model_attr, tokenizer_attr)  # before the policy loads
+        check_export_folder(out_dir, overwrite, guarded)
         if getattr(source, model_attr, None) is None and hasattr(source, "configure_model"):
             source.configure_model()
         model = getattr(source, model_attr)
         tokenizer = tokenizer or getattr(source, tokenizer_attr)
     if tokenizer is None:
         raise ValueError("pass the tokenizer along with a bare model: the export must be loadable on its own")
-    loaded_from = (getattr(model, "name_or_path", None), getattr(tokenizer, "name_or_path", None))
-    check_export_folder(out_dir, overwrite, loaded_from)
+    guarded |= loaded_from(model, tokenizer)
+    check_export_folder(out_dir, overwrite, guarded)
     if ckpt_path is not None:
         load_policy_weights(model, ckpt_path, prefix=model_attr + ".")
     if isinstance(model, PeftModel) and merge_lora:
         # merge_and_unload rewrites the modules in place: merge a copy, so the live policy keeps its adapter.
         model = copy.deepcopy(model).merge_and_unload()
-    _write_folder(out_dir, lambda folder: (model.save_pretrained(folder), tokenizer.save_pretrained(folder)))
+
+    def write(folder: str) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        _mark_export(folder, ckpt_path, merge_lora)
+
+    _write_folder(out_dir, write)
     return out_dir
 
 
-def check_export_folder(out_dir: str, overwrite: bool, loaded_from: tuple[str | None, ...] = ()) -> None:
-    """Refuse to export into a folder that the model or tokenizer was loaded from (`loaded_from`), and into
-    a non-empty one unless `overwrite`."""
-    if os.path.isdir(out_dir) and any(
-        p and os.path.isdir(p) and os.path.samefile(p, out_dir) for p in loaded_from
-    ):
-        raise ValueError(
-            f"export folder {out_dir!r} is the folder the policy was loaded from: exporting there would "
-            "replace its base weights; choose another folder"
-        )
+# An export's folder holds this file: what the export wrote, so that `overwrite` replaces only such a folder,
+# and only while it holds nothing else (a user's notes, a checkpoint moved there, another model).
+EXPORT_MARKER = "grpo_lightning_export.json"
+
+
+def loaded_from(model: object, tokenizer: object) -> dict[str, str | None]:
+    """The folders the policy and its tokenizer were loaded from (`name_or_path`), by what they are."""
+    return {
+        "the folder the policy was loaded from": getattr(model, "name_or_path", None),
+        "the folder the tokenizer was loaded from": getattr(tokenizer, "name_or_path", None),
+    }
+
+
+def sources_of(module: object, model_attr: str, tokenizer_attr: str) -> dict[str, str | None]:
+    """`loaded_from` for a module's model and tokenizer; for a policy not loaded yet (`GRPOModule` loads in
+    `configure_model`), the folder it will be loaded from (`policy_source`)."""
+    model = getattr(module, model_attr, None)
+    sources = loaded_from(model, getattr(module, tokenizer_attr, None))
+    if model is None:
+        sources["the folder the policy was loaded from"] = getattr(module, "policy_source", None)
+    return sources
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies under it (real paths: links and `..` resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _entries(folder: str) -> set[str]:
+    """Every file and sub-folder under `folder`, as paths relative to it."""
+    found = set()
+    for parent, dirs, files in os.walk(folder):
+        found.update(os.path.relpath(os.path.join(parent, name), folder) for name in dirs + files)
+    return found
+
+
+def _mark_export(folder: str, ckpt_path: str | None, merge_lora: bool) -> None:
+    record = {
+        "written_by": "grpo-lightning export",
+        "checkpoint": ckpt_path,
+        "merge_lora": merge_lora,
+        "files": sorted(_entries(folder)),
+    }
+    with open(os.path.join(folder, EXPORT_MARKER), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+
+
+def _not_written_by_export(folder: str) -> list[str]:
+    """What `folder` holds that an earlier export did not write there: everything, without the marker."""
+    entries = _entries(folder) - {EXPORT_MARKER}
+    try:
+        with open(os.path.join(folder, EXPORT_MARKER), encoding="utf-8") as f:
+            written = set(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return sorted(entries)
+    return sorted(entries - written)
+
+
+def check_export_folder(
+    out_dir: str, overwrite: bool, protected: Mapping[str, str | None] | None = None
+) -> None:
+    """Refuse an export folder whose replacement would destroy anything that is not an earlier export.
+
+    Refused whatever `overwrite` says: a file; the working directory or a folder above it; a folder that is,
+    or holds, one of the `protected` paths (the folders the policy and tokenizer were loaded from, a
+    checkpoint, a run's logs); a non-empty folder that no export wrote, or that holds anything an export
+    did not write. A non-empty earlier export is replaced only with `overwrite`.
+    """
+    guarded = {"the working directory": os.getcwd(), **(protected or {})}
+    for what, path in guarded.items():
+        if path and _inside(path, out_dir):  # also a path not made yet: a run's checkpoints to come
+            where = "is" if _inside(out_dir, path) else "holds"
+            raise ValueError(
+                f"export folder {out_dir!r} {where} {what} ({path}): an export replaces its folder whole; "
+                "choose another folder"
+            )
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"export folder {out_dir!r} is a file: choose a folder")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    foreign = _not_written_by_export(out_dir)
+    if foreign and not os.path.isfile(os.path.join(out_dir, EXPORT_MARKER)):
         raise ValueError(
-            f"export folder {out_dir!r} is not empty (it holds {_some(os.listdir(out_dir))}): choose "
-            "another folder, or replace it whole with --overwrite true (ExportBestCallback: overwrite: true)"
+            f"export folder {out_dir!r} holds {_some(foreign)} and no earlier export wrote it (it has no "
+            f"{EXPORT_MARKER}): choose another folder; --overwrite replaces only an earlier export"
+        )
+    if foreign:
+        raise ValueError(
+            f"export folder {out_dir!r} holds {_some(foreign)}, which its earlier export did not write: move "
+            "them out, or choose another folder"
+        )
+    if not overwrite:
+        raise ValueError(
+            f"export folder {out_dir!r} holds an earlier export: choose another folder, or replace it with "
+            "--overwrite true (ExportBestCallback: overwrite: true)"
         )
 
 
@@ -250,8 +352,10 @@ class ExportBestCallback(L.Callback):
         out_dir: where to write. Default `<trainer.log_dir or default_root_dir>/export`.
         merge_lora: merge a LoRA adapter into the weights (a plain model) or save the adapter alone.
         model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
-        overwrite: replace a non-empty `out_dir` whole at the end. Default False: such a folder is refused
-            when `fit` starts, before any training.
+        overwrite: replace an earlier export in `out_dir` whole at the end. Default False: a non-empty
+            folder is refused when `fit` starts, before any training. Either way a folder that is not an
+            earlier export, or that is or holds the policy's folder, this run's logs or checkpoints, or the
+            working directory, is refused then (`check_export_folder`).
     """
 
     def __init__(
@@ -272,9 +376,20 @@ class ExportBestCallback(L.Callback):
     def _out_dir(self, trainer: L.Trainer) -> str:
         return self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
 
+    def _protected(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str | None]:
+        """What the export folder must not be or hold: where the model came from and this run's files."""
+        protected = sources_of(pl_module, self.model_attr, self.tokenizer_attr)
+        protected["the checkpoint this run resumes from"] = trainer.ckpt_path
+        protected["this run's logs"] = trainer.log_dir if trainer.loggers else None
+        if not trainer.loggers:
+            protected["this run's checkpoints"] = os.path.join(trainer.default_root_dir, "checkpoints")
+        for i, callback in enumerate(trainer.checkpoint_callbacks):
+            protected[f"this run's checkpoints ({type(callback).__name__} {i})"] = callback.dirpath
+        return protected
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # refused now rather than after training
-            check_export_folder(self._out_dir(trainer), self.overwrite)
+            check_export_folder(self._out_dir(trainer), self.overwrite, self._protected(trainer, pl_module))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
@@ -302,6 +417,7 @@ class ExportBestCallback(L.Callback):
                 model_attr=self.model_attr,
                 tokenizer_attr=self.tokenizer_attr,
                 overwrite=self.overwrite,
+                protected=self._protected(trainer, pl_module),
             )
             rank_zero_info(f"exported {'the final weights' if best is None else best} to {out_dir}")
         self.exported_from = best

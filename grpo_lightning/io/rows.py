@@ -76,6 +76,23 @@ def _json_kind(value: object) -> str:
     return kind if value is None else f"{kind} {json.dumps(value, ensure_ascii=False)[:60]}"
 
 
+def _wrapping_key(document: object) -> str | None:
+    """The key of a JSON object that wraps the rows in a list (`{"data": [{...}, {...}]}`), or None. Chat
+    messages, a list of objects that a row's prompt may hold, are not rows."""
+    if not isinstance(document, dict):
+        return None
+    return next(
+        (
+            key
+            for key, value in document.items()
+            if isinstance(value, list)
+            and len(value) > 1
+            and all(isinstance(item, dict) and "role" not in item for item in value)
+        ),
+        None,
+    )
+
+
 def _rows_of(records: list[tuple[str, object]]) -> list[tuple[str, object]]:
     """The records, each checked to be a row object: anything else is named with what it holds."""
     for where, row in records:
@@ -102,6 +119,12 @@ def read_records(path: str) -> list[tuple[str, object]]:
     else:
         if isinstance(document, list):
             return _rows_of([(f"{path}[{i}]", row) for i, row in enumerate(document)])
+        if key := _wrapping_key(document):
+            raise ValueError(
+                f"{path}: the whole file is one JSON object whose {key!r} holds a list of "
+                f"{len(document[key])} objects, but a row must be {ROW_SHAPE}: write that list alone to the "
+                f"file (e.g. jq '.{key}')"
+            )
         if sum(bool(line.strip()) for line in lines) > 1:  # one document over several lines: not rows
             raise ValueError(
                 f"{path}: the whole file is one JSON document, {_json_kind(document)}, but a row "

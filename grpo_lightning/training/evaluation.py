@@ -149,19 +149,39 @@ class GSM8KAccuracyCallback(L.Callback):
 
 
 class ValidationResultsWriter(L.Callback):
-    """Writes every validation completion of the last validation run to a JSON-lines file.
+    """Writes every validation completion of the last validation run to a JSON-lines file, judged as the
+    validation metrics judged it.
 
-    One line per completion: the row's data columns (GSM8K's `question`; TRL-format data's `prompt` and
-    any others), `sample` (index among the problem's samples), `completion`, `extracted` (the lenient
-    answer, as `val/accuracy` reads it, or null) and, where the data module has an answer column, `answer`
-    (the reference number) and `correct`. Needs a `validation_step` that returns `{"completions": [...]}`
-    with the `k` samples of each problem contiguous, as `GRPOModule` does. `path=None` writes nothing;
-    under DDP rank r > 0 writes `<path>.rank<r>`.
+    One line per completion: `set` (the validation set's name, as in `val/<name>/accuracy`; null for the
+    data module's own rows, `val/accuracy`), the row's data columns (GSM8K's `question`; TRL-format data's
+    `prompt` and any others), `sample` (index among the problem's samples) and `completion`; for a set
+    checked against a numeric answer `extracted` (the lenient answer, as `accuracy` reads it) and `answer`
+    (the reference number); for a set judged by a reward function `reward`; and `correct`, as that set's
+    `accuracy` counted it. A rank's padding repeats, which no metric counts, are left out. Needs a
+    `validation_step` that returns `{"completions": [...]}` with the `k` samples of each problem contiguous;
+    `GRPOModule`'s also returns each completion's judgement. `path=None` writes nothing; under DDP rank
+    r > 0 writes `<path>.rank<r>`.
+
+    Args:
+        path: the file to write. Checked when the run starts: a folder, or a file that is not such a
+            results file, is refused; an earlier results file only with `overwrite`.
+        overwrite: replace an earlier results file at `path`. Default False.
     """
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, overwrite: bool = False) -> None:
         self.path = path
+        self.overwrite = overwrite
         self._records: list[dict] = []
+        self._checked: str | None = None  # the path checked for this run: later validations rewrite it
+
+    def _rank_path(self, trainer: L.Trainer) -> str:
+        return self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.path is not None:  # before any weights load: never after the validation it is for
+            path = self._rank_path(trainer)
+            check_results_path(path, self.overwrite)
+            self._checked = path
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._records = []
@@ -170,16 +190,25 @@ class ValidationResultsWriter(L.Callback):
         if self.path is None:
             return
         completions = outputs["completions"]
-        column = getattr(trainer.datamodule, "answer_column", "answer")  # the reference, where there is one
+        k = len(completions) // len(batch["prompt"])
+        counted = outputs.get("counted", [True] * len(batch["prompt"]))
+        # The reference's column: the set's own, where the module says which it checked.
+        column = outputs.get("answer_column", getattr(trainer.datamodule, "answer_column", "answer"))
         # The data's own columns; the preset's chat prompt is made from its question, which says it shorter.
         shown = [key for key in batch if key != column and not (key == "prompt" and "question" in batch)]
-        k = len(completions) // len(batch["prompt"])
         for i, completion in enumerate(completions):
-            record = {key: batch[key][i // k] for key in shown}
-            extracted = extract_answer(completion)
-            record.update(sample=i % k, completion=completion, extracted=extracted)
-            if column in batch:
-                record.update(self._judged(batch[column][i // k], extracted))
+            if not counted[i // k]:
+                continue
+            record = {"set": outputs.get("set")} | {key: batch[key][i // k] for key in shown}
+            record.update(sample=i % k, completion=completion)
+            if "rewards" in outputs:  # judged by the set's reward function
+                record.update(reward=outputs["rewards"][i], correct=outputs["correct"][i])
+            else:
+                record["extracted"] = extract_answer(completion)
+                if column in batch:
+                    record.update(self._judged(batch[column][i // k], record["extracted"]))
+                if "correct" in outputs:
+                    record["correct"] = outputs["correct"][i]
             self._records.append(record)
 
     @staticmethod
@@ -195,10 +224,53 @@ class ValidationResultsWriter(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.path is None or trainer.sanity_checking:
             return
-        path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
+        path = self._rank_path(trainer)
+        if path != self._checked:  # validation called without setup (a bare loop): checked here
+            check_results_path(path, self.overwrite)
+            self._checked = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             for record in self._records:
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         correct = sum(bool(r.get("correct")) for r in self._records)
         rank_zero_info(f"{len(self._records)} validation completions ({correct} correct) written to {path}")
+
+
+def check_results_path(path: str, overwrite: bool) -> None:
+    """Refuse a results path that is a folder, whose folder cannot be made, or that holds a non-empty file
+    other than an earlier results file (any non-empty file without `overwrite`)."""
+    if os.path.isdir(path):
+        raise ValueError(f"results.path={path!r} is a folder: name the file to write, e.g. {path}/val.jsonl")
+    parent = os.path.dirname(os.path.abspath(path))
+    blocking = next((p for p in _ancestors(parent) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocking is not None:
+        raise ValueError(f"results.path={path!r}: {blocking} is a file, not a folder")
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    if not _is_results_file(path):
+        raise ValueError(
+            f"results.path={path!r} holds a file that is not a validation results file: choose another path"
+        )
+    if not overwrite:
+        raise ValueError(
+            f"results.path={path!r} holds the results of an earlier validation: choose another path, or "
+            "replace them with --results.overwrite true"
+        )
+
+
+def _ancestors(folder: str) -> list[str]:
+    """`folder` and every folder above it, outermost first."""
+    chain = [folder]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    return chain[::-1]
+
+
+def _is_results_file(path: str) -> bool:
+    """Whether every line of `path` is a JSON object with a `completion` and its `sample`, as written here."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(r, dict) and {"completion", "sample"} <= r.keys() for r in records)

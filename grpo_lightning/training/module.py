@@ -73,7 +73,9 @@ from grpo_lightning.training.monitoring import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
+from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.training_state import (
+    check_resumed_data,
     drop_reference,
     load_grpo_state,
     reference_syncs_of,
@@ -281,7 +283,7 @@ class GRPOModule(L.LightningModule):
         if self.trainer.state.fn == TrainerFn.FITTING:
             for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
                 rank_zero_info(line)
-        defaults = [CollapseMonitor(), InterruptCheckpoint()]
+        defaults = [CollapseMonitor(), InterruptCheckpoint(), FitChecks()]
         if self.grpo.log_completions_every > 0:
             defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
         if self.grpo.preflight:
@@ -299,6 +301,9 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+            new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
+            check_resumed_data(checkpoint, self.trainer.datamodule, new_data)
         if self.reference is not None:
             restore_reference(checkpoint, self.reference)
         if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
@@ -495,6 +500,7 @@ class GRPOModule(L.LightningModule):
         each: the last one's statistics and gradient norm."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         sum_over_ranks = functools.partial(self.trainer.strategy.reduce, reduce_op="sum")
+        max_steps = self.trainer.max_steps  # -1: no limit
         for _ in range(self.grpo.num_iterations):
             for mini_batch in mini_batches(trajectory, self.grpo.steps_per_generation):
                 denominators = mini_batch_denominators(mini_batch, sum_over_ranks, self.trainer.world_size)
@@ -503,6 +509,8 @@ class GRPOModule(L.LightningModule):
                     self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                     scheduler.step()
                     self._weights_updated()
+                if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
+                    return stats, grad_norm
         return stats, grad_norm
 
     def reward_inputs(

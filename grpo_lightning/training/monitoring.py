@@ -98,7 +98,9 @@ def _markdown_cell(text: str, max_chars: int) -> str:
         text = text[:max_chars] + " …"
     for char in "\\`*_[]#":  # Markdown's own characters, the backslash first
         text = text.replace(char, "\\" + char)
-    return html.escape(text, quote=False).replace("|", "&#124;").replace("\n", "<br>")
+    # Every line break a decoded completion can hold (\r, \x0b, \x85, \u2028, ... as well as \n) would end
+    # the table's row.
+    return "<br>".join(html.escape(text, quote=False).replace("|", "&#124;").splitlines())
 
 
 def completion_rows(record: RolloutRecord, num_prompts: int = 2) -> tuple[list[str], list[list]]:

@@ -111,8 +111,9 @@ class InterruptCheckpoint(L.Callback):
     many non-finite steps) stops a step before its update, so the weights are those of the last completed
     step; this is done on a single device only, where no other rank can be left waiting in the save.
 
-    The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else
-    `<default_root_dir>/checkpoints`) as `interrupted.ckpt`; resume with `--ckpt_path <that path>`.
+    The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else `<log_dir>/checkpoints`
+    with a logger, `<default_root_dir>/checkpoints` without) as `interrupted.ckpt`, or `interrupted-v1.ckpt`,
+    ... where that name is taken (never over a file); the log names it: resume with `--ckpt_path <path>`.
     `stopped_by` says which signal stopped the run ("SIGTERM", "Ctrl-C"; None otherwise), so that the CLI
     can exit with a non-zero status. Where the strategy writes checkpoints with Lightning's default
     `TorchCheckpointIO`, it is replaced by `AtomicCheckpointIO`, for this checkpoint and `ModelCheckpoint`'s.
@@ -129,10 +130,23 @@ class InterruptCheckpoint(L.Callback):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
-    def path(self, trainer: L.Trainer) -> str:
+    def folder(self, trainer: L.Trainer) -> str:
+        """Where the checkpoint goes: `dirpath`, else the `ModelCheckpoint`'s folder, else where one would
+        write (`<log_dir>/checkpoints` with a logger, `<default_root_dir>/checkpoints` without)."""
         dirpath = self.dirpath or getattr(trainer.checkpoint_callback, "dirpath", None)
-        dirpath = dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
-        return os.path.join(dirpath, INTERRUPT_FILENAME)
+        if dirpath is None and trainer.loggers:
+            dirpath = os.path.join(trainer.log_dir, "checkpoints")
+        return dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
+
+    def path(self, trainer: L.Trainer) -> str:
+        """`interrupted.ckpt` in `folder`; `interrupted-v1.ckpt`, ... where a file of that name exists
+        (another run's, or the one this run resumed from), as `ModelCheckpoint` versions its names."""
+        stem, suffix = os.path.splitext(INTERRUPT_FILENAME)
+        path, version = os.path.join(self.folder(trainer), INTERRUPT_FILENAME), 0
+        while os.path.exists(path):
+            version += 1
+            path = os.path.join(self.folder(trainer), f"{stem}-v{version}{suffix}")
+        return path
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self.stopped_by, self._ctrl_c = None, None, False

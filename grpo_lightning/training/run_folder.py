@@ -37,15 +37,15 @@ def run_folder(trainer: L.Trainer) -> str:
 
 
 # Arguments of `Trainer.fit` itself, not of the run: left out, so that every subcommand takes the saved file.
-FIT_ARGUMENTS = ("ckpt_path", "weights_only")
+FIT_ARGUMENTS = ("ckpt_path", "weights_only", "new_data")
 
 
 class SaveRunConfig(SaveConfigCallback):
     """Writes the run's whole config (every default filled in, the seed drawn, options taken from a resumed
     checkpoint) to `config.yaml` in `run_folder` when `fit` starts; nothing for `validate` or `export`, which
-    train nothing. `fit`'s own `ckpt_path` and `weights_only` are left out: `validate`, `export`, `audit`
-    and `fit` all take the file. A folder that already holds a config (a logger given a fixed version) is
-    refused."""
+    train nothing. `fit`'s own `ckpt_path`, `weights_only` and `new_data` are left out: `validate`,
+    `export`, `audit` and `fit` all take the file. A folder that already holds a config (a logger given a
+    fixed version) is refused."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.already_saved:

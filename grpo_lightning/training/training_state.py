@@ -9,6 +9,7 @@ CPU. The frozen reference never changes: it is rebuilt from the policy's source,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -100,6 +101,52 @@ def warn_changed_options(saved: dict, own: dict) -> None:
             f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
         )
         rank_zero_warn(f"the checkpoint was trained with other options, this module's apply: {listed}")
+
+
+# Data options that leave what is trained on, its order and the batches' size alone: free to change on resume.
+DATA_OPTIONS_FREE_ON_RESUME = ("val_batch_size", "num_workers")
+
+
+def changed_data_options(saved: Mapping, current: Mapping) -> list[tuple[str, object, object]]:
+    """`(data.<option>, checkpoint's value, this run's)` for each data option of a resumed run that changes
+    what is trained on, in what order or how much per step: the source, splits, sizes, columns, prompt,
+    batch size, seed, and the data module's class. The checkpoint's position in its data (epoch, batches
+    done) means nothing in other data. `val_size` counts only where a run holds its validation rows out of
+    the training rows (`val_split: holdout`)."""
+    holdout = "holdout" in (saved.get("val_split", "holdout"), current.get("val_split", "holdout"))
+    free = {*DATA_OPTIONS_FREE_ON_RESUME, *(() if holdout else ("val_size",))}
+    rows = [
+        (f"data.{key}", theirs, ours)
+        for key, theirs, ours in option_differences(saved, current)
+        if key not in free
+    ]
+    theirs, ours = saved.get("_class_path"), current.get("_class_path")
+    if theirs and ours and theirs.rpartition(".")[2] != ours.rpartition(".")[2]:
+        rows.insert(0, ("data.class_path", theirs, ours))
+    return rows
+
+
+def listed_differences(changed: list[tuple[str, object, object]]) -> str:
+    """`a: checkpoint 1, this run 2; b: ...`: options that differ from a checkpoint's, for messages."""
+    return "; ".join(f"{key}: checkpoint {theirs!r}, this run {ours!r}" for key, theirs, ours in changed)
+
+
+def check_resumed_data(checkpoint: dict, datamodule: object, new_data: bool) -> None:
+    """On resume: with `new_data`, drop the checkpoint's position in its data, so that this data module starts
+    from its beginning; without, warn naming the data options that differ from the checkpoint's (from
+    Python: `cli.py fit` has refused them before anything loaded)."""
+    hparams = getattr(datamodule, "hparams", None)
+    if new_data:
+        checkpoint.pop(type(datamodule).__qualname__, None)
+        return
+    saved = checkpoint.get("datamodule_hyper_parameters")
+    changed = changed_data_options(saved, dict(hparams)) if saved and hparams is not None else []
+    if changed:
+        rank_zero_warn(
+            f"resuming on other data ({listed_differences(changed)}) at the checkpoint's position in its own "
+            "data: to start this data from its beginning instead, fit with GRPOTrainer(...).fit(..., "
+            "new_data=True)"
+        )
 
 
 def drop_reference(checkpoint: dict) -> None:

@@ -57,6 +57,10 @@ class ValidationScoring:
             for s in sets
         ]
 
+    def metric_names(self, datamodule: object) -> list[str]:
+        """Every metric `end` returns for `datamodule`'s validation loaders (`val/...`, `val/<name>/...`)."""
+        return [name for scores in self._set_scores(datamodule) for name in scores.metric_names()]
+
     def step(
         self,
         batch: dict[str, list],
@@ -71,13 +75,17 @@ class ValidationScoring:
         counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
         rollout, completions = sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
         lengths = rollout.completion_mask.sum(1)  # [N * k]
+        # What was judged, as the metrics judged it, for callbacks such as ValidationResultsWriter.
+        judged = {"completions": completions, "set": scores.name, "counted": counted}
         if scores.reward is not None:
             inputs = reward_inputs(batch, rollout, completions, batch_idx)
-            scores.update_rewards(counted, lengths, call_reward(scores.reward, inputs))
+            rewards = call_reward(scores.reward, inputs)
+            judged |= {"rewards": rewards, "correct": scores.update_rewards(counted, lengths, rewards)}
         else:
-            answers = batch[scores.answer_column or self._answer_column(batch)]
-            scores.update_answers(counted, lengths, completions, answers)
-        return {"completions": completions}  # for callbacks such as ValidationResultsWriter
+            column = scores.answer_column or self._answer_column(batch)
+            correct = scores.update_answers(counted, lengths, completions, batch[column])
+            judged |= {"answer_column": column, "correct": correct}
+        return judged
 
     def _answer_column(self, batch: dict[str, list]) -> str:
         """The batch column validation checks completions against: the data module's answer column."""

@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler
 from torchmetrics import MeanMetric
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
-from grpo_lightning.core.rewards.verifiable import reference_answer
+from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.rows import (
     DATA_FILE_TYPES,
     DEFAULT_SYSTEM_PROMPT,
@@ -211,28 +211,42 @@ class SetScores:
         self.completion_length.to(device)
         return self
 
+    @property
+    def name(self) -> str | None:
+        """The set's name, as its metrics carry it (`val/<name>/...`); None for the data module's own rows."""
+        return self.prefix.removeprefix("val/").removesuffix("/") or None
+
     def update_answers(
         self, counted: Sequence[bool], lengths: Tensor, completions: Sequence[str], answers: Sequence
-    ) -> None:
+    ) -> list[bool]:
         """Fold in a batch checked against numeric answers: `counted` and `answers` per problem, the `k`
-        `completions` per problem and their `lengths` ([N * k])."""
+        `completions` per problem and their `lengths` ([N * k]). Returns whether each completion is right as
+        `accuracy` reads it (the lenient answer equals the reference)."""
         keep = self._counted_completions(counted)
         if keep:
             kept_answers = [str(a) for a, c in zip(answers, counted, strict=True) if c]
             self.accuracy.update([completions[i] for i in keep], kept_answers)
             self.completion_length.update(lengths[keep].float())
+        references = [reference_answer(str(a)) for a in answers]
+        return [extract_answer(c) == references[i // self.k] for i, c in enumerate(completions)]
 
     def update_rewards(
         self, counted: Sequence[bool], lengths: Tensor, rewards: Sequence[float | None]
-    ) -> None:
-        """Fold in a batch judged by the set's reward: one reward per completion (None counts as wrong)."""
+    ) -> list[bool]:
+        """Fold in a batch judged by the set's reward: one reward per completion (None counts as wrong).
+        Returns whether each completion is right as `accuracy` counts it (full marks)."""
         keep = self._counted_completions(counted)
         if keep:
             self.accuracy.update([0.0 if rewards[i] is None else rewards[i] for i in keep])
             self.completion_length.update(lengths[keep].float())
+        return [r is not None and r >= self.accuracy.full_marks for r in rewards]
 
     def _counted_completions(self, counted: Sequence[bool]) -> list[int]:
         return [i for i, c in enumerate(counted) for i in range(i * self.k, (i + 1) * self.k) if c]
+
+    def metric_names(self) -> list[str]:
+        """The names `compute` logs."""
+        return [self.prefix + key for key in (*self.accuracy.KEYS, "completion_length")]
 
     def compute(self) -> dict[str, Tensor]:
         """The metrics over every rank's counted rows, under their logged names; resets for the next run.

@@ -1,0 +1,140 @@
+"""The CLI's config checks that come before jsonargparse's, and its reports made plain, one line each.
+
+- `check_config_files`: every `--config` YAML holds a mapping of sections, and each section (`model`, `data`,
+  `trainer`, `model.grpo`, ...) a mapping, not a number or a list (jsonargparse would drop such a section and
+  report an option as missing, or fail with a traceback);
+- `plain_value_error`: jsonargparse's report of a value that no accepted type takes (`Does not validate
+  against any of the Union subtypes ... Given value: inf`) as the key, the value and what it takes; where a
+  class refused the value itself (its own `ValueError`), that message alone;
+- `strategy_class_path`: `trainer.strategy` named by a `Strategy` class (`ModelParallelStrategy`, or its
+  import path), which Lightning would take for an unknown strategy name, as the class path it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Sequence
+
+import yaml
+
+# Sections of a config: where a YAML config holds a mapping, with what it holds the options of.
+SECTIONS = {
+    ("model",): "GRPOModule's options",
+    ("data",): "the data module's options",
+    ("trainer",): "the Trainer's options",
+    ("model", "grpo"): "GRPOConfig options",
+    ("model", "model_options"): "ModelOptions options",
+    ("model", "lora"): "LoraOptions options",
+}
+_YAML_KINDS = {list: "a list", int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The files that `--config` / `-c` name in a command line."""
+    files = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.removeprefix("--config="))
+    return files
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Refuse a `--config` file whose sections are not mappings, naming the file and the section."""
+    for path in config_files(argv):
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse reports a missing or broken file in its own words
+        if config is None:
+            continue
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"config {path} holds {_YAML_KINDS.get(type(config), 'a value')}: a config is a mapping of "
+                "sections (model:, data:, trainer:)"
+            )
+        for keys, owner in SECTIONS.items():
+            value = config
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            # A string may be a file holding the section, or the data module's class path.
+            if value is not None and not isinstance(value, dict | str):
+                raise ValueError(
+                    f"config {path}: {'.'.join(keys)} is {_YAML_KINDS.get(type(value), 'a value')} "
+                    f"({value!r}): it must be a section, a mapping of {owner}"
+                )
+
+
+_SIMPLE = re.compile(
+    r'^Parser key "(?P<key>[^"]+)": Expected a (?P<types><class \'[^\']+\'>)\. Got value: (?P<value>.*)$'
+)
+_UNION = re.compile(
+    r'^(?:Parser key "(?P<key>[^"]+)": )?Does not validate against any of the Union subtypes '
+    r"Subtypes: \[(?P<types>.*?)\] Errors:(?P<errors>.*?)"
+    r"(?: Given value type: .*? Given value: (?P<value>.*))?$"
+)
+_TYPE = re.compile(r"list\[[\w.]+\]|<class '[\w.]+'>")
+# The errors jsonargparse writes of a type it tried; anything else is the class's own message.
+_GENERIC = ("Expected a ", "Not a valid subclass", "Does not validate", "a class path", "a dict with")
+_TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
+
+
+def _type_word(token: str, finite: bool) -> str:
+    name = token.removeprefix("<class '").removesuffix("'>")
+    if name.startswith("list["):
+        return f"a list of {name[5:-1].rpartition('.')[2]}"
+    if name == "NoneType":
+        return "null"
+    if name == "float" and finite:
+        return "a finite number"
+    return _TYPE_WORDS.get(name, f"a {name.rpartition('.')[2]} (a class path, or a mapping of its options)")
+
+
+def _not_finite(value: str) -> bool:
+    try:
+        return not math.isfinite(float(value.strip("'\"")))
+    except ValueError:
+        return False
+
+
+def plain_value_error(message: str) -> str:
+    """A one-line jsonargparse message made plain (see the module's docstring); other messages as given."""
+    if match := _SIMPLE.match(message):
+        words = _type_word(match["types"], _not_finite(match["value"]))
+        return f"{match['key']}={match['value']}: expected {words}"
+    match = _UNION.match(message)
+    if not match:
+        return message
+    errors = [error.strip() for error in re.split(r"(?:^| )- ", match["errors"])]
+    own = [error for error in errors if error and not error.startswith(_GENERIC)]
+    if own:  # the class's own complaint about the value
+        return f"{match['key']}: {own[0]}" if match["key"] else own[0]
+    value = match["value"]
+    words = " or ".join(
+        _type_word(t, value is not None and _not_finite(value)) for t in _TYPE.findall(match["types"])
+    )
+    where = match["key"] or "a value"
+    return f"{where}={value}: expected {words}" if value is not None else f"{where}: expected {words}"
+
+
+def strategy_class_path(strategy: object) -> str | None:
+    """The class path of a `Strategy` subclass that `strategy` names (a Lightning strategy's class name, or
+    an import path), where it is not one of Lightning's registered strategy names; else None."""
+    from lightning.pytorch import strategies
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if not isinstance(strategy, str) or strategy in StrategyRegistry.available_strategies():
+        return None
+    module_name, _, name = strategy.rpartition(".")
+    try:
+        module = importlib.import_module(module_name) if module_name else strategies
+    except ImportError:
+        return None
+    found = getattr(module, name, None)
+    if isinstance(found, type) and issubclass(found, strategies.Strategy):
+        return f"{found.__module__}.{found.__qualname__}"
+    return None

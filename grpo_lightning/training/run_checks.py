@@ -1,0 +1,115 @@
+"""What a `fit` is about to do, checked before any weights load, so that a run never trains to find it.
+
+`FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up:
+
+- the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
+  a path through a file, or a folder this process cannot write, is refused;
+- the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
+  itself, so a `val/...` name it does not log is refused with the ones it does, and so is a name without a
+  namespace close to one of them (`val_accuracy`); a `val/...` monitor with validation off is warned about;
+- the run's length: a decaying learning-rate schedule needs `trainer.max_steps` or `max_epochs`; a
+  `max_steps` that is not a multiple of the optimizer steps a training step makes is warned about (the
+  module stops at `max_steps`, part-way through the last rollout's mini-batches).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+import lightning as L
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+
+from grpo_lightning.training.resume import InterruptCheckpoint
+
+
+class FitChecks(L.Callback):
+    """The checks above, on a `GRPOModule`'s `fit`."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_output_folders(trainer)
+        check_monitors(trainer, logged_metric_names(trainer, pl_module))
+        check_run_length(trainer, pl_module.grpo)
+
+
+def check_output_folders(trainer: L.Trainer) -> None:
+    """Each folder the run will write must be a folder, or makeable as one, that this process can write."""
+    folders = {"trainer.default_root_dir": trainer.default_root_dir}
+    for logger in trainer.loggers:
+        folders[f"{type(logger).__name__}.save_dir"] = getattr(logger, "save_dir", None)
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            folders[f"ModelCheckpoint(dirpath={callback.dirpath!r})"] = callback.dirpath
+        elif isinstance(callback, InterruptCheckpoint):
+            folders[f"InterruptCheckpoint(dirpath={callback.dirpath!r})"] = callback.dirpath
+    for option, folder in folders.items():
+        if folder:
+            problem = _unwritable(os.path.abspath(folder))
+            if problem:
+                raise ValueError(f"{option}: {problem}; the run writes there")
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why `folder` cannot be written (a file on its path, no permission), or None."""
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"this process may not write in {existing}"
+    return None
+
+
+def logged_metric_names(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+    """The `val/...` metrics the module logs (every validation set's), and its rewards' `train/...` means."""
+    names = pl_module.validation.metric_names(trainer.datamodule)
+    names += ["train/reward", *(f"train/rewards/{name}" for name in pl_module.reward_names)]
+    return names
+
+
+def check_monitors(trainer: L.Trainer, logged: list[str]) -> None:
+    """Refuse a monitored metric that the module will never log (see the module's docstring)."""
+    validates = trainer.limit_val_batches != 0
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelCheckpoint | EarlyStopping) or not callback.monitor:
+            continue
+        monitor, owner = callback.monitor, f"{type(callback).__name__}(monitor={callback.monitor!r})"
+        if monitor in logged:
+            if monitor.startswith("val/") and not validates:
+                rank_zero_warn(
+                    f"{owner}: validation never runs (trainer.limit_val_batches=0), so {monitor} is never "
+                    "logged and the callback never acts"
+                )
+            continue
+        close = difflib.get_close_matches(monitor, logged, n=1, cutoff=0.8)
+        # Another namespace (`gsm8k/`, `monitor/`, `train/`) is another logger's, or a reward's log_metric.
+        if monitor.startswith("val/") or (close and "/" not in monitor):
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            shown = [name for name in logged if name.startswith("val/")]
+            raise ValueError(
+                f"{owner}: GRPOModule never logs {monitor!r}; {hint}it logs {', '.join(shown)} (and "
+                "train/... metrics each step)"
+            )
+
+
+def check_run_length(trainer: L.Trainer, grpo) -> None:
+    """A decaying schedule needs a known length; `max_steps` should fall at a training step's end."""
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if grpo.lr_scheduler_type != "constant" and max_steps < 0 and (max_epochs is None or max_epochs < 0):
+        raise ValueError(
+            f"model.grpo.lr_scheduler_type={grpo.lr_scheduler_type!r} decays over the run, whose length is "
+            "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
+            "lr_scheduler_type: constant"
+        )
+    per_batch = grpo.steps_per_generation * grpo.num_iterations
+    if max_steps > 0 and max_steps % per_batch:
+        rank_zero_warn(
+            f"trainer.max_steps={max_steps} is not a multiple of the {per_batch} optimizer steps a training "
+            f"step makes (model.grpo.steps_per_generation={grpo.steps_per_generation} x "
+            f"num_iterations={grpo.num_iterations}): the run stops at step {max_steps}, after "
+            f"{max_steps % per_batch} of the last rollout's {per_batch}"
+        )

@@ -1,0 +1,119 @@
+"""Everything that can be checked before the first step is: the folders a fit writes, the metrics its
+callbacks monitor, the schedule's length, and the benchmark's flags and runs' options, before any weights
+load (a refused run trains nothing and writes nothing)."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.run_checks import check_monitors, logged_metric_names
+from tests.helpers import digit_reward, quiet_trainer, tiny_module
+from tests.test_heldout import load_script
+
+COMPARE = load_script("compare_options", "benchmarks/compare_options.py")
+
+
+def fit_refused(module_dir: str, root, callbacks=(), match: str = "", **trainer) -> None:
+    """A fit with these callbacks and Trainer options must stop before any weights load, saying `match`."""
+    module = tiny_module(module_dir, reward_funcs=[digit_reward], **trainer.pop("grpo", {}))
+    trainer = quiet_trainer(
+        default_root_dir=str(root), callbacks=list(callbacks), **{"max_steps": 1, **trainer}
+    )
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, GSM8KDataModule("arithmetic", None, batch_size=2, val_size=2))
+    assert module.policy is None and trainer.global_step == 0
+
+
+def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
+    tiny_model_dir, tmp_path, no_weights
+):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    fit_refused(
+        tiny_model_dir,
+        tmp_path,
+        [ModelCheckpoint(dirpath=str(a_file / "ckpt"))],
+        match=rf"ModelCheckpoint\(dirpath='{a_file}/ckpt'\): {a_file} is a file, not a folder",
+        enable_checkpointing=True,
+    )
+    fit_refused(
+        tiny_model_dir,
+        tmp_path,
+        [ModelCheckpoint(monitor="val/acuracy")],
+        match=r"ModelCheckpoint\(monitor='val/acuracy'\): GRPOModule never logs 'val/acuracy'; did you mean "
+        r"'val/accuracy'\? it logs val/accuracy, val/accuracy_strict, ",
+        enable_checkpointing=True,
+    )
+    fit_refused(
+        tiny_model_dir, tmp_path, [EarlyStopping("val_accuracy")], match="did you mean 'val/accuracy'"
+    )
+    fit_refused(
+        tiny_model_dir,
+        tmp_path,
+        match=r"model.grpo.lr_scheduler_type='linear' decays over the run, whose length is unknown",
+        max_steps=-1,
+        max_epochs=-1,
+        grpo={"lr_scheduler_type": "linear"},
+    )
+
+
+@pytest.fixture(scope="module")
+def logged(tiny_model_dir) -> list[str]:
+    module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward])
+    trainer = quiet_trainer()
+    data = GSM8KDataModule("arithmetic", None, val_size=2)
+    data.setup("fit")
+    trainer.datamodule = data  # as fit sets it
+    return logged_metric_names(trainer, module)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_monitor_one_typo_away_from_a_logged_metric_is_refused(logged, data):
+    """Any logged name is accepted; one edit away from a `val/...` name (a letter dropped, doubled or
+    changed, `_` for `/`) is refused before the run, naming the metric meant; another namespace's metric
+    (`gsm8k/accuracy_strict`, from another callback) is not the module's to judge."""
+    name = data.draw(st.sampled_from([n for n in logged if n.startswith("val/")]))
+    i = data.draw(st.integers(len("val"), len(name) - 1))  # after the namespace: its `/` and on
+    edit = data.draw(st.sampled_from(["drop", "double", "change"]))
+    typo = {
+        "drop": name[:i] + name[i + 1 :],
+        "double": name[:i] + name[i] + name[i:],
+        "change": name[:i] + ("_" if name[i] == "/" else "x") + name[i + 1 :],
+    }[edit]
+    check_monitors(
+        quiet_trainer(callbacks=[ModelCheckpoint(monitor=name)], enable_checkpointing=True), logged
+    )
+    if typo in logged:
+        return
+    with pytest.raises(ValueError, match=f"never logs {typo!r}"):
+        check_monitors(quiet_trainer(callbacks=[EarlyStopping(typo)]), logged)
+    check_monitors(quiet_trainer(callbacks=[EarlyStopping("gsm8k/" + name.removeprefix("val/"))]), logged)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--eval_every", "0"], "--eval_every 0: must be >= 1"),
+        (["--threads", "-1"], "--threads -1: must be >= 1"),
+        (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
+        (["--variants", "baseline", "baseline"], "--variants names 'baseline' twice"),
+        (["--set", "model.grpo.top_p=2"], "GRPOConfig.top_p=2: must be > 0 and <= 1"),
+        (["--variants", "step_credit", "--step_credit", "-1"], "GRPOConfig.step_credit=-1.0: must be >= 0"),
+        (["--cpu_budget", "0"], "CPUTimeBudget.max_cpu_seconds=0.0: must be > 0 or None"),
+        (["--set", "data.batch_size=0"], "data.batch_size=0: must be >= 1"),
+        (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+    ],
+)
+def test_compare_options_refuses_bad_flags_before_its_first_step(tiny_model_dir, tmp_path, flags, message):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {tiny_model_dir}\ndata:\n  source: arithmetic\n")
+    out = tmp_path / "runs" / "results.json"
+    with pytest.raises(ValueError) as error:
+        COMPARE.main(["--config", str(config), "--out", str(out), *flags])
+    assert str(error.value).startswith(message)
+    assert not os.path.exists(tmp_path / "runs")  # nothing trained, nothing written

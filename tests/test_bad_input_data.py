@@ -1,0 +1,218 @@
+"""Bad data ends in one line naming the file, line (or data set, split and row) and field, before any
+weights load: rows as they are checked, and files as they are read (valid JSON of another shape is named as
+what it is)."""
+
+import json
+import os
+import tempfile
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpo_lightning.core.metrics import GSM8KAccuracy
+from grpo_lightning.core.rewards.verifiable import normalize_number, reference_answer
+from grpo_lightning.io.rows import CHAT_ROLES, check_prompt, check_row, read_records
+from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
+from tests.helpers import cli_error, one_error_line, write_rows
+from tests.test_interrupt import fit_args
+
+ROW = {"question": "Tom has 2 apples and gets 3 more. How many now?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+# ------------------------------------------------------------------------------------------ data
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([ROW, {"question": "q?"}], "rows.jsonl:2: missing field 'answer' (has ['question'])"),
+        ([{"answer": "#### 1"}], "rows.jsonl:1: missing field 'question' (has ['answer'])"),
+        ([ROW, ROW, {"question": "q?", "answer": "5"}], "rows.jsonl:3: field 'answer' has no final '#### "),
+        ([{"question": "  ", "answer": "#### 1"}], "rows.jsonl:1: field 'question' is empty or not a string"),
+        (
+            [ROW, {**ROW, "answer": 5}],
+            "rows.jsonl:2: field 'answer' is the number 5: the GSM8K preset reads ",
+        ),
+    ],
+)
+def test_bad_row_names_file_line_and_field(tmp_path, rows, message):
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError) as error:  # as the data module's setup, before any weights load
+        GSM8KDataModule(source=source, val_size=0).setup("fit")
+    assert str(error.value).startswith(f"{tmp_path}/{message}")
+
+
+def test_missing_and_non_utf8_data_files(tiny_model_dir, tmp_path, capsys, no_weights):
+    missing = tmp_path / "absent.jsonl"
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={missing}"), capsys)
+    assert f"error: data file '{missing}' does not exist" in err
+
+    latin1 = tmp_path / "latin1.jsonl"
+    row = json.dumps({"question": "caf\u00e9?", "answer": "#### 1"}, ensure_ascii=False)
+    latin1.write_bytes(row.encode("latin-1"))
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={latin1}"), capsys)
+    assert f"error: {latin1}: not valid UTF-8 (invalid continuation byte at byte " in err
+
+
+@pytest.mark.parametrize("preset", [True, False], ids=["gsm8k", "trl-format"])
+def test_a_column_only_some_rows_carry_is_named_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, preset
+):
+    if preset:
+        rows = [ROW, ROW, {**ROW, "hint": "add"}]
+        data = []
+    else:
+        row = {"prompt": "2 + 3?", "solution": "5"}
+        rows = [row, {"prompt": "1 + 1?"}, row]
+        data = ["--data=grpo_lightning.training.data.PromptDataModule"]
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *data, f"--data.source={source}"), capsys)
+    where = f"{source}:3: has column 'hint'" if preset else f"{source}:2: lacks column 'solution'"
+    assert f"error: {where}, unlike the first row ({source}:1, columns [" in err
+    assert "every row needs the same columns" in err
+
+
+# ------------------------------------------------------------------------------------------ 2. data files
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+GOOD_ROW = {"prompt": "2 + 3?", "answer": "5"}
+
+
+def read_text(text: str, name: str = "rows.jsonl"):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return read_records(path), path
+
+
+class TestDataFilesAsRead:
+    @given(st.sampled_from(["rows.jsonl", "rows.json"]), JSON_VALUES, st.booleans())
+    def test_valid_json_of_another_shape_is_named_never_invalid(self, name, document, pretty):
+        text = json.dumps(document, indent=2 if pretty else None)
+        try:
+            records, _ = read_text(text, name)
+        except ValueError as err:
+            assert "not valid JSON" not in str(err)
+            assert "a row must be a JSON object" in str(err)
+        else:  # read: every record is a row object
+            assert all(isinstance(row, dict) for _, row in records)
+
+    @given(JSON_VALUES.filter(lambda v: not isinstance(v, dict)))
+    def test_a_first_line_that_is_not_an_object_says_what_it_holds(self, first):
+        text = json.dumps(first) + "\n" + json.dumps(GOOD_ROW) + "\n"
+        with pytest.raises(ValueError) as error:
+            read_text(text)
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(first))
+        assert f"rows.jsonl:1: holds {kind or 'a number'}" in str(error.value)
+        assert 'but a row must be a JSON object, {"column": value, ...}' in str(error.value)
+
+    def test_broken_json_is_still_named_where_it_breaks(self):
+        for text, line in [('{"a": 1}\n{"a": \n', 2), ('[\n {"a": 1},\n {"a": ]\n', 3)]:
+            with pytest.raises(ValueError, match=rf"rows.jsonl:{line}: not valid JSON \("):
+                read_text(text)
+
+    @given(st.text(min_size=1, max_size=12))
+    def test_chat_roles_outside_system_user_assistant_are_refused_with_the_row(self, role):
+        prompt = [{"role": "system", "content": "Be brief."}, {"role": role, "content": "2 + 3?"}]
+        if role in CHAT_ROLES:
+            check_prompt(prompt, "rows.jsonl:7")
+            return
+        with pytest.raises(ValueError) as error:
+            check_prompt(prompt, "rows.jsonl:7")
+        assert str(error.value) == (
+            f"rows.jsonl:7: field 'prompt', message 1 has role {role!r}: a chat role is one of system, user, "
+            "assistant"
+        )
+
+    @given(st.integers(-(10**12), 10**12) | st.floats(allow_nan=False, allow_infinity=False, width=32))
+    def test_numeric_reference_answers_are_read_as_the_number(self, number):
+        assert Fraction(reference_answer(number)) == Fraction(repr(number))
+        metric = GSM8KAccuracy()
+        metric.update([f"#### {reference_answer(number)}"], [number])
+        assert float(metric.compute()["accuracy"]) == 1.0
+
+    @given(st.text(max_size=10))
+    def test_a_final_line_that_is_not_a_number_is_refused_at_the_row(self, tail):
+        answer = f"2 + 3 = 5\n#### {tail}"
+        row = {"question": "2 + 3?", "answer": answer}
+        if normalize_number(tail) is not None:
+            check_row(row, "rows.jsonl:3")
+            return
+        with pytest.raises(ValueError) as error:
+            check_row(row, "rows.jsonl:3")
+        assert str(error.value).startswith("rows.jsonl:3: field 'answer' ")
+
+    @pytest.mark.parametrize(
+        ("rows", "message"),
+        [
+            (
+                [ROW, {**ROW, "answer": "#### four"}],
+                "rows.jsonl:2: field 'answer' ends in '#### four', which is not",
+            ),
+            (
+                [ROW, {**ROW, "answer": "#### 5 apples"}],
+                "rows.jsonl:2: field 'answer' ends in '#### 5 apples', ",
+            ),
+            ([[ROW], ROW], "rows.jsonl:1: holds an array [{"),
+        ],
+    )
+    def test_the_file_and_line_are_named(self, tmp_path, rows, message):
+        source = write_rows(tmp_path / "rows.jsonl", rows)
+        with pytest.raises(ValueError) as error:
+            GSM8KDataModule(source=source, val_size=0).setup("fit")
+        assert str(error.value).startswith(f"{tmp_path}/{message}")
+
+    def test_the_cli_names_file_and_line_before_weights_load(
+        self, tiny_model_dir, tmp_path, capsys, no_weights
+    ):
+        source = write_rows(tmp_path / "rows.jsonl", [ROW, {**ROW, "answer": "#### four"}])
+        err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, f"--data.source={source}"), capsys)
+        assert one_error_line(err).startswith(
+            f"error: {source}:2: field 'answer' ends in '#### four', which is"
+        )
+
+    def test_trl_rows_with_numbers_as_answers_are_accepted_and_bad_roles_refused(
+        self, tiny_model_dir, tmp_path, capsys, no_weights
+    ):
+        chat = [{"role": "user", "content": "2 + 3?"}]
+        good = write_rows(tmp_path / "good.jsonl", [{"prompt": chat, "answer": n} for n in (5, 2.5, -3)])
+        data = PromptDataModule(good, val_size=1)
+        data.setup("fit")
+        assert sorted(r["answer"] for r in data.train_rows + data.val_rows) == [-3, 2.5, 5]
+
+        bad = [{"prompt": chat, "answer": 5}, {"prompt": [{"role": "usr", "content": "2 + 3?"}], "answer": 5}]
+        source = write_rows(tmp_path / "bad.jsonl", bad)
+        args = fit_args(
+            tiny_model_dir, str(tmp_path), 1, "--data=grpo_lightning.training.data.PromptDataModule"
+        )
+        err = cli_error([*args, f"--data.source={source}"], capsys)
+        assert f"error: {source}:2: field 'prompt', message 0 has role 'usr': a chat role is one of " in err
+
+
+@given(
+    key=st.text(st.characters(categories=["L", "N"]), min_size=1, max_size=8),
+    rows=st.lists(
+        st.fixed_dictionaries({"question": st.text(max_size=5), "answer": st.integers()}), min_size=2
+    ),
+    others=st.dictionaries(st.sampled_from(["version", "license"]), st.text(max_size=5), max_size=2),
+    pretty=st.booleans(),
+)
+def test_a_json_object_wrapping_the_rows_is_named_with_its_key(key, rows, others, pretty):
+    """`{"data": [rows...]}` (a common export): one line naming the key and how many objects it holds."""
+    document = {**{k: v for k, v in others.items() if k != key}, key: rows}
+    with pytest.raises(ValueError) as error:
+        read_text(json.dumps(document, indent=2 if pretty else None), "rows.json")
+    assert f"the whole file is one JSON object whose {key!r} holds a list of {len(rows)} objects" in str(
+        error.value
+    )
+    assert f"jq '.{key}'" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_one_row_file_with_a_chat_prompt_is_still_a_row():
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+    records, path = read_text(json.dumps({"prompt": chat, "answer": 5}) + "\n")
+    assert [row for _, row in records] == [{"prompt": chat, "answer": 5}]

@@ -1,0 +1,426 @@
+"""Bad options end in one line naming the option and its rule, before any weights load: the module's and
+the data module's options, the Trainer's own knobs under manual optimisation, and values of the wrong type
+on the command line or in a YAML config (`cli.py` exits with status 2, no traceback)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from grpo_lightning.cli import build_cli
+from grpo_lightning.config_checks import SECTIONS, check_config_files, strategy_class_path
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards.scoring import (
+    FLOAT32_MAX,
+    RewardInputs,
+    check_reward_weights,
+    score_completions,
+)
+from grpo_lightning.demo.cpu_budget import CPUTimeBudget
+from grpo_lightning.training.data import GSM8KDataModule
+from tests.helpers import cli_error, one_error_line
+from tests.test_bad_input_rewards import digit_count_reward, nan_reward
+from tests.test_interrupt import REPO, fit_args
+
+
+# ------------------------------------------------------------------------------------------ options
+# Each rule is checked where the option is built (tests/test_config.py checks the rules); the command line
+# shows its one line before any weights load, as for these two (each command costs a parser build).
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--model.grpo.loss_type=ppo", "GRPOConfig.loss_type='ppo': must be one of grpo, bnpo, dapo"),
+        ("--model.policy=/no/such/model", "model path '/no/such/model' does not exist"),
+    ],
+)
+def test_bad_option_is_one_line_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, option, message
+):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, option), capsys)
+    assert f"error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_generations": 1}, "GRPOConfig.num_generations=1: must be >= 2"),
+        ({"epsilon": 0.0}, "GRPOConfig.epsilon=0.0: must be > 0"),
+        ({"beta": -0.1}, "GRPOConfig.beta=-0.1: must be >= 0"),
+        ({"max_completion_length": 0}, "GRPOConfig.max_completion_length=0: must be > 0"),
+    ],
+)
+def test_bad_option_names_itself_and_its_rule(options, message):
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(**options)
+    assert str(error.value).startswith(message)
+
+
+def test_dr_grpo_without_a_length(tiny_model_dir, tmp_path, capsys, no_weights):
+    with pytest.raises(ValueError, match="GRPOConfig.max_completion_length=None: must be > 0"):
+        GRPOConfig(loss_type="dr_grpo", max_completion_length=None)
+    err = cli_error(
+        fit_args(
+            tiny_model_dir,
+            str(tmp_path),
+            1,
+            "--model.grpo.loss_type=dr_grpo",
+            "--model.grpo.max_completion_length=null",
+        ),
+        capsys,
+    )
+    assert "max_completion_length" in err
+
+
+def test_lora_targets_the_model_lacks_are_named_with_the_real_ones(tiny_model_dir, tmp_path, capsys):
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--model.lora.target_modules=[attn_q]")
+    err = cli_error(args, capsys)
+    assert "error: LoraOptions.target_modules=['attn_q'] does not match this model (LlamaForCausalLM)" in err
+    assert "'q_proj'" in err  # the names it could have used
+
+
+def test_missing_chat_template_fails_before_weights_load_with_the_fix(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    model_dir = tmp_path / "no_template"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    for name in os.listdir(model_dir):  # newer transformers keep the template in its own file
+        if name.startswith("chat_template"):
+            os.remove(model_dir / name)
+    err = cli_error(fit_args(str(model_dir), str(tmp_path), 1), capsys)
+    assert "error: the tokenizer has no chat template but the prompts are chat messages: set " in err
+    assert "`tokenizer.chat_template`" in err
+
+
+# ------------------------------------------------------------------------------------------ data options
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"val_size": -1}, "data.val_size=-1: must be >= 0"),
+        ({"train_size": 0}, "data.train_size=0: must be >= 1"),
+        ({"batch_size": 0}, "data.batch_size=0: must be >= 1"),
+        ({"val_batch_size": -3}, "data.val_batch_size=-3: must be >= 1"),
+        ({"arithmetic_size": 0}, "data.arithmetic_size=0: must be >= 1"),
+        ({"num_workers": -1}, "data.num_workers=-1: must be >= 0"),
+        ({"val_split": "train"}, "data.val_split='train': must be one of holdout, test"),
+    ],
+)
+def test_bad_data_option_names_itself_and_its_rule(options, message):
+    with pytest.raises(ValueError) as error:
+        GSM8KDataModule(source="arithmetic", **options).setup("fit")
+    assert str(error.value).startswith(message)
+
+
+def test_a_bad_data_option_is_one_line_before_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=0"), capsys)
+    assert one_error_line(err) == "error: data.batch_size=0: must be >= 1"
+
+
+@given(st.integers(-5, 5), st.one_of(st.none(), st.integers(-5, 5)))
+def test_data_sizes_are_accepted_exactly_in_range(val_size, train_size):
+    try:
+        GSM8KDataModule(source="arithmetic", val_size=val_size, train_size=train_size).check_options()
+    except ValueError as err:
+        bad = f"data.val_size={val_size}" if val_size < 0 else f"data.train_size={train_size}"
+        assert str(err).startswith(f"{bad}: must be >= ")
+        assert val_size < 0 or (train_size is not None and train_size < 1)
+    else:
+        assert val_size >= 0 and (train_size is None or train_size >= 1)
+
+
+def test_validate_with_no_validation_rows_is_an_error(tiny_model_dir, tmp_path, capsys, no_weights):
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.val_size=0")
+    err = cli_error(["validate", *args[1:]], capsys)
+    assert "error: nothing to validate: data.val_size=0 gives no validation rows" in err
+
+
+# ------------------------------------------------------------------------------------------ 3. options
+def cli_fit(args: list[str]):
+    """`cli.py fit` in-process; the CLI object, with the trained module."""
+    return build_cli(args)
+
+
+def trained_weights(cli) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in cli.model.policy.state_dict().items()}
+
+
+class TestOptionsTheLightningWay:
+    def test_accumulate_and_clip_map_onto_the_module_options_with_the_same_result(
+        self, tiny_model_dir, tmp_path
+    ):
+        common = ["--seed_everything=0", "--model.grpo.learning_rate=0.01"]
+        lightning_way = cli_fit(
+            fit_args(
+                tiny_model_dir,
+                str(tmp_path / "a"),
+                1,
+                *common,
+                "--trainer.accumulate_grad_batches=2",
+                "--trainer.gradient_clip_val=0.5",
+            )
+        )
+        ours = cli_fit(
+            fit_args(
+                tiny_model_dir,
+                str(tmp_path / "b"),
+                1,
+                *common,
+                "--data.batch_size=4",
+                "--model.grpo.micro_batch_size=4",  # one batch of 2 prompts x 2 samples per backward
+                "--model.grpo.max_grad_norm=0.5",
+            )
+        )
+        trainer, grpo = lightning_way.trainer, lightning_way.model.grpo
+        assert trainer.accumulate_grad_batches == 1 and trainer.gradient_clip_val is None
+        assert (lightning_way.datamodule.hparams.batch_size, grpo.micro_batch_size, grpo.max_grad_norm) == (
+            4,
+            4,
+            0.5,
+        )
+        assert trainer.global_step == ours.trainer.global_step == 1
+        before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        for name, weight in trained_weights(lightning_way).items():
+            assert torch.equal(weight, trained_weights(ours)[name]), name
+        assert any(not torch.equal(w, before[n]) for n, w in trained_weights(ours).items())  # it trained
+
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            (
+                ["--trainer.gradient_clip_val=0.5", "--trainer.gradient_clip_algorithm=value"],
+                "trainer.gradient_clip_algorithm='value': GRPOModule clips the gradients by their global "
+                "norm only, with model.grpo.max_grad_norm",
+            ),
+            (
+                ["--trainer.gradient_clip_val=0.5", "--model.grpo.max_grad_norm=2.0"],
+                "trainer.gradient_clip_val=0.5 and model.grpo.max_grad_norm=2.0 disagree",
+            ),
+            (
+                ["--trainer.max_steps=abc"],
+                "error: trainer.max_steps=abc: expected an integer",
+            ),
+            (
+                ["--model.reward_weights=[.inf]"],
+                "model.reward_weights[0]=inf, the weight of reward function 'digit_reward': must be a finite",
+            ),
+            (
+                ["--model.reward_weights=[.nan]"],
+                "model.reward_weights[0]=nan, the weight of reward function ",
+            ),
+        ],
+        ids=["clip-by-value", "clip-disagrees", "wrong-type", "inf-weight", "nan-weight"],
+    )
+    def test_options_no_counterpart_or_bad_values_are_one_line(
+        self, tiny_model_dir, tmp_path, capsys, no_weights, options, message
+    ):
+        err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *options), capsys)
+        assert message in one_error_line(err)
+
+    @given(
+        st.lists(
+            st.one_of(st.floats(), st.integers(-5, 5), st.booleans(), st.none(), st.text(max_size=2)),
+            min_size=2,
+            max_size=2,
+        )
+    )
+    def test_reward_weights_are_finite_numbers_named_with_their_function(self, weights):
+        funcs = [digit_count_reward, nan_reward]
+        try:
+            check_reward_weights(weights, funcs)
+        except ValueError as err:
+            i = next(
+                i
+                for i, w in enumerate(weights)
+                if isinstance(w, bool) or not isinstance(w, int | float) or not abs(w) <= FLOAT32_MAX
+            )
+            name = ["digit_count_reward", "nan_reward"][i]
+            assert str(err) == (
+                f"model.reward_weights[{i}]={weights[i]!r}, the weight of reward function {name!r}: must be "
+                "a finite number"
+            )
+        else:
+            assert all(
+                not isinstance(w, bool) and isinstance(w, int | float) and math.isfinite(w) for w in weights
+            )
+
+    @given(st.floats(allow_nan=False, allow_infinity=False))
+    def test_rewards_beyond_float32_name_the_function(self, value):
+        def huge_reward(completions, **kwargs):
+            return [0.0, value]
+
+        inputs = RewardInputs(["q"] * 2, ["a", "b"])
+        if abs(value) <= FLOAT32_MAX:
+            scores = score_completions([huge_reward], inputs)
+            assert torch.isfinite(scores.rewards).all()
+            return
+        with pytest.raises(RuntimeError) as error:
+            score_completions([huge_reward], inputs)
+        assert str(error.value).startswith(
+            f"reward function 'huge_reward' returned {value} for completion 1 (beyond float32's range"
+        )
+
+    @pytest.mark.parametrize("subcommand", ["validate", "export", "fit"])
+    def test_a_checkpoint_of_another_model_names_the_first_mismatched_tensor(
+        self, tiny_model_dir, other_model_dir, tmp_path, capsys, subcommand
+    ):
+        state = AutoModelForCausalLM.from_pretrained(other_model_dir).state_dict()
+        path = tmp_path / "other.ckpt"
+        saved = {"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}
+        torch.save(saved | {"pytorch-lightning_version": L.__version__}, path)
+        extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
+        args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
+        err = cli_error(args, capsys)
+        assert (
+            f"error: checkpoint '{path}' does not fit this model: policy.model.embed_tokens.weight has shape "
+            "[600, 64] in the checkpoint but [400, 64] here; it was trained from another model" in err
+        )
+        one_error_line(err)
+
+
+def test_the_cli_entry_point_prints_a_wrong_type_as_its_one_line(tiny_model_dir, tmp_path):
+    """The real command, in a process of its own: jsonargparse's usage is not printed, only the error."""
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=two")
+    done = subprocess.run(
+        [sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("error: data.batch_size=two: expected an integer"), (
+        done.stderr
+    )
+    assert "usage:" not in done.stderr and "--help" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------------ noisy values
+@pytest.fixture(scope="module")
+def parser(tiny_model_dir):
+    """The CLI's parser (built once: building it is the slow part of a command), without a subcommand."""
+    return build_cli([f"--model.policy={tiny_model_dir}", "--trainer.logger=false"], run=False).parser
+
+
+# What YAML reads as text, not as a float (`.inf`, `1e999` are floats, which the options' rules refuse).
+NOT_FINITE = ["inf", "-inf", "nan", "NaN", "Infinity"]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    option=st.sampled_from(
+        ["model.grpo.learning_rate", "model.grpo.temperature", "model.grpo.max_grad_norm", "model.grpo.delta"]
+        + ["trainer.gradient_clip_val", "model.grpo.advantage_clip", "data.batch_size", "trainer.max_steps"]
+    ),
+    value=st.sampled_from(NOT_FINITE),
+)
+def test_inf_and_nan_typed_on_the_command_line_are_one_plain_line(
+    parser, tiny_model_dir, capsys, option, value
+):
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([f"--model.policy={tiny_model_dir}", f"--{option}={value}"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {option}={value}: expected ")
+    assert "<class" not in line and "Union" not in line and "Given value" not in line
+    integer = option in ("data.batch_size", "trainer.max_steps")
+    assert line.endswith("expected an integer") if integer else "a finite number" in line
+
+
+def test_a_bad_callback_value_is_the_callbacks_own_line(tiny_model_dir, tmp_path, capsys, no_weights):
+    budget = ["--trainer.callbacks+=grpo_lightning.demo.cpu_budget.CPUTimeBudget"]
+    err = cli_error(
+        fit_args(tiny_model_dir, str(tmp_path), 1, *budget, "--trainer.callbacks.max_cpu_seconds=-1"), capsys
+    )
+    assert one_error_line(err) == "error: CPUTimeBudget.max_cpu_seconds=-1.0: must be > 0 or None"
+
+
+@given(st.one_of(st.none(), st.floats(), st.integers(-3, 3), st.booleans(), st.text(max_size=3)))
+def test_the_budget_takes_exactly_a_finite_positive_number_or_none(value):
+    try:
+        CPUTimeBudget(max_wall_seconds=value)
+    except ValueError as err:
+        assert (
+            str(err)
+            == f"CPUTimeBudget.max_wall_seconds={value!r}: must be " + str(err).split(": must be ")[1]
+        )
+        assert not (value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0))
+    else:
+        assert value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0)
+
+
+YAML_VALUES = (
+    st.one_of(
+        st.integers(),
+        st.floats(allow_nan=False),
+        st.booleans(),
+        st.lists(st.integers(), max_size=2),
+        st.none(),
+    )
+    | st.text(max_size=3)
+    | st.dictionaries(st.sampled_from(["a", "b"]), st.integers(), max_size=1)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(section=st.sampled_from(sorted(SECTIONS)), value=YAML_VALUES)
+def test_a_yaml_section_of_the_wrong_type_is_named(section, value):
+    """A section (`model:`, `model.grpo:`, ...) that holds a number, a boolean or a list is named with the
+    file; a mapping, a string (a file holding the section, or a class path) or nothing passes on."""
+    config = {section[0]: value} if len(section) == 1 else {section[0]: {section[1]: value}}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "config.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        try:
+            check_config_files(["fit", "--config", path])
+        except ValueError as err:
+            assert str(err).startswith(f"config {path}: {'.'.join(section)} is ")
+            assert str(err).endswith(f"it must be a section, a mapping of {SECTIONS[section]}")
+            assert not isinstance(value, dict | str | None)
+        else:
+            assert isinstance(value, dict | str | None)
+
+
+def test_a_section_of_the_wrong_type_is_one_line_not_a_traceback(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  grpo: 3\n")  # jsonargparse took it, then failed with a TypeError traceback
+    err = cli_error([*fit_args(tiny_model_dir, str(tmp_path), 1), f"--config={path}"], capsys)
+    assert one_error_line(err) == (
+        f"error: config {path}: model.grpo is an integer (3): it must be a section, a mapping of GRPOConfig "
+        "options"
+    )
+    path.write_text("- model\n")
+    err = cli_error([*fit_args(tiny_model_dir, str(tmp_path), 1), f"--config={path}"], capsys)
+    assert "holds a list: a config is a mapping of sections (model:, data:, trainer:)" in one_error_line(err)
+
+
+def test_a_strategy_named_by_its_class_is_that_class(tiny_model_dir):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert (
+        strategy_class_path("ModelParallelStrategy")
+        == "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy"
+    )
+    assert strategy_class_path("ddp") is None and strategy_class_path("NoSuchStrategy") is None
+    # What the offload error advises, typed as it says: the class, not an unknown strategy name.
+    cli = build_cli(
+        [
+            f"--model.policy={tiny_model_dir}",
+            "--trainer.logger=false",
+            "--trainer.strategy=ModelParallelStrategy",
+        ],
+        run=False,
+    )
+    assert isinstance(cli.trainer.strategy, ModelParallelStrategy)

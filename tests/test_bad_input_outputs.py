@@ -1,0 +1,358 @@
+"""Nothing a user keeps is ever destroyed: exports replace only an earlier export (`--overwrite`), results
+files only earlier results (`--results.overwrite`), checkpoints never land over another file, and the
+scripts' outputs never replace an earlier run's silently. The data-safety test gives a folder holding a
+model, checkpoints and a user's file as every output path of every command that writes."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from transformers import AutoModelForCausalLM
+
+from grpo_lightning.cli import build_cli
+from grpo_lightning.core.rewards.verifiable import reference_answer
+from grpo_lightning.io.export import EXPORT_MARKER, ExportBestCallback, check_export_folder, export_policy
+from grpo_lightning.io.models import LoraOptions
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.resume import InterruptCheckpoint
+from tests.helpers import (
+    cli_error,
+    copy_model,
+    digit_reward,
+    one_error_line,
+    quiet_trainer,
+    tiny_module,
+    write_rows,
+)
+from tests.test_heldout import load_script
+from tests.test_interrupt import fit_args
+
+
+def files_of(folder) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    found = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return found
+
+
+# ------------------------------------------------------------------------------------------ exports
+def test_export_replaces_only_an_earlier_export_whole_and_only_when_asked(tiny_model_dir, tmp_path):
+    module = GRPOModule(tiny_model_dir)
+    clean = export_policy(module, str(tmp_path / "clean"))
+    assert json.load(open(os.path.join(clean, EXPORT_MARKER)))["files"] == sorted(
+        set(os.listdir(clean)) - {EXPORT_MARKER}
+    )
+    out = str(tmp_path / "out")
+    lora = GRPOModule(tiny_model_dir, lora=LoraOptions(r=2, alpha=4))
+    export_policy(lora, out, merge_lora=False)  # an earlier export: an adapter
+    earlier = files_of(out)
+    with pytest.raises(
+        ValueError, match=f"export folder '{out}' holds an earlier export: .*--overwrite true"
+    ):
+        export_policy(module, out)
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("mine")  # a user's file beside the earlier export: never replaced, even when asked
+    with pytest.raises(ValueError, match=r"holds \['notes.txt'\], which its earlier export did not write"):
+        export_policy(module, out, overwrite=True)
+    assert files_of(out) == {**earlier, "notes.txt": b"mine"}
+
+    os.remove(os.path.join(out, "notes.txt"))
+    export_policy(module, out, overwrite=True)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))  # whole: no stale adapter left
+    assert sorted(os.listdir(tmp_path)) == ["clean", "out"]  # no staging folder left beside it
+    ids = torch.tensor([[5, 6, 7]])
+    logits = [AutoModelForCausalLM.from_pretrained(d)(ids).logits for d in (clean, out)]
+    assert torch.equal(*logits)
+
+
+def test_a_failed_export_leaves_the_folder_as_it_was(tiny_model_dir, tmp_path, monkeypatch):
+    module = GRPOModule(tiny_model_dir)
+    out = export_policy(module, str(tmp_path / "out"))
+    before = files_of(out)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module.tokenizer, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_policy(module, out, overwrite=True)
+    assert files_of(out) == before
+    assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.fixture(scope="module")
+def an_export(tiny_model_dir, tmp_path_factory) -> str:
+    return export_policy(GRPOModule(tiny_model_dir), str(tmp_path_factory.mktemp("export") / "export"))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kept=st.sets(
+        st.sampled_from(["a model", "a user's file", "a checkpoint", "an empty folder"]), min_size=1
+    ),
+    earlier_export=st.booleans(),
+    target=st.sampled_from(["root", "model", "above", "notes.txt", "export", "new"]),
+    overwrite=st.booleans(),
+)
+def test_overwrite_never_replaces_what_an_export_did_not_write(
+    tiny_model_dir, an_export, tmp_path_factory, monkeypatch, kept, earlier_export, target, overwrite
+):
+    """Whatever a folder holds beside an earlier export (a model, a user's file, a checkpoint, a folder),
+    an export may replace only a path that does not exist yet (and is not the policy's), or the earlier
+    export itself when asked."""
+    root = tmp_path_factory.mktemp("kept")
+    make = {
+        "a model": lambda: copy_model(tiny_model_dir, root / "model"),
+        "a user's file": lambda: (root / "notes.txt").write_text("mine"),
+        "a checkpoint": lambda: (root / "run.ckpt").write_bytes(b"ckpt"),
+        "an empty folder": lambda: (root / "empty").mkdir(),
+    }
+    for what in kept:
+        make[what]()
+    if earlier_export:
+        shutil.copytree(an_export, root / "export")
+    monkeypatch.chdir(root)  # the working directory is never replaced either
+    out = {"root": root, "above": root.parent}.get(target, root / target)
+    before = files_of(root)
+    protected = {"the folder the policy was loaded from": str(root / "model")}
+    try:
+        check_export_folder(str(out), overwrite, protected)
+    except ValueError as err:
+        assert str(err).startswith(f"export folder '{out}' ")
+        accepted = False
+    else:
+        accepted = True
+    # The policy's folder is refused even where it is not made yet (as a run's checkpoints to come are).
+    assert accepted == ((not out.exists() and target != "model") or (target == "export" and overwrite))
+    assert files_of(root) == before
+
+
+def test_export_into_the_policy_folder_is_refused_even_with_overwrite(tiny_model_dir, tmp_path):
+    folder = copy_model(tiny_model_dir, tmp_path / "policy")
+    before = files_of(folder)
+    with pytest.raises(ValueError, match="is the folder the policy was loaded from"):
+        export_policy(GRPOModule(folder), folder + "/", overwrite=True)
+    assert files_of(folder) == before
+
+
+def test_cli_export_refuses_a_folder_no_export_wrote_and_names_a_model_folder_given_as_checkpoint(
+    tiny_model_dir, good_checkpoint, tmp_path, capsys
+):
+    ckpt = tmp_path / "run.ckpt"
+    ckpt.write_bytes(good_checkpoint)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("{}")
+    args = ["export", *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--out={out}"]
+    err = cli_error([*args, f"--ckpt_path={ckpt}", "--overwrite=true"], capsys)
+    assert one_error_line(err) == (
+        f"error: export folder '{out}' holds ['adapter_config.json'] and no earlier export wrote it (it has "
+        f"no {EXPORT_MARKER}): choose another folder; --overwrite replaces only an earlier export"
+    )
+    assert os.listdir(out) == ["adapter_config.json"]
+    err = cli_error([*args, f"--ckpt_path={out}", "--overwrite=true"], capsys)
+    assert f"error: checkpoint '{out}' is a model folder (save_pretrained, as export writes), not a " in err
+
+
+def test_export_best_callback_checks_its_folder_before_training(tiny_model_dir, tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.safetensors").write_text("an earlier run's, not marked as an export")
+    trainer = quiet_trainer(default_root_dir=str(tmp_path / "run"))
+    module = GRPOModule(copy_model(tiny_model_dir, tmp_path / "base" / "policy"))
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=f"export folder '{out}' holds .* no earlier export wrote it"):
+            ExportBestCallback(str(out), overwrite=overwrite).setup(trainer, module, "fit")
+    # The policy's own folder, the folder above it, this run's checkpoints: named, before any weights load.
+    for folder, what in [
+        (tmp_path / "base" / "policy", "is the folder the policy was loaded from"),
+        (tmp_path / "base", "holds the folder the policy was loaded from"),
+        (tmp_path / "run", "holds this run's checkpoints"),  # to come: the folder does not exist yet
+    ]:
+        with pytest.raises(ValueError, match=f"export folder '{folder}' {what}"):
+            ExportBestCallback(str(folder), overwrite=True).setup(trainer, module, "fit")
+    assert module.policy is None
+    ExportBestCallback(str(tmp_path / "new")).setup(trainer, module, "fit")
+
+
+# ------------------------------------------------------------------------------------------ results files
+def test_results_path_is_checked_before_validation_and_replaces_only_earlier_results(tmp_path):
+    trainer = quiet_trainer()
+    user_file = tmp_path / "notes.jsonl"
+    user_file.write_text('{"mine": 1}\n')
+    earlier = tmp_path / "val.jsonl"
+    earlier.write_text('{"set": null, "sample": 0, "completion": "4", "correct": true}\n')
+    refused = {
+        str(tmp_path): "is a folder",
+        str(user_file / "val.jsonl"): f"{user_file} is a file, not a folder",
+        str(user_file): "holds a file that is not a validation results file",
+        str(earlier): "holds the results of an earlier validation: .* --results.overwrite true",
+    }
+    for path, why in refused.items():
+        with pytest.raises(ValueError, match=f"results.path='{path}'.*{why}"):
+            ValidationResultsWriter(path).setup(trainer, None, "validate")
+    with pytest.raises(ValueError, match="not a validation results file"):
+        ValidationResultsWriter(str(user_file), overwrite=True).setup(trainer, None, "validate")
+    ValidationResultsWriter(str(earlier), overwrite=True).setup(trainer, None, "validate")
+    assert user_file.read_text() == '{"mine": 1}\n'
+
+
+def test_validate_results_work_for_trl_format_columns(tiny_model_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"{n} + 1?"}], "answer": n + 1} for n in range(6)]
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    results = tmp_path / "val.jsonl"
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data=grpo_lightning.training.data.PromptDataModule")
+    build_cli(
+        [
+            "validate",
+            *args[1:],
+            f"--data.source={source}",
+            "--data.val_size=3",
+            "--trainer.limit_val_batches=1.0",
+            f"--results.path={results}",
+        ]
+    )
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert set(line) == {"set", "prompt", "sample", "completion", "extracted", "answer", "correct"}
+        assert line["set"] is None  # the data module's own rows
+        assert line["answer"] == reference_answer(int(line["prompt"][0]["content"].split()[0]) + 1)
+        assert line["correct"] == (line["extracted"] == line["answer"])
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def test_two_runs_without_a_logger_keep_their_own_checkpoints(tiny_model_dir, tmp_path):
+    args = [a for a in fit_args(tiny_model_dir, str(tmp_path), 1) if not a.startswith("--trainer.logger")]
+    for _ in range(2):
+        build_cli([*args, "--trainer.logger=false"])
+    folders = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert folders == ["version_0", "version_1"]
+    for folder in folders:
+        files = sorted(os.listdir(tmp_path / "checkpoints" / folder))
+        assert files == ["config.yaml", "epoch=0-step=1.ckpt"]
+
+
+def test_interrupted_checkpoint_goes_where_the_readme_says_and_never_over_a_file(tmp_path):
+    callback = InterruptCheckpoint()
+    with_logger = quiet_trainer(default_root_dir=str(tmp_path), logger=CSVLogger(str(tmp_path / "logs")))
+    assert callback.path(with_logger) == str(
+        tmp_path / "logs" / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    )
+    without = quiet_trainer(default_root_dir=str(tmp_path))
+    assert callback.path(without) == str(tmp_path / "checkpoints" / "interrupted.ckpt")
+    own = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    assert callback.path(quiet_trainer(callbacks=[own], enable_checkpointing=True)) == str(
+        tmp_path / "ckpt" / "interrupted.ckpt"
+    )
+    (tmp_path / "checkpoints").mkdir()
+    for taken in ("interrupted.ckpt", "interrupted-v1.ckpt"):
+        (tmp_path / "checkpoints" / taken).write_text("another run's")
+    assert callback.path(without) == str(tmp_path / "checkpoints" / "interrupted-v2.ckpt")
+
+
+# ------------------------------------------------------------------------------------------ data safety
+@pytest.fixture
+def kept_folder(tiny_model_dir, good_checkpoint, tmp_path):
+    """A folder holding a model, two checkpoints and a user's file (named as the demo's summary), and its
+    files' bytes."""
+    folder = tmp_path / "kept"
+    copy_model(tiny_model_dir, folder)
+    (folder / "last.ckpt").write_bytes(good_checkpoint)
+    (folder / "interrupted.ckpt").write_bytes(good_checkpoint)
+    (folder / "summary.json").write_text('{"my": "notes"}')
+    return folder, files_of(folder)
+
+
+def survived(kept) -> bool:
+    folder, before = kept
+    after = files_of(folder)
+    return all(after.get(name) == content for name, content in before.items())
+
+
+class FailsAtStep2:
+    """A reward that raises on the second batch it scores: the run stops on an error and writes
+    `interrupted.ckpt`."""
+
+    calls = 0
+
+    def __call__(self, completions, **kwargs) -> list[float]:
+        FailsAtStep2.calls += 1
+        if FailsAtStep2.calls == 2:
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+
+
+def test_fit_writes_beside_what_its_output_folders_hold(kept_folder, capsys):
+    folder = str(kept_folder[0])
+    FailsAtStep2.calls = 0
+    args = fit_args(
+        folder,  # the policy: the folder's own model
+        folder,  # default_root_dir and the logger's save_dir
+        3,
+        "--model.reward_funcs=[tests.test_bad_input_outputs.FailsAtStep2]",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={folder}",
+        "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.every_n_train_steps=1",
+    )
+    cli_error(args, capsys)  # the reward's error, after step 1's checkpoints and the interrupt checkpoint
+    assert survived(kept_folder)
+    written = set(os.listdir(folder)) - set(kept_folder[1])
+    assert {"last-v1.ckpt", "interrupted-v1.ckpt", "epoch=0-step=1.ckpt"} <= written
+    # The folder as the export's or the results file's target: refused before any weights load.
+    for callbacks in (
+        [ExportBestCallback(folder, overwrite=True)],
+        [ValidationResultsWriter(folder)],
+        [ValidationResultsWriter(os.path.join(folder, "summary.json"), overwrite=True)],
+    ):
+        module = tiny_module(folder, reward_funcs=[digit_reward])
+        trainer = quiet_trainer(max_steps=1, callbacks=callbacks, default_root_dir=folder)
+        with pytest.raises(ValueError, match="export folder|results.path"):
+            trainer.fit(module, GSM8KDataModule("arithmetic", None, batch_size=2, val_size=2))
+        assert module.policy is None
+    assert survived(kept_folder)
+
+
+def test_validate_and_export_write_beside_what_their_output_paths_hold(kept_folder, capsys):
+    folder = str(kept_folder[0])
+    args = fit_args(folder, folder, 1, "--trainer.limit_val_batches=1.0")[1:]
+    build_cli(["validate", *args, f"--results.path={os.path.join(folder, 'val.jsonl')}"])
+    err = cli_error(["validate", *args, f"--results.path={folder}", "--results.overwrite=true"], capsys)
+    assert f"error: results.path='{folder}' is a folder" in one_error_line(err)
+    for results in (os.path.join(folder, "summary.json"), os.path.join(folder, "config.json")):
+        with pytest.raises(ValueError, match="is not a validation results file"):
+            ValidationResultsWriter(results, overwrite=True).setup(quiet_trainer(), None, "validate")
+    ckpt = os.path.join(folder, "last.ckpt")
+    err = cli_error(["export", *args, f"--ckpt_path={ckpt}", f"--out={folder}", "--overwrite=true"], capsys)
+    assert one_error_line(err).startswith(f"error: export folder '{folder}' holds the checkpoint exported")
+    for out in (os.path.join(folder, "summary.json"), os.path.dirname(folder)):
+        with pytest.raises(ValueError, match=f"export folder '{out}' "):
+            export_policy(GRPOModule(folder), out, ckpt_path=ckpt, overwrite=True)
+    assert survived(kept_folder)
+
+
+def test_the_scripts_write_beside_what_their_output_paths_hold(kept_folder, tmp_path, capsys):
+    folder = str(kept_folder[0])
+    demo = load_script("demo", "scripts/demo.py")
+    demo.main([*fit_args(folder, folder, 1)[1:], "--threads", str(torch.get_num_threads())])
+    summary = json.load(open(os.path.join(folder, "summary-1.json")))  # beside the user's summary.json
+    assert summary["written_by"] == "scripts/demo.py" and summary["steps"] == 1
+    compare = load_script("compare_options", "benchmarks/compare_options.py")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  policy: {folder}\ndata:\n  source: arithmetic\n")
+    for out in (folder, os.path.join(folder, "summary.json"), os.path.join(folder, "last.ckpt")):
+        with pytest.raises(ValueError, match=f"--out {out} (is a folder|holds a file that .* did not write)"):
+            compare.main(["--config", str(config), "--out", out, "--overwrite", "--variants", "baseline"])
+    assert survived(kept_folder)

@@ -1,0 +1,100 @@
+"""A resumed run keeps the README's promise: data options that change what is trained on (source, sizes,
+batch size, seed, columns, prompt, the data module's class) are refused by `cli.py fit`, naming them, unless
+`--new_data true` asks to continue the weights on this data from its beginning; from Python they are
+warned about."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grpo_lightning.cli import build_cli
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.resume import ResumableSampler
+from grpo_lightning.training.training_state import DATA_OPTIONS_FREE_ON_RESUME, changed_data_options
+from tests.helpers import cli_error, digit_reward, one_error_line, quiet_trainer, tiny_module
+from tests.test_interrupt import FirstBatch, fit_args
+
+SAVED = {
+    "_class_path": "grpo_lightning.GSM8KDataModule",
+    "source": "arithmetic",
+    "system_prompt": None,
+    "batch_size": 2,
+    "val_size": 2,
+    "val_split": "holdout",
+    "val_batch_size": 16,
+    "train_size": None,
+    "arithmetic_size": 2000,
+    "question_field": "question",
+    "answer_field": "answer",
+    "seed": 0,
+    "num_workers": 0,
+    "config_name": None,
+}
+OTHER_VALUES = {
+    "_class_path": "grpo_lightning.training.data.PromptDataModule",
+    "source": "data/gsm8k",
+    "system_prompt": "Be brief.",
+    "batch_size": 4,
+    "val_size": 8,
+    "val_split": "test",
+    "val_batch_size": 4,
+    "train_size": 100,
+    "arithmetic_size": 500,
+    "question_field": "problem",
+    "answer_field": "solution",
+    "seed": 1,
+    "num_workers": 2,
+    "config_name": "main",
+}
+
+
+@given(st.sets(st.sampled_from(sorted(OTHER_VALUES))))
+def test_every_data_option_that_changes_the_training_stream_is_named(changed):
+    current = {**SAVED, **{key: OTHER_VALUES[key] for key in changed}}
+    named = {key for key, _, _ in changed_data_options(SAVED, current)}
+    holdout = current["val_split"] == "holdout" or SAVED["val_split"] == "holdout"
+    free = set(DATA_OPTIONS_FREE_ON_RESUME) | (set() if holdout else {"val_size"})
+    expected = {"data.class_path" if key == "_class_path" else f"data.{key}" for key in changed - free}
+    assert named == expected
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model_dir, tmp_path_factory) -> str:
+    """A checkpoint after one step on the arithmetic task, 2 prompts per batch."""
+    root = tmp_path_factory.mktemp("run")
+    build_cli(fit_args(tiny_model_dir, str(root), 1, "--trainer.logger=false"))
+    return str(root / "checkpoints" / "version_0" / "epoch=0-step=1.ckpt")
+
+
+def test_resuming_on_other_data_is_refused_by_the_cli_unless_asked(
+    tiny_model_dir, checkpoint, tmp_path, capsys
+):
+    args = fit_args(tiny_model_dir, str(tmp_path), 2, f"--ckpt_path={checkpoint}", "--data.batch_size=4")
+    err = cli_error([*args, "--data.seed=3"], capsys)
+    assert one_error_line(err).startswith(
+        f"error: --ckpt_path {checkpoint} was trained on other data (data.batch_size: checkpoint 2, this run "
+        "4; data.seed: checkpoint 0, this run 3). A resumed run continues the checkpoint's data where it "
+    )
+    assert "add --new_data true" in err and not os.path.exists(tmp_path / "lightning_logs")
+
+    # Asked for: the weights and optimizer go on, on this data from its beginning (the epoch's first batch).
+    cli = build_cli([*args, "--new_data=true", "--trainer.callbacks+=tests.test_interrupt.FirstBatch"])
+    first = next(c for c in cli.trainer.callbacks if isinstance(c, FirstBatch))
+    rows = cli.datamodule.train_rows
+    order = ResumableSampler(len(rows), seed=0).share(cli.trainer.current_epoch)
+    assert first.questions == [rows[i]["question"] for i in order[:4]]
+    assert cli.trainer.global_step == 2
+
+
+def test_resuming_on_other_data_from_python_is_said(tiny_model_dir, checkpoint, tmp_path):
+    module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward], max_completion_length=6)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path))
+    data = GSM8KDataModule("arithmetic", None, batch_size=3, val_size=2)
+    with pytest.warns(
+        UserWarning, match=r"resuming on other data \(data.batch_size: checkpoint 2, this run 3\)"
+    ):
+        trainer.fit(module, data, ckpt_path=checkpoint, weights_only=True)
+    assert trainer.global_step == 2 and torch.is_tensor(next(module.policy.parameters()))
