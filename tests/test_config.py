@@ -86,6 +86,7 @@ REFUSED = {
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
         "share_prompt": NOT_A_FLAG,
+        "packed_sequences": NOT_A_FLAG,
         "sync_ref_model": NOT_A_FLAG,
         "ref_model_mixup_alpha": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,

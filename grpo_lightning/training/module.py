@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -34,6 +35,7 @@ from grpo_lightning.core.generation.engines import (
     check_chat_template,
     warn_if_unteachable,
 )
+from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import (
@@ -183,6 +185,7 @@ class GRPOModule(L.LightningModule):
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         # After any `load_state_dict` (Lightning restoring, or a user) rollouts sample the loaded weights.
         self.register_load_state_dict_post_hook(_weights_loaded)
+        self._packs_sequences: bool | None = None  # grpo.packed_sequences where the policy can, decided once
         self.reference: PreTrainedModel | None = None
         if self.policy is not None:
             self._prepare_models()
@@ -383,9 +386,21 @@ class GRPOModule(L.LightningModule):
             self.rollout_engine, self.policy, prompts, num_generations, do_sample, self.device
         )
 
+    def packs_sequences(self) -> bool:
+        """Whether the log-prob passes pack their rows (`grpo.packed_sequences`, if the policy can)."""
+        if self._packs_sequences is None:
+            reason = packing_unsupported(self.policy) if self.grpo.packed_sequences else None
+            if reason is not None:
+                warnings.warn(f"grpo.packed_sequences: {reason}; the passes run padded rows", stacklevel=2)
+            self._packs_sequences = self.grpo.packed_sequences and reason is None
+        return self._packs_sequences
+
     def logprobs(self, model: PreTrainedModel, rollout: Rollout, rows: slice, with_entropy: bool = False):
         """`(logprobs, entropies)` `[b, T]` of `rollout`'s `rows` under `model`."""
-        return self.rollouts.scorer(self.policy)(model, rollout, rows, with_entropy)
+        scorer = self.rollouts.scorer(self.policy)
+        if self.packs_sequences():
+            scorer = PackedLogProbScorer(**vars(scorer))
+        return scorer(model, rollout, rows, with_entropy)
 
     def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
         """`rollout`'s micro-batches: `micro_batch_size` rows, or by `max_tokens_per_micro_batch` (a
