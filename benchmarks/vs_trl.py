@@ -3,7 +3,9 @@
 All of them run the same model (fp32), the same chat prompts, G completions per prompt of exactly L tokens
 (`min_new_tokens = max_new_tokens`), the same loss type and beta, the same reward function and the same
 number of torch threads. Our module runs twice: `shared` encodes each prompt once per group
-(`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`). Each framework runs in
+(`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`); both pack their
+log-prob passes (`grpo.packed_sequences`, the default), and `--frameworks ...,padded` adds `shared` with
+padded passes (`packed_sequences: false`) to compare. Each framework runs in
 its own subprocess, so that its peak RSS is its own; the order cycles through `--frameworks` (TRL, unshared,
 shared, floor, TRL, ...) and the figures are medians over every timed step.
 
@@ -11,6 +13,14 @@ The floor is the least work a step can do: one plain `model.generate` for the sa
 reference forward (when beta > 0) and one policy forward + backward over the same sequences. Each
 forward is timed both as a plain HF forward with `logits_to_keep` and as our `completion_logprobs`, and
 the floor takes the cheaper of the two.
+
+Where the time goes: every framework's step is split into the same parts, timed around the calls that do
+them (medians of CPU seconds per step): `generate` (prompts to completions: our `module.rollouts.sample`,
+TRL's `GRPOTrainer._generate`, the floor's `generate`), `frozen` (the no-gradient log-prob passes: reference
+and old policy; ours `RolloutUpdate.frozen_logprobs`, TRL's `_get_per_token_logps_and_entropies` without
+gradient, the floor's reference forward), `policy` (the policy's forward and backward: ours the scorer's
+calls with gradient and `manual_backward`, TRL's `compute_loss` and `accelerator.backward`, the floor's)
+and the `rest` of the step (rewards, the optimizer step, bookkeeping; none in the floor).
 
     python benchmarks/vs_trl.py --model tiny                              # random 150k-vocab Llama
     python benchmarks/vs_trl.py --model models/smollm2-135m-instruct
@@ -36,7 +46,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TRAIN = os.path.join(REPO, "data", "gsm8k", "train.jsonl")
-FRAMEWORKS = ("trl", "unshared", "shared", "floor")
+FRAMEWORKS = ("trl", "unshared", "shared", "floor", "padded")  # padded: shared, packed_sequences false
+DEFAULT_FRAMEWORKS = ("trl", "unshared", "shared", "floor")
 REFERENCES = ("trl", "floor", "unshared")  # what each step time is compared with, where it ran
 RESULT_PREFIX = "RESULT "
 
@@ -58,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, the same for all")
     parser.add_argument(
         "--frameworks",
-        default=",".join(FRAMEWORKS),
+        default=",".join(DEFAULT_FRAMEWORKS),
         type=lambda text: text.split(","),
         help=f"comma-separated, in the order they alternate; of {','.join(FRAMEWORKS)}",
     )
@@ -119,6 +130,37 @@ class Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
+class PartTimer:
+    """Wall and CPU seconds spent inside wrapped callables, summed per part since `reset()`."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.parts = {}
+
+    def wrap(self, part: str, fn, when=lambda: True):
+        """`fn`, timed into `part` on the calls where `when()` holds."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not when():
+                return fn(*args, **kwargs)
+            clock = Clock()
+            clock.start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = clock.read()
+                self.parts[part] = self.parts.get(part, 0.0) + wall
+                self.parts[f"{part}_cpu"] = self.parts.get(f"{part}_cpu", 0.0) + cpu
+
+        return timed
+
+
+PARTS = ("generate", "frozen", "policy")  # the step's parts, timed alike in every framework
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -132,14 +174,24 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
-            self.clock = Clock()
+            self.clock, self.parts = Clock(), PartTimer()
 
         def on_step_begin(self, *unused, **kwargs) -> None:
+            self.parts.reset()
             self.clock.start()
 
         def on_step_end(self, *unused, **kwargs) -> None:
             wall, cpu = self.clock.read()
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu})
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts})
+
+        def time_parts(self, trainer: GRPOTrainer) -> None:
+            trainer._generate = self.parts.wrap("generate", trainer._generate)
+            # Without gradient: the reference and old-policy passes; the policy's is inside compute_loss.
+            trainer._get_per_token_logps_and_entropies = self.parts.wrap(
+                "frozen", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled()
+            )
+            trainer.compute_loss = self.parts.wrap("policy", trainer.compute_loss)
+            trainer.accelerator.backward = self.parts.wrap("policy", trainer.accelerator.backward)
 
     G, L = args.num_generations, args.length
     config = GRPOConfig(
@@ -173,11 +225,14 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
         callbacks=[timer],
     )
     assert not trainer.model.is_gradient_checkpointing
+    timer.time_parts(trainer)
     trainer.train()
     return timer.steps
 
 
-def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> list[dict[str, float]]:
+def run_ours(
+    args: argparse.Namespace, prompts: list, share_prompt: bool, packed: bool = True
+) -> list[dict[str, float]]:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -186,37 +241,36 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
     from grpo_lightning.training.module import GRPOModule
 
     class StepTimer(L.Callback):
-        """Wall and CPU seconds of each step, and of the generation inside it."""
+        """Wall and CPU seconds of each step, and of its parts."""
 
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
-            self.clock, self.generate_clock = Clock(), Clock()
+            self.clock, self.parts = Clock(), PartTimer()
 
         def on_train_batch_start(self, *unused) -> None:
+            self.parts.reset()
             self.clock.start()
 
         def on_train_batch_end(self, trainer, *unused) -> None:
             wall, cpu = self.clock.read()
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.generate})
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts})
 
-        def time_sampling(self, module: GRPOModule) -> None:
-            sample = module.rollouts.sample
+        def time_parts(self, module: GRPOModule) -> None:
+            module.rollouts.sample = self.parts.wrap("generate", module.rollouts.sample)
 
-            def timed(*sample_args, **kwargs):
-                self.generate_clock.start()
-                out = sample(*sample_args, **kwargs)
-                self.generate = dict(
-                    zip(("generate", "generate_cpu"), self.generate_clock.read(), strict=True)
-                )
-                return out
-
-            module.rollouts.sample = timed
+        def on_train_start(self, trainer, module: GRPOModule) -> None:  # the update is built when fit starts
+            update = module.update
+            update.frozen_logprobs = self.parts.wrap("frozen", update.frozen_logprobs)
+            # The policy pass is the scorer's call with gradient (the frozen ones run without), and backward.
+            update.score = self.parts.wrap("policy", update.score, when=torch.is_grad_enabled)
+            module.manual_backward = self.parts.wrap("policy", module.manual_backward)
 
     timer = StepTimer()
     L.seed_everything(0, verbose=False)
     if args.demo_config:  # the config's own model, data and options; only the step count and logging change
         overrides = [
             f"--model.grpo.share_prompt={str(share_prompt).lower()}",
+            f"--model.grpo.packed_sequences={str(packed).lower()}",
             f"--trainer.max_steps={args.warmup + args.steps}",
         ]
         overrides += [
@@ -226,7 +280,7 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
         ]
         overrides += ["--trainer.enable_progress_bar=false", "--model.grpo.log_completions_every=0"]
         cli = build_cli(["--config", args.demo_config, *overrides], run=False)
-        timer.time_sampling(cli.model)
+        timer.time_parts(cli.model)
         cli.trainer.callbacks.append(timer)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         return timer.steps
@@ -244,9 +298,10 @@ def run_ours(args: argparse.Namespace, prompts: list, share_prompt: bool) -> lis
             log_completions_every=0,
             preflight=False,
             share_prompt=share_prompt,
+            packed_sequences=packed,
         ),
     )
-    timer.time_sampling(module)
+    timer.time_parts(module)
     loader = DataLoader(
         [{"prompt": p} for p in prompts],
         batch_size=args.prompts,
@@ -328,10 +383,13 @@ def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]
             timings[f"policy_{name}"], timings[f"policy_{name}_cpu"] = clock.read()
             policy.zero_grad(set_to_none=True)
         # The floor is generate plus the cheaper scorer of each forward.
-        kinds = ("reference", "policy") if reference is not None else ("policy",)
+        kinds = {"reference": "frozen", "policy": "policy"} if reference is not None else {"policy": "policy"}
         for total, suffix in (("seconds", ""), ("cpu_seconds", "_cpu")):
-            cheapest = sum(min(timings[f"{k}_{n}{suffix}"] for n in scorers) for k in kinds)
-            timings[total] = timings[f"generate{suffix}"] + cheapest
+            for kind, part in kinds.items():
+                timings[f"{part}{suffix}"] = min(timings[f"{kind}_{n}{suffix}"] for n in scorers)
+            timings[total] = timings[f"generate{suffix}"] + sum(
+                timings[f"{p}{suffix}"] for p in kinds.values()
+            )
         steps.append(timings)
     return steps
 
@@ -343,6 +401,7 @@ def child(args: argparse.Namespace) -> None:
         "trl": run_trl,
         "unshared": functools.partial(run_ours, share_prompt=False),
         "shared": functools.partial(run_ours, share_prompt=True),
+        "padded": functools.partial(run_ours, share_prompt=True, packed=False),
         "floor": run_floor,
     }[args.only]
     result = {
@@ -391,6 +450,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "trl": f"TRL {_version('trl')} GRPOTrainer",
         "unshared": "grpo-lightning, share_prompt: false",
         "shared": "grpo-lightning, share_prompt: true",
+        "padded": "grpo-lightning, share_prompt: true, packed_sequences: false",
         "floor": "floor",
     }
     references = [ref for ref in REFERENCES if ref in results]
@@ -414,13 +474,30 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
             f"{rss:.0f}",
         ]
         lines.append("| " + " | ".join(cells + ratios) + " |")
-    for fw in ("unshared", "shared", "floor"):
+    lines.append(f"\n{where_time_goes(results, names)}")
+    for fw in FRAMEWORKS:
         if fw in results:
             parts = [key for key in results[fw][0]["steps"][0] if key not in ("seconds", "cpu_seconds")]
             values = ", ".join(f"{key} {median(results[fw], key):.3f}" for key in parts)
             lines.append(f"\n{fw} parts, median s: {values}")
     threads = {fw: sorted({run["threads"] for run in runs}) for fw, runs in results.items()}
     lines.append(f"\ntorch threads seen: {threads}")
+    return "\n".join(lines)
+
+
+def where_time_goes(results: dict[str, list[dict]], names: dict[str, str]) -> str:
+    """Median CPU seconds per step of each part (`PARTS`), the rest of the step, and generation's share."""
+    header = ["generate", "frozen passes", "policy forward + backward", "rest", "step", "generate share"]
+    lines = ["| CPU s / step | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for fw, runs in results.items():
+        steps = [step for run in runs for step in run["steps"]]
+        parts = [statistics.median(step.get(f"{part}_cpu", 0.0) for step in steps) for part in PARTS]
+        rest = statistics.median(
+            step["cpu_seconds"] - sum(step.get(f"{part}_cpu", 0.0) for part in PARTS) for step in steps
+        )
+        total = median(runs, "cpu_seconds")
+        cells = [f"{value:.2f}" for value in (*parts, rest, total)] + [f"{parts[0] / total:.0%}"]
+        lines.append(f"| {names[fw]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

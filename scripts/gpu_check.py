@@ -17,17 +17,22 @@ Rollouts: the rollout engines side by side on one workload (issue 20's: 8 prompt
 prompt tokens, exactly 256 new tokens, bf16, random weights of Qwen2.5-0.5B and -1.5B shapes, and the 0.5B
 shape with LoRA r=16): "eager" (`generate` with a dynamic cache on the model itself, the module's eager
 path) and "compiled" (`static_rollout.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
-"static" is the same uncompiled). Per row: warm-up seconds (the first call, compilation included),
-completion tokens per second over the next calls (each after an in-place weight refresh, as after an
-optimizer step), milliseconds per decoding step (wall, and the process's CPU time), graphs compiled after
-warm-up (FAIL if any) and peak memory.
+"static" is the same uncompiled; both with the copy as the trainer builds it under `bf16-mixed`). Per row:
+warm-up seconds (the first call, compilation included), completion tokens per second over the next calls
+(each after an in-place weight refresh, as after an optimizer step), milliseconds per decoding step (wall,
+and the process's CPU time), what compiling did (`compile_watch.FastPathReport`: graphs and CUDA graphs
+recorded in the warm-up; then recompiles, CUDA graphs re-recorded or skipped, graph breaks, eager
+fallbacks, each a FAIL if not 0, as is a compiled row that compiled nothing) and peak memory.
 
 Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
 - on-policy, sampled by the eager path and by the static engine: float32 weights under bf16 autocast (the
-  static engine samples from its bf16 copy), a checkpoint generation config as Qwen2.5-Instruct's
-  (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7) plus every other token suppressed; the
-  log-prob of each sampled token under the distribution it was drawn from equals `completion_logprobs`',
-  and the share of suppressed tokens sampled equals the raw policy's probability of them;
+  static engine samples from its copy, bf16 linear weights under the same autocast), a checkpoint
+  generation config as Qwen2.5-Instruct's (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7)
+  plus every other token suppressed; the log-prob each engine reports for each sampled token
+  (`Rollout.sampler_logprobs`) equals `completion_logprobs`' (the sampler/scorer gap, on ~16k tokens), and
+  the share of suppressed tokens sampled equals the raw policy's probability of them;
+- LoRA updates kept: B at 1e-4, 1e-3, 1e-2 on 2 layers of Qwen2.5-0.5B's width, the static copy reproduces
+  >= 0.99 of the scorer's log-prob change at each;
 - weights move: 2 GRPO steps at the shipped one-GPU config's lr 1e-6 with 10 warm-up steps, under its
   precision (bf16-mixed, float32 weights) and, for contrast, under bf16-true; the model's vocabulary is the
   tokenizer's (with the 150k one, sampled ids past the tokenizer's 1,024 decode to nothing, the length
@@ -47,7 +52,6 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from unittest import mock
 
 import lightning as L
 import torch
@@ -57,7 +61,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation import sampling
 from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
-from grpo_lightning.core.generation.static_engine import StaticEngine
+from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.distributed import close_process_group
@@ -289,8 +293,9 @@ def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace
     )
     if backend == "eager":
         engine = EagerEngine(settings)
-    else:
-        engine = StaticEngine(settings, dtype=dtype, compile=backend == "compiled")
+    else:  # as the trainer builds it: under bf16-mixed, bf16 linear weights (LoRA's too) and autocast
+        precision = copy_precision("bf16-mixed" if dtype == torch.bfloat16 else None)
+        engine = StaticEngine(settings, precision=precision, compile=backend == "compiled")
     generator = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(3, vocab, (args.rollout_prompts, args.prompt_tokens), generator=generator)
     prompt_ids = prompt_ids.to(device)  # [N, P]
@@ -304,9 +309,10 @@ def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace
     warmup, _, _ = call()
     seconds, cpu_seconds, tokens = 0.0, 0.0, 0
     for _ in range(args.rollout_calls):
-        engine.weights_updated(model)  # as after every optimizer step: in place, no recompilation
+        engine.weights_changed()  # as after an optimizer step: refreshed in place, no recompilation
         elapsed, cpu, count = call()
         seconds, cpu_seconds, tokens = seconds + elapsed, cpu_seconds + cpu, tokens + count
+    fast_path = engine.watch.report if isinstance(engine, StaticEngine) else None
     return {
         "rollout": shape + ("+lora" if lora else ""),
         "backend": backend,
@@ -316,6 +322,15 @@ def time_rollouts(shape: str, backend: str, lora: bool, args: argparse.Namespace
         "cpu_ms_per_step": 1000 * cpu_seconds / (args.rollout_calls * new),  # on a busy CPU, the steadier
         "tokens": tokens // args.rollout_calls,
         "recompiles": getattr(engine, "recompiles", 0),
+        # What compiling did (`compile_watch.FastPathReport`): graphs and CUDA graphs of the warm-up, then
+        # what must stay 0 after it: CUDA graphs re-recorded, skipped, graph breaks, eager fallbacks.
+        "graphs": fast_path.graphs_compiled if fast_path else 0,
+        "cudagraphs": fast_path.cudagraph_recordings if fast_path else 0,
+        "rerecords": fast_path.cudagraph_rerecords if fast_path else 0,
+        "cg_skips": fast_path.cudagraph_skips if fast_path else 0,
+        "breaks": fast_path.graph_breaks if fast_path else 0,
+        "fallbacks": fast_path.eager_fallbacks if fast_path else 0,
+        "engine_tok_s": engine.metrics()["tokens_per_second"],  # the engine's own figure, last call
         "peak_GiB": peak_memory_gib(device),
     }
 
@@ -332,16 +347,18 @@ def rollouts(args: argparse.Namespace) -> tuple[list[dict], list[Check]]:
             for row in group:
                 row["vs_eager"] = row["tokens_per_s"] / eager if eager else float("nan")
             rows += group
-    checks = [
-        Check(
-            f"no recompilation after warm-up, {row['rollout']} {row['backend']}",
-            row["recompiles"] == 0,
-            f"{row['recompiles']} graphs compiled after the first call",
-        )
-        for row in rows
-        if row["backend"] != "eager"
-    ]
+    checks = [fast_path_check(row) for row in rows if row["backend"] != "eager"]
     return rows, checks
+
+
+def fast_path_check(row: dict) -> Check:
+    """FAIL on anything that undoes the compiled fast path after its warm-up, and on a compiled row that
+    compiled nothing (it decoded eagerly without saying so)."""
+    degraded = {k: row[k] for k in ("recompiles", "rerecords", "cg_skips", "breaks", "fallbacks") if row[k]}
+    compiled = row["backend"] != "compiled" or row["graphs"] > 0
+    numbers = ", ".join(f"{k} {v}" for k, v in degraded.items()) or "none after warm-up"
+    numbers += f"; warm-up compiled {row['graphs']} graph(s), recorded {row['cudagraphs']} CUDA graph(s)"
+    return Check(f"fast path holds, {row['rollout']} {row['backend']}", not degraded and compiled, numbers)
 
 
 # ----------------------------------------------------------------------------------------- numerics
@@ -360,24 +377,12 @@ def tiny_policy(shape: dict, tokenizer, device: str) -> torch.nn.Module:
     return model.to(device)
 
 
-class RecordingSampler(sampling.InverseCDFSampler):
-    """Records each drawn token's log-prob under the scores it was drawn from (after `generate`'s own
-    processors, before the draw)."""
-
-    recorded: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = super().__call__(input_ids, scores)
-        drawn = out.argmax(-1, keepdim=True)  # [B, 1]
-        RecordingSampler.recorded.append(torch.log_softmax(scores.float(), -1).gather(-1, drawn).squeeze(-1))
-        return out
-
-
 def check_on_policy(
     shape: dict, tokenizer, device: str, completions: int, length: int, static: bool
 ) -> Check:
-    """`static`: sampled by `StaticEngine` (a bf16 copy, compiled on GPU), else by the eager path under
-    autocast; scored by `completion_logprobs` of the float32 weights under autocast either way."""
+    """`static`: sampled by `StaticEngine` (its copy as under `bf16-mixed`, compiled on GPU), else by the
+    eager path under autocast; scored by `completion_logprobs` of the float32 weights under autocast either
+    way, against the log-prob the engine reports for each token (`Rollout.sampler_logprobs`)."""
     model = tiny_policy(shape, tokenizer, device).eval()
     special = set(tokenizer.all_special_ids)
     suppressed = [i for i in range(0, shape["vocab"], 2) if i not in special]
@@ -389,17 +394,13 @@ def check_on_policy(
         for row in arithmetic_problems(4, seed=1)
     ]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    RecordingSampler.recorded = []
     torch.manual_seed(0)
-    with (
-        torch.autocast(device, dtype=torch.bfloat16),
-        mock.patch.object(sampling, "InverseCDFSampler", RecordingSampler),
-    ):
+    with torch.autocast(device, dtype=torch.bfloat16):
         settings = {"max_new_tokens": length, "pad_token_id": tokenizer.pad_token_id}
         if static:
             engine = StaticEngine(
                 SamplingSettings(**settings, eos_token_ids=(tokenizer.eos_token_id,), share_prompt=True),
-                dtype=torch.bfloat16,
+                precision=copy_precision("bf16-mixed"),
                 compile=device == "cuda",
             )
             generate = engine.generate
@@ -415,8 +416,7 @@ def check_on_policy(
             scored, _ = sampling.completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T)
             logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
     mask = rollout.completion_mask.bool()  # [B, T]
-    recorded = torch.stack(RecordingSampler.recorded, dim=1)[:, :T]  # [B, T]
-    diff = (recorded - scored)[mask].abs()
+    diff = (rollout.sampler_logprobs - scored)[mask].abs()
     probs = logits[:, -T - 1 : -1].float().softmax(-1)  # [B, T, V] the raw policy at each sampled position
     expected = probs[..., suppressed].sum(-1)[mask].mean().item()  # its mass on the suppressed tokens
     is_suppressed = torch.isin(rollout.completion_ids, torch.tensor(suppressed, device=device))
@@ -425,12 +425,55 @@ def check_on_policy(
     tolerance = 5 * math.sqrt(expected * (1 - expected) / n) + 0.01  # tokens of a row are not independent
     passed = diff.max().item() < 0.1 and diff.mean().item() < 0.01 and abs(observed - expected) < tolerance
     numbers = (
-        f"{n} tokens: |sampled - scored log-prob| max {diff.max().item():.2e} mean {diff.mean().item():.2e}; "
-        f"suppressed tokens sampled {observed:.3f}, the raw policy's mass on them {expected:.3f} "
-        f"(+-{tolerance:.3f})"
+        f"{n} tokens: |sampled - scored log-prob| max {diff.max().item():.2e} mean {diff.mean().item():.2e}, "
+        f"share above 0.1 {(diff > 0.1).float().mean().item():.4f}; suppressed tokens sampled "
+        f"{observed:.3f}, the raw policy's mass on them {expected:.3f} (+-{tolerance:.3f})"
     )
-    path = "static bf16 copy" if static else "eager, autocast"
+    path = "static copy as under bf16-mixed" if static else "eager, autocast"
     return Check(f"on-policy sampling (Qwen-like generation config), {path}", passed, numbers)
+
+
+def check_lora_small_updates(device: str, tiny: bool) -> Check:
+    """LoRA B at scale 1e-4, 1e-3, 1e-2 on 2 layers of Qwen2.5-0.5B's width (a bf16 base, float32 adapters,
+    bf16 autocast): the static engine's copy reproduces >= 0.99 of the scorer's log-prob change from the
+    base at each scale (a copy with the adapters merged into bf16 weights kept 0.4-0.5 of it at 1e-4 on
+    CPU)."""
+    config = Qwen2Config(
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        **{**ROLLOUT_SHAPES["qwen2.5-0.5b"][2], "num_hidden_layers": 2},
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        policy = apply_lora(Qwen2ForCausalLM(config).to(torch.bfloat16), LoraOptions(r=16))
+    rows, length = (4, 48) if tiny else (16, 128)
+    ids = torch.randint(3, 4096, (rows, length), device=device)  # [B, P+T]
+    engine = StaticEngine(
+        SamplingSettings(max_new_tokens=8, eos_token_ids=(1,), pad_token_id=0),
+        precision=copy_precision("bf16-mixed"),
+    )
+
+    def scored(model) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            return sampling.completion_logprobs(model, ids, torch.ones_like(ids), length // 2)[0].flatten()
+
+    shares = []
+    for scale in (0.0, 1e-4, 1e-3, 1e-2):
+        with torch.no_grad():
+            for name, weight in policy.named_parameters():
+                if "lora_B" in name:
+                    weight.copy_(torch.randn_like(weight) * scale)
+        engine.weights_changed()
+        engine.refresh(policy, torch.device(device))
+        if scale == 0.0:
+            base_policy, base_copy = scored(policy), scored(engine.copy.model)
+            continue
+        change, reproduced = scored(policy) - base_policy, scored(engine.copy.model) - base_copy
+        shares.append(float(reproduced @ change / (change @ change)))
+    numbers = ", ".join(f"{s:.4f} at {scale:g}" for s, scale in zip(shares, (1e-4, 1e-3, 1e-2), strict=True))
+    return Check(
+        "LoRA updates kept in the static copy", min(shares) >= 0.99, f"share of the change: {numbers}"
+    )
 
 
 def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
@@ -539,10 +582,11 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
 
 def numerics(args: argparse.Namespace, shape: dict, tokenizer) -> list[Check]:
     device = "cpu" if args.cpu else "cuda"
-    completions, length = (8, 8) if args.tiny else (64, 64)
+    completions, length = (8, 8) if args.tiny else (64, 256)  # on a GPU, ~16k sampled tokens
     checks = [
         check_on_policy(shape, tokenizer, device, completions, length, static) for static in (False, True)
     ]
+    checks.append(check_lora_small_updates(device, args.tiny))
     checks += check_weights_move(shape, tokenizer, device)
     checks += check_head_gradients(shape, device)
     return checks

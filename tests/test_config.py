@@ -66,6 +66,8 @@ REFUSED = {
         "step_credit": below(0, inclusive=False),
         "loss_type": st.sampled_from(["ppo", "GRPO", "dapo ", None]),
         "importance_sampling_level": st.sampled_from(["tokens", "seq", None]),
+        "importance_sampling_correction": NOT_A_FLAG,
+        "importance_sampling_cap": below(1, inclusive=False) | NOT_A_NUMBER,
         "epsilon": below(0, inclusive=True) | NOT_A_NUMBER,
         "epsilon_high": below(0, inclusive=True),
         "delta": below(1, inclusive=True),
@@ -88,6 +90,7 @@ REFUSED = {
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
         "share_prompt": NOT_A_FLAG,
+        "packed_sequences": NOT_A_FLAG,
         "sync_ref_model": NOT_A_FLAG,
         "ref_model_mixup_alpha": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,
@@ -248,7 +251,7 @@ def test_validate_applies_an_evaluation_option_over_the_checkpoint_and_says_so(
         UserWarning, match=r"model.num_generations_eval=2 from this run's config wins over .* 1"
     ):
         cli = build_cli([*args, "--model.num_generations_eval=2"])
-    assert cli.model.num_generations_eval == 2
+    assert cli.model.validation.num_generations == 2
     assert cli.model.val_accuracy.k == 2
 
 

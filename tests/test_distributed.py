@@ -1,8 +1,9 @@
 """DDP and FSDP2 on CPU with 2 processes (gloo): no hang, global loss normalisation, sharded checkpoints.
 Per-rank data and exact resume on the real data module: `tests/test_distributed_resume.py`.
 
-Each run is this file executed as a script (`python tests/test_distributed.py '<json>'`), which Lightning
-re-launches once per rank. The test starts it in its own process group and kills the whole group on a
+Each launch is this file executed as a script (`python tests/test_distributed.py '<json>'`), which
+Lightning re-launches once per rank; one launch may hold several runs, one after the other in the same
+processes. The test starts it in its own process group and kills the whole group on a
 timeout, so that a hung rank-1 child never outlives the test.
 
 `worker` compares updates with one process: its first training step uses fixed rollouts (completions and
@@ -86,7 +87,15 @@ def strategy_for(cfg: dict):
 
 
 def worker(cfg: dict) -> None:
+    """Each of `cfg["runs"]` (or `cfg` itself) in turn, in the same processes: one launch, several runs."""
+    for run in cfg.get("runs", [cfg]):
+        fit_and_record(run)
+    close_process_group()
+
+
+def fit_and_record(cfg: dict) -> None:
     out = cfg["out"]
+    os.makedirs(out, exist_ok=True)
 
     class FixedFirstStep(GRPOModule):
         """Step 0: completions fixed by the prompt. Later steps: real sampling, length set by the rank."""
@@ -210,7 +219,6 @@ def worker(cfg: dict) -> None:
         torch.save(weights, os.path.join(out, "final.pt"))
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(module.record, f)
-    close_process_group()
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -310,10 +318,15 @@ def launch(cfg: dict, timeout: float = 120, script: str = __file__) -> None:
     assert proc.returncode == 0, output[-5000:]
 
 
-def run_ranks(cfg: dict) -> list[dict]:
-    """Launch `worker` and return what it wrote, per rank."""
-    launch(cfg)
-    return [json.load(open(os.path.join(cfg["out"], f"rank{r}.json"))) for r in range(cfg["devices"])]
+def records(out: str, devices: int = 2) -> list[dict]:
+    """What `worker` wrote for a run into `out`, per rank."""
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(devices)]
+
+
+def run_ranks(*runs: dict) -> list[list[dict]]:
+    """Launch `worker` once for `runs`, in turn in the same processes; what each wrote, per rank."""
+    launch({**runs[0], "runs": list(runs)}, timeout=120 * len(runs))
+    return [records(run["out"], run["devices"]) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -360,45 +373,56 @@ def two_ranks(strategy: str, model: str, out: str, **extra) -> dict:
     return {**base, "model": model, "out": out, **extra}
 
 
-def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, tiny_model_dir, tmp_path):
-    out = str(tmp_path)
-    records = run_ranks(two_ranks("ddp", tiny_model_dir, out))
-    assert len(records[0]["losses"]) == len(records[1]["losses"]) == 2
-    assert_ranks_differ(records)
+@pytest.fixture(scope="module")
+def ddp_runs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """One 2-process DDP launch for both DDP tests: micro-batches of fixed rows, then by token budget."""
+    out = tmp_path_factory.mktemp("ddp")
+    runs = {
+        "rows": two_ranks("ddp", tiny_model_dir, str(out / "rows")),
+        "budget": two_ranks("ddp", tiny_model_dir, str(out / "budget"), max_tokens=80),
+    }
+    run_ranks(*runs.values())
+    return {name: run["out"] for name, run in runs.items()}
+
+
+def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, ddp_runs):
+    out = ddp_runs["rows"]
+    ranks = records(out)
+    assert len(ranks[0]["losses"]) == len(ranks[1]["losses"]) == 2
+    assert_ranks_differ(ranks)
     assert_same_update(single_run, out)
 
 
-def test_ddp_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(
-    single_run, tiny_model_dir, tmp_path
-):
+def test_ddp_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(single_run, ddp_runs):
     """The ranks' rollouts differ in length, so a token budget cuts them into different numbers of
     micro-batches; every forward/backward synchronises the ranks, so each runs as many as the busiest
     (else the run hangs). The update is the single process's."""
-    out = str(tmp_path)
-    records = run_ranks(two_ranks("ddp", tiny_model_dir, out, max_tokens=80))
-    counts = [record["micro_batches"] for record in records]  # per pass: [own, run]
+    out = ddp_runs["budget"]
+    counts = [record["micro_batches"] for record in records(out)]  # per pass: [own, run]
     assert all(a[1] == b[1] for a, b in zip(*counts, strict=True))
     assert any(a[0] != b[0] for a, b in zip(*counts, strict=True)), counts
     assert_same_update(single_run, out)
 
 
 def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_dir, tmp_path):
-    out, ckpt = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt")
-    records = run_ranks(two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt))
-    assert len(records[0]["losses"]) == 2
-    assert_ranks_differ(records)
+    out, ckpt, resumed_out = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt"), str(tmp_path / "resumed")
+    # One launch: 2 steps and a checkpoint, then a fresh module resumed from it in the same processes.
+    first, resumed = run_ranks(
+        two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt),
+        two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt),
+    )
+    assert len(first[0]["losses"]) == 2
+    assert_ranks_differ(first)
     assert_same_update(single_run, out)
     assert os.path.isdir(ckpt), "ModelParallelStrategy writes a sharded (distributed) checkpoint folder"
 
     # Resume: the sharded checkpoint loads into freshly sharded models, weights and step included.
-    resumed_out = str(tmp_path / "resumed")
-    records = run_ranks(two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt))
-    assert [r["start_step"] for r in records] == [2, 2]
-    assert len(records[0]["losses"]) == 1
+    assert [r["start_step"] for r in resumed] == [2, 2]
+    assert len(resumed[0]["losses"]) == 1
     saved = torch.load(os.path.join(out, "final.pt"))
-    resumed = torch.load(os.path.join(resumed_out, "resumed.pt"))
+    loaded = torch.load(os.path.join(resumed_out, "resumed.pt"))
     for name in saved:
-        torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0, msg=name)
 
     # Export in one process, no process group: straight from the folder (only the policy's tensors are read,
     # through the CLI as a user would), or from the whole checkpoint consolidated into one file.
@@ -420,7 +444,10 @@ def test_gpu_check_script_runs_on_cpu():
     """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish, and the
     rollout comparison's engines each write the workload's tokens."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
-    done = subprocess.run(["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHON": sys.executable}  # this interpreter, whatever the checkout's venv
+    done = subprocess.run(
+        ["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["run", "params_M"])

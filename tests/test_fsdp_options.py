@@ -1,7 +1,7 @@
 """FSDP2 with 2 gloo processes on CPU: reference sync mixes the local shards into exactly the closed-form
 mixture, CPU offload (FSDP2's CPUOffloadPolicy; on CPU without pinned memory) trains the same weights as
-without it, and each rank holds the shard sizes the memory estimate gives. The run is this file executed
-as a script, as in tests/test_distributed.py."""
+without it, and each rank holds the shard sizes the memory estimate gives. Both runs are one launch of
+this file as a script, one after the other in the same processes, as in tests/test_distributed.py."""
 
 import json
 import os
@@ -37,6 +37,15 @@ def local_bytes(tensors) -> int:
 
 
 def worker(cfg: dict) -> None:
+    """Each of `cfg["runs"]` in turn, in the same 2 processes."""
+    for run in cfg["runs"]:
+        fit_and_record(run)
+    close_process_group()
+
+
+def fit_and_record(cfg: dict) -> None:
+    os.makedirs(cfg["out"], exist_ok=True)
+
     class Recorded(GRPOModule):
         def on_train_batch_start(self, batch, batch_idx):
             before, policy = full_reference(self), full_weights(self)  # collectives: every rank
@@ -101,19 +110,23 @@ def worker(cfg: dict) -> None:
         torch.save(weights, os.path.join(cfg["out"], "final.pt"))
     with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
-    close_process_group()
 
 
-def run(model_dir: str, out: str, offload: bool) -> list[dict]:
-    launch(
-        {"strategy": "fsdp", "model": model_dir, "out": out, "offload": offload}, timeout=240, script=__file__
+def run(model_dir: str, out: str) -> tuple[list[dict], list[dict]]:
+    """One launch: the run with CPU offload, then the one without, in the same processes; each one's
+    records per rank."""
+    runs = [
+        {"model": model_dir, "out": os.path.join(out, name), "offload": name == "offload"}
+        for name in ("offload", "plain")
+    ]
+    launch({"strategy": "fsdp", "out": out, "runs": runs}, timeout=360, script=__file__)
+    return tuple(
+        [json.load(open(os.path.join(r["out"], f"rank{rank}.json"))) for rank in range(2)] for r in runs
     )
-    return [json.load(open(os.path.join(out, f"rank{rank}.json"))) for rank in range(2)]
 
 
 def test_sync_offload_and_shard_sizes_under_fsdp2(tiny_model_dir, tmp_path):
-    offloaded = run(tiny_model_dir, str(tmp_path / "offload"), offload=True)
-    plain = run(tiny_model_dir, str(tmp_path / "plain"), offload=False)
+    offloaded, plain = run(tiny_model_dir, str(tmp_path))
     assert [r["offloaded"] for r in offloaded] == [True, True] and not plain[0]["offloaded"]
     for record in offloaded + plain:
         assert record["syncs"] == STEPS - 1  # the last step's sync waits for a rollout that never comes

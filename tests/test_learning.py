@@ -4,6 +4,7 @@ answer in the rewarded `#### N` form only 30% of the time; GRPO with the format 
 share on held-out problems by a clear margin.
 """
 
+import copy
 import random
 
 import pytest
@@ -54,8 +55,10 @@ def heldout_format_rate(module: GRPOModule, rows, samples: int = 8) -> float:
     return sum(format_reward(completions)) / len(completions)
 
 
-@pytest.mark.parametrize("backend", ["eager", "static"])
-def test_grpo_raises_heldout_reward(backend):
+@pytest.fixture(scope="module")
+def warm_started():
+    """The tokenizer and the warm-started model that both backends start from (the warm start is half of
+    a run's work); each test trains a copy."""
     rows = arithmetic_problems(400, seed=0)
     texts = [r["question"] + "\n" + r["answer"] + "\nThe answer is 12." for r in rows]
     tokenizer = build_tokenizer(texts + [DEFAULT_SYSTEM_PROMPT] * 5, vocab_size=400)
@@ -63,7 +66,12 @@ def test_grpo_raises_heldout_reward(backend):
     model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     warm_start(model, tokenizer, rows)
+    return model, tokenizer
 
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_grpo_raises_heldout_reward(warm_started, backend):
+    model, tokenizer = (copy.deepcopy(x) for x in warm_started)
     module = GRPOModule(
         model,
         tokenizer,
@@ -79,7 +87,8 @@ def test_grpo_raises_heldout_reward(backend):
     heldout = arithmetic_problems(24, seed=99)
     before = heldout_format_rate(module, heldout)
     data = GSM8KDataModule(source="arithmetic", batch_size=4, val_size=4, arithmetic_size=400)
-    trainer = quiet_trainer(max_steps=25, limit_val_batches=0)
+    # 12 steps: held-out 0.30 -> 0.88-0.92 (eager) and 0.31 -> 0.90-0.95 (static) after 10-15 steps.
+    trainer = quiet_trainer(max_steps=12, limit_val_batches=0)
     trainer.fit(module, data)
     after = heldout_format_rate(module, heldout)
     print(f"{backend}: held-out format reward: before {before:.3f}, after {after:.3f}")

@@ -1,5 +1,6 @@
 """The memory estimate against measured figures: the bytes of a tiny model's weights, gradients, AdamW state
-and KV cache after a real step, and the figures the 7B and LoRA configs' comments state."""
+and KV cache after a real step, the static engine's inference copy and KV storage after real rollouts, and
+the figures the 7B and LoRA configs' comments state."""
 
 import re
 from pathlib import Path
@@ -69,6 +70,51 @@ def test_kv_cache_estimate_equals_the_generated_cache():
     assert estimate.gpu["KV cache"] == measured
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_static_engine_estimate_equals_its_copy_and_caches(tiny_model_dir, tied):
+    """Under `bf16-mixed` the copy holds bf16 linear weights and float32 embeddings and norms (a tied head
+    gets a bf16 weight of its own); two batches of different rows share one KV storage. The pre-flight's
+    terms are those bytes, exactly."""
+    from transformers import AutoTokenizer
+
+    from grpo_lightning.core.config import GRPOConfig
+    from grpo_lightning.training.module import GRPOModule
+    from grpo_lightning.training.preflight import rollout_memory
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
+    )
+    module = GRPOModule(LlamaForCausalLM(config), tokenizer, grpo=grpo)
+    rollouts = module.rollouts
+    rollouts.engine = rollouts.build_engine(module.policy, torch.device("cpu"), "bf16-mixed")
+    rollout, _ = module.rollouts.sample(["3 + 4 =", "2 * 5 - 1 =", "7 ="], 2)
+    module.rollouts.sample(["1 + 1 ="], 2)  # 2 rows: a view of the 6-row storage
+    engine = rollouts.engine
+    estimate = rollout_memory(module, 3 * 2, rollout.prompt_ids.size(1), devices=1, precision="bf16-mixed")
+    assert estimate.gpu["inference copy"] == engine.copy.nbytes()
+    assert estimate.gpu["KV cache"] == engine.cache_nbytes()
+    assert "generate gather" not in estimate.gpu
+    policy_bytes = tensor_bytes(module.policy.parameters())
+    embedding = module.policy.get_input_embeddings().weight.numel()
+    head = embedding * 2 if tied else 0  # the untied bf16 head
+    assert policy_bytes / 2 < engine.copy.nbytes() - head < policy_bytes  # bf16 linears, float32 the rest
+    layer = engine.caches.caches[6].layers[0]
+    assert engine.cache_nbytes() == 2 * 2 * tensor_bytes([layer.keys])  # one storage: 2 layers, keys, values
+
+
 def test_strategies_split_what_they_shard():
     model = ModelFootprint(
         weight_bytes=800,
@@ -100,6 +146,12 @@ def test_strategies_split_what_they_shard():
     }
     offload = estimate_memory(model, world=4, sharded=True, cpu_offload=True, reference=True)
     assert offload.gpu == {"generate gather": 400, "KV cache": 4}
+    static = estimate_memory(model, world=4, sharded=True, reference=True, inference_copy_bytes=400)
+    assert static.gpu == {  # the copy on every rank, refreshed one unit at a time; nothing gathered whole
+        **{k: v for k, v in fsdp.gpu.items() if k != "generate gather"},
+        "inference copy": 400,
+        "refresh gather": 0,  # this footprint names no unit
+    }
     assert offload.cpu == {
         k: v for k, v in fsdp.gpu.items() if k in ("weights", "gradients", "optimizer", "reference")
     }
@@ -125,18 +177,30 @@ def test_preflight_prints_the_estimate(tiny_model_dir):
 
 
 # ----------------------------------------------------------------------------- the configs' comments
-# Qwen2.5 shapes as the configs' comments state them (no download here).
-QWEN_7B = {"parameters": 7.62e9, "layers": 28, "kv_heads": 4, "head_dim": 128}
-QWEN_1_5B = {"parameters": 1.54e9, "layers": 28, "kv_heads": 2, "head_dim": 128}
+# Qwen2.5 shapes as the configs' comments state them (no download here). The largest FSDP2 unit of the 7B
+# is the root's own: its untied embedding and LM head (2 x 152064 x 3584) and final norm.
+QWEN_7B = {
+    "parameters": 7.62e9,
+    "layers": 28,
+    "kv_heads": 4,
+    "head_dim": 128,
+    "root": 2 * 152064 * 3584 + 3584,
+}
+QWEN_1_5B = {"parameters": 1.54e9, "layers": 28, "kv_heads": 2, "head_dim": 128, "root": 0}
 # LoRA r=16 on all linear layers of Qwen2.5-1.5B (hidden 1536, KV 256, MLP 8960), per layer:
 # r x (in + out) for q, o (1536 -> 1536), k, v (1536 -> 256), gate, up (1536 -> 8960), down (8960 -> 1536).
 LORA_1_5B = 28 * 16 * (2 * 3072 + 2 * 1792 + 3 * 10496)
 
 
 def config_estimate(name: str, shape: dict, trainable: int, weight_bytes: int, cpu_offload: bool = False):
+    """The estimate of a GPU config, whose rollouts take the static engine (`generation_backend: auto` on
+    CUDA): its copy in bf16 (FSDP2 gathers every weight in bf16; LoRA's base is bf16), its cache rows a power
+    of two, prompts bucketed by 64."""
     config = yaml.safe_load((CONFIGS / name).read_text())
     grpo, trainer, data = config["model"]["grpo"], config["trainer"], config["data"]
     lora = config["model"].get("lora") is not None
+    assert grpo.get("generation_backend", "auto") == "auto" and trainer["accelerator"] == "gpu"
+    rows = data["batch_size"] * grpo["num_generations"]
     model = ModelFootprint(
         weight_bytes=int(shape["parameters"] * weight_bytes) + (trainable * 4 if lora else 0),
         parameters=int(shape["parameters"]),
@@ -145,6 +209,7 @@ def config_estimate(name: str, shape: dict, trainable: int, weight_bytes: int, c
         layers=shape["layers"],
         kv_heads=shape["kv_heads"],
         head_dim=shape["head_dim"],
+        largest_unit_parameters=shape["root"],
     )
     sharded = "ModelParallelStrategy" in str(trainer.get("strategy"))
     return estimate_memory(
@@ -154,8 +219,9 @@ def config_estimate(name: str, shape: dict, trainable: int, weight_bytes: int, c
         cpu_offload=cpu_offload,
         reference=grpo["beta"] > 0 and not lora,
         compute_bytes=2,  # bf16-mixed
-        sequences=data["batch_size"] * grpo["num_generations"],
-        tokens=grpo["max_prompt_length"] + grpo["max_completion_length"],
+        sequences=1 << (rows - 1).bit_length(),
+        tokens=-(-grpo["max_prompt_length"] // 64) * 64 + grpo["max_completion_length"],
+        inference_copy_bytes=int(shape["parameters"] + (trainable if lora else 0)) * 2,
     )
 
 

@@ -34,7 +34,11 @@ def test_one_grpo_step_on_smollm2(smollm2_dir):
     torch.manual_seed(0)
     module = GRPOModule(
         smollm2_dir,
-        grpo=GRPOConfig(num_generations=2, max_completion_length=16, learning_rate=1e-5, beta=0.04),
+        # No pre-flight: its sampling and reward audit cost about a quarter of this test's CPU time, and
+        # tests/test_preflight.py covers them.
+        grpo=GRPOConfig(
+            num_generations=2, max_completion_length=16, learning_rate=1e-5, beta=0.04, preflight=False
+        ),
     )
     data = GSM8KDataModule(source=GSM8K_DIR, batch_size=1, val_size=1, train_size=1)
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)

@@ -1,11 +1,10 @@
 """The rollout seam: one sampling path for training and `generate_answers`, and an engine that the module
-tells about every weight update."""
+tells when the weights change and asks to refresh before each rollout."""
 
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine, LogProbScorer, RolloutEngine
-from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.evaluation import generate_answers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer
@@ -38,21 +37,29 @@ def test_scorer_shares_the_prompt_with_the_same_logprobs(tiny_model_dir):
 
 
 class CountingEngine(EagerEngine):
-    """The eager engine, counting `generate` calls and the weight updates it is told of, with the weights it
-    saw then (a static engine would copy them there)."""
+    """The eager engine, counting `generate` calls and the weight changes it is told of, with the weights it
+    saw at each `refresh` (where a static engine would copy them)."""
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
-        self.generated, self.updates = 0, []
+        self.generated, self.changes, self.refreshed = 0, 0, []
 
-    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True) -> Rollout:
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
         self.generated += 1
         return super().generate(
-            model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample
+            model,
+            prompt_ids,
+            prompt_mask,
+            num_generations=num_generations,
+            do_sample=do_sample,
+            settings=settings,
         )
 
-    def weights_updated(self, model) -> None:
-        self.updates.append(next(model.parameters()).detach().clone())
+    def weights_changed(self) -> None:
+        self.changes += 1
+
+    def refresh(self, model, device) -> None:
+        self.refreshed.append(next(model.parameters()).detach().clone())
 
 
 def counting(module: GRPOModule) -> GRPOModule:
@@ -67,7 +74,7 @@ def counting(module: GRPOModule) -> GRPOModule:
     return module
 
 
-def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
+def test_the_engine_hears_of_every_weight_change_and_refreshes_before_each_rollout(tiny_model_dir):
     from grpo_lightning.training.data import GSM8KDataModule
 
     grpo = GRPOConfig(
@@ -79,6 +86,8 @@ def test_the_engine_hears_of_every_optimizer_step(tiny_model_dir):
     )
     quiet_trainer(max_steps=4, limit_val_batches=0).fit(module, data)  # 2 batches x 2 optimizer steps
     engine = module.engine
-    assert engine.generated >= 2 and len(engine.updates) == 4
-    assert all(not torch.equal(a, b) for a, b in zip(engine.updates, engine.updates[1:], strict=False))
-    assert torch.equal(engine.updates[-1], next(module.policy.parameters()).detach())
+    assert engine.generated == 2 and len(engine.refreshed) == 2
+    assert engine.changes == 4  # each optimizer step (the engine was built at the first rollout)
+    assert not torch.equal(engine.refreshed[0], engine.refreshed[1]), "the second rollout's weights moved"
+    module.load_state_dict(module.state_dict())
+    assert engine.changes == 5, "a checkpoint load is a change"

@@ -1,7 +1,9 @@
-"""The static-cache rollout engine samples what the eager path samples, from the weights the optimizer just
-wrote: the same distribution (each drawn token's log-prob is what `completion_logprobs` scores, token
-frequencies as eager's), the same greedy rollouts after optimizer steps (full model, LoRA merged, FSDP2),
-an inference copy refreshed in place, and a compiled decoding step that never recompiles after warm-up.
+"""The static-cache rollout engine samples what the loss scores, from the weights the optimizer just wrote:
+the same distribution (each drawn token's log-prob, as the engine reports it, is what `completion_logprobs`
+scores under the trainer's precision; token frequencies as eager's), the same greedy rollouts after
+optimizer steps (full model, LoRA unmerged, FSDP2), an inference copy refreshed in place once per rollout
+(unit by unit under FSDP2), one KV storage for every row bucket, and a compiled decoding step that never
+recompiles after warm-up and says so when it falls back.
 
 The FSDP2 test runs this file as a script (`python tests/test_static_rollout.py '<json>'`), which spawns
 two gloo ranks.
@@ -9,10 +11,11 @@ two gloo ranks.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -24,17 +27,13 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation import sampling
 from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
 from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
-from grpo_lightning.core.generation.static_engine import (
-    StaticEngine,
-    named_generation_weights,
-    static_unsupported,
-)
+from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, static_unsupported
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,
+    full_weights_by_unit,
     gathered_for_generation,
     shard_model,
 )
@@ -94,48 +93,60 @@ def train_steps(model, steps: int, on_step=None, seed: int = 0) -> None:
             on_step()
 
 
-def recording_draws(recorded: list) -> mock._patch:
-    """Patches `InverseCDFSampler` to append each drawn token's log-prob under the scores it came from."""
-    draw = sampling.InverseCDFSampler.__call__
-
-    def recording(sampler, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = draw(sampler, input_ids, scores)  # [B, V] 0 at the drawn token, -inf elsewhere
-        recorded.append(scores.float().log_softmax(-1).gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1))
-        return out
-
-    return mock.patch.object(sampling.InverseCDFSampler, "__call__", recording)
-
-
 # ----------------------------------------------------------------------------------------- distribution
 @pytest.mark.parametrize(
-    ("dtype", "share_prompt", "tolerance"),
-    [(torch.float32, True, 1e-5), (torch.float32, False, 1e-5), (torch.bfloat16, True, 0.1)],
-    ids=["float32-shared", "float32", "bfloat16-shared"],
+    ("precision", "share_prompt", "tolerance"),
+    [(None, True, 1e-5), (None, False, 1e-5), ("bf16-mixed", True, 1e-2)],
+    ids=["float32-shared", "float32", "bf16-mixed-shared"],
 )
-def test_each_drawn_token_is_scored_as_it_was_drawn(dtype, share_prompt, tolerance):
+def test_each_drawn_token_is_scored_as_it_was_drawn(precision, share_prompt, tolerance):
+    """The engine's own sampler log-probs against the scorer's: float32, and under `bf16-mixed`, where the
+    copy holds bf16 linear weights and float32 embeddings and norms, and runs under the same autocast."""
     model = tiny().eval()
     # A checkpoint generation config that would reshape sampling if `generate` applied it.
     model.generation_config.update(do_sample=True, repetition_penalty=1.5, top_k=5, suppress_tokens=[3, 4, 5])
     ids, mask = prompts()
-    rollouts = engine(share_prompt, temperature=0.7, dtype=dtype)
-    recorded = []
+    rollouts = engine(share_prompt, temperature=0.7, precision=copy_precision(precision))
     torch.manual_seed(0)
-    with recording_draws(recorded):
-        rollout = rollouts.generate(model, ids, mask, num_generations=4)
+    rollout = rollouts.generate(model, ids, mask, num_generations=4)
     T = rollout.completion_ids.size(1)
     assert rollout.prompt_ids.shape == (12, 7) and torch.equal(
         rollout.prompt_ids, ids.repeat_interleave(4, 0)
     )
-    with torch.no_grad():
+    autocast = precision is not None
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         scored, _ = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T, temperature=0.7)
     drawn = rollout.completion_mask.bool()  # [B, T]
-    recorded = torch.stack(recorded, dim=1)[:, :T]  # [B, T]
-    difference = (recorded - scored)[drawn].abs()
+    difference = (rollout.sampler_logprobs - scored)[drawn].abs()
     assert difference.max() < tolerance, difference.max()
+    assert (rollout.sampler_logprobs[~drawn] == 0).all()
     assert drawn.sum() > 40  # enough tokens to mean something
-    if dtype == torch.bfloat16:
+    if autocast:
         assert difference.mean() < tolerance / 10
-        assert all(p.dtype == torch.bfloat16 for p in rollouts.copy.model.parameters())
+        copy = rollouts.copy.model
+        assert copy.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # autocast's matmuls
+        assert copy.model.embed_tokens.weight.dtype == torch.float32  # float32 residual stream, as scored
+        assert copy.model.norm.weight.dtype == torch.float32
+
+
+def test_copy_computes_as_the_autocast_scorer():
+    """Full fine-tuning under `bf16-mixed`: float32 master weights scored under bf16 autocast. On the same
+    tokens, in one pass, the copy's log-probs are the scorer's exactly; a copy with every weight in bf16
+    (norms and the residual stream in bf16 too) is not."""
+    model = tiny().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # logits of a few units, as a trained model's
+    ids = torch.randint(3, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
+
+    def scored(m) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return completion_logprobs(m, ids, torch.ones_like(ids), 12)[0]
+
+    rollouts = engine(precision=copy_precision("bf16-mixed"))
+    rollouts.refresh(model, torch.device("cpu"))
+    torch.testing.assert_close(scored(rollouts.copy.model), scored(model), rtol=0, atol=0)
+    all_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert (scored(all_bf16) - scored(model)).abs().max() > 1e-3
 
 
 def two_sample_chi_square(a: torch.Tensor, b: torch.Tensor, bins: int = 12) -> tuple[float, int]:
@@ -193,18 +204,24 @@ def test_min_new_tokens_and_eos_as_in_eager():
 
 
 # ----------------------------------------------------------------------------------------- fresh weights
-def lora_merged_by_hand(model) -> dict[str, torch.Tensor]:
-    """base + (alpha / r) * B @ A of every LoRA layer, named as in the plain model."""
-    merged = {}
-    for name, module in model.get_base_model().named_modules():
-        if hasattr(module, "lora_A") and "default" in module.lora_A:
-            delta = module.lora_B["default"].weight @ module.lora_A["default"].weight
-            merged[f"{name}.weight"] = module.base_layer.weight + module.scaling["default"] * delta
-    return merged
+def assert_copy_holds(engine_: StaticEngine, model) -> None:
+    """The copy's tensors are the policy's current weights (float32, unsharded), name by name."""
+    copy = dict(engine_.copy.model.named_parameters())
+    policy = dict(
+        model.get_base_model().named_parameters()
+        if hasattr(model, "get_base_model")
+        else model.named_parameters()
+    )
+    assert set(copy) == set(policy)
+    for name, value in policy.items():
+        torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_copy_follows_optimizer_steps_in_place(lora):
+    """Real AdamW steps, the engine told after each: the copy, refreshed in place before the next rollout,
+    holds the trained weights (LoRA's adapters unmerged, the trained base untouched), and greedy rollouts
+    are eager's on the live model."""
     model = tiny()
     if lora:
         model = apply_lora(model, LoraOptions(r=4, alpha=8))
@@ -220,7 +237,7 @@ def test_copy_follows_optimizer_steps_in_place(lora):
     greedy = []
 
     def after_step():
-        rollouts.weights_updated(model)
+        rollouts.weights_changed()
         greedy.append(
             (
                 rollouts.generate(model, ids, mask, num_generations=2, do_sample=False).completion_ids,
@@ -229,19 +246,14 @@ def test_copy_follows_optimizer_steps_in_place(lora):
         )
 
     train_steps(model, 3, after_step)
+    assert {n: p.data_ptr() for n, p in rollouts.copy.model.named_parameters()} == pointers, "in place"
+    assert_copy_holds(rollouts, model)
+    assert rollouts.refreshes == 4  # the first fill, then once per rollout after a step
     copy = dict(rollouts.copy.model.named_parameters())
-    assert {n: p.data_ptr() for n, p in copy.items()} == pointers, "refreshed in place"
-    expected = dict(named_generation_weights(model))
-    assert set(expected) == set(copy)
-    for name, value in expected.items():
-        torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
-    moved = [n for n in copy if not torch.equal(copy[n], before[n])]
+    moved = {n for n in copy if not torch.equal(copy[n], before[n])}
     if lora:
-        by_hand = lora_merged_by_hand(model)
-        assert set(moved) == set(by_hand), "exactly the adapted weights moved"
-        for name, value in by_hand.items():
-            torch.testing.assert_close(copy[name], value.detach(), rtol=1e-6, atol=1e-6, msg=name)
-        for name, value in base.items():  # the trained base is never merged into
+        assert moved and all(".lora_" in n for n in moved), "only the adapters train"
+        for name, value in base.items():
             assert torch.equal(dict(model.named_parameters())[name], value), name
     else:
         assert len(moved) == len(copy)
@@ -250,10 +262,36 @@ def test_copy_follows_optimizer_steps_in_place(lora):
     assert not torch.equal(greedy[0][0], greedy[-1][0]), "the steps changed what greedy decoding writes"
 
 
-def test_compiled_decoding_never_recompiles_after_warm_up():
+def test_one_kv_storage_serves_every_row_bucket():
+    """Batches of 6, 4 and 2 rows after each other: one storage of the largest (6 rows) backs all three
+    caches, and every rollout is eager's."""
+    model = tiny()
+    rollouts = engine()
+    sizes = []
+    for n in (3, 2, 1):
+        ids, mask = prompts(n)
+        static = rollouts.generate(model, ids, mask, num_generations=2, do_sample=False)
+        assert torch.equal(static.completion_ids, eager_greedy(model, ids, mask).completion_ids), n
+        sizes.append(rollouts.cache_nbytes())
+    layer = rollouts.caches.caches[6].layers[0]
+    config = model.config
+    per_row = (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * layer.keys.size(-2)
+        * layer.keys.size(-1)
+        * 4
+    )
+    assert sizes == [6 * per_row] * 3
+    assert rollouts.caches.caches[2].layers[0].keys.data_ptr() == layer.keys.data_ptr(), "a view"
+
+
+def test_compiled_decoding_never_recompiles_after_warm_up(recwarn):
     """One compile (CPU inductor, tens of seconds), then rollouts after weight refreshes, greedy and sampled,
     with prompts in two length buckets (one cache length: `max_prompt_tokens`) and 6 rows (padded to 8):
-    no graph is compiled again."""
+    no graph is compiled again. Then a new row bucket with dynamo's recompile limit at 1: decoding falls
+    back to eager, with the same rollouts, one warning naming the cause, and the fallback counted."""
     model = tiny()
     rollouts = engine(compile=True, max_prompt_tokens=16)
     pointers = None
@@ -263,10 +301,43 @@ def test_compiled_decoding_never_recompiles_after_warm_up():
         assert torch.equal(static.completion_ids, eager_greedy(model, ids, mask).completion_ids), step
         rollouts.generate(model, ids, mask, num_generations=2)  # sampled, same compiled step
         pointers = pointers or [p.data_ptr() for p in rollouts.copy.model.parameters()]
-        train_steps(model, 1, lambda: rollouts.weights_updated(model), seed=step)
+        train_steps(model, 1, rollouts.weights_changed, seed=step)
     assert rollouts.warmup_compiles == 1, "one graph for both prompt lengths"
-    assert rollouts.recompiles == 0
+    report = rollouts.watch.report
+    assert report.recompiles == report.graph_breaks == report.eager_fallbacks == report.cudagraph_skips == 0
     assert [p.data_ptr() for p in rollouts.copy.model.parameters()] == pointers
+    assert not [w for w in recwarn if "fast path" in str(w.message)]
+    ids, mask = prompts(5, length=6)  # 10 rows: a bucket of 16, which needs a graph of its own
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):
+            static = rollouts.generate(model, ids, mask, num_generations=2, do_sample=False)
+            assert torch.equal(static.completion_ids, eager_greedy(model, ids, mask).completion_ids)
+    assert report.eager_fallbacks == 2 and report.recompiles == 0
+    messages = [str(w.message) for w in recwarn if "fast path" in str(w.message)]
+    assert len(messages) == 1 and "recompile limit (1)" in messages[0], messages
+    assert rollouts.metrics()["eager_fallbacks"] == 2.0
+
+
+def test_fast_path_degradations_are_counted_and_warned_once(recwarn):
+    """What torch's counters say happened inside a decoding call: graphs compiled on a shape's first call
+    are its warm-up, on a later call recompiles; CUDA-graph skips and graph breaks count whenever. Each
+    cause is warned about once, by name."""
+    from torch._dynamo.utils import counters
+
+    from grpo_lightning.core.generation.compile_watch import CompileWatch
+
+    watch = CompileWatch()
+    for _ in range(3):  # one shape: a warm-up that compiles a graph, then two calls that compile again
+        with watch.call("rows=8"):
+            counters["stats"]["unique_graphs"] += 1
+    with watch.call("rows=16"):  # a new shape's warm-up
+        counters["stats"]["unique_graphs"] += 1
+        counters["inductor"]["cudagraph_skips"] += 1
+    report = watch.report
+    assert (report.graphs_compiled, report.recompiles, report.cudagraph_skips) == (4, 2, 1)
+    messages = [str(w.message) for w in recwarn if "fast path" in str(w.message)]
+    assert len(messages) == 2 and "recompiles=1" in messages[0] and "cudagraph_skips=1" in messages[1]
+    assert "TORCH_LOGS=recompiles" in messages[0]
 
 
 # ----------------------------------------------------------------------------------------- the module
@@ -285,7 +356,7 @@ def test_unsupported_models_say_why():
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(tiny(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
-    assert static_unsupported(dora) == "DoRA adapters do not merge as base + scaling * B @ A"
+    assert static_unsupported(dora) == "DoRA adapters are not served by the inference copy (LoRA only)"
 
 
 def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
@@ -338,20 +409,130 @@ def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
     trainer.fit(module, data)
     engine_ = module.rollouts.engine
     assert isinstance(engine_, StaticEngine) and engine_.copy is not None
-    copy = dict(engine_.copy.model.named_parameters())
-    for name, value in named_generation_weights(module.policy):
-        torch.testing.assert_close(copy[name], value.detach(), rtol=0, atol=0, msg=name)
     batch = next(iter(data.val_dataloader()))
     ids, mask = module.rollouts.encoder.encode(batch["prompt"], "cpu")
     static = module.rollouts.sample(batch["prompt"], 1, do_sample=False)[0]
-    expected = eager_greedy(module.policy, ids, mask, G=1, **module.rollouts.engine.sampling)
+    assert_copy_holds(engine_, module.policy)  # refreshed after the last step, before this rollout
+    s = engine_.settings
+    expected = eager_greedy(
+        module.policy,
+        ids,
+        mask,
+        G=1,
+        max_new_tokens=s.max_new_tokens,
+        pad_token_id=s.pad_token_id,
+        eos_token_ids=list(s.eos_token_ids),
+    )
     assert torch.equal(static.completion_ids, expected.completion_ids)
+
+
+class CheckedModule(GRPOModule):
+    """Checks, at every rollout, that the static engine's copy holds the policy's weights of that moment,
+    and counts the rollouts."""
+
+    rollouts_sampled = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        sample = self.rollouts.sample
+
+        def checked_sample(prompts, num_generations, do_sample=True):
+            result = sample(prompts, num_generations, do_sample)
+            assert_copy_holds(self.rollouts.engine, self.policy)
+            self.rollouts_sampled += 1
+            return result
+
+        self.rollouts.sample = checked_sample
+
+
+def test_copy_refreshes_once_per_rollout_with_two_steps_each(tiny_model_dir):
+    """`steps_per_generation` 2: two optimizer steps per rollout, one refresh per rollout (the first
+    fill included), each rollout sampling the weights of its moment."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=4,
+        generation_backend="static",
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    module = CheckedModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=16, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, data)  # 3 rollouts x 2 optimizer steps
+    assert module.trainer.global_step == 6 and module.rollouts_sampled == 3
+    assert module.rollouts.engine.refreshes == 3
+
+
+def test_a_checkpoint_load_is_sampled_next(tiny_model_dir):
+    """A module samples (its copy holds the initial weights), then loads trained weights: its next rollout
+    samples those, as eager decoding on them does."""
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=6,
+        generation_backend="static",
+        learning_rate=1e-2,
+        preflight=False,
+    )
+    trained = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
+    )
+    quiet_trainer(max_steps=2, limit_val_batches=0).fit(trained, data)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    module.configure_model()
+    prompts_ = ["12 + 7 =", "3 * 4 ="]
+    before = module.rollouts.sample(prompts_, 1, do_sample=False)[0].completion_ids
+    module.load_state_dict(trained.state_dict())
+    after = module.rollouts.sample(prompts_, 1, do_sample=False)[0]
+    assert_copy_holds(module.rollouts.engine, module.policy)
+    ids, mask = module.rollouts.encoder.encode(prompts_, "cpu")
+    s = module.rollouts.engine.settings
+    eager = eager_greedy(
+        module.policy,
+        ids,
+        mask,
+        G=1,
+        max_new_tokens=6,
+        pad_token_id=s.pad_token_id,
+        eos_token_ids=list(s.eos_token_ids),
+    )
+    assert torch.equal(after.completion_ids, eager.completion_ids)
+    assert not torch.equal(after.completion_ids, before), "the loaded weights write something else"
+
+
+def test_gsm8k_callback_samples_through_the_modules_engine(tiny_model_dir):
+    """The accuracy callback decodes a GRPOModule's policy with its rollout engine (here the static copy,
+    refreshed first): its greedy answers are the engine's, at the callback's own length."""
+    from grpo_lightning.io.rows import collate_rows
+    from grpo_lightning.training.evaluation import GSM8KAccuracyCallback, generate_answers
+    from tests.helpers import GSM8K_DIR
+
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
+    )
+    module = GRPOModule(tiny_model_dir, grpo=grpo)
+    module.configure_model()
+    engine_ = module.rollouts.engine
+    callback = GSM8KAccuracyCallback(source=GSM8K_DIR, split="holdout", num_problems=2, max_new_tokens=6)
+    callback.setup(None, module, "fit")
+    callback.evaluate(module)
+    assert engine_.copy is not None and engine_.refreshes == 1, "the callback built the copy and sampled"
+    batch = collate_rows(callback.data.val_rows, callback.data.hparams.system_prompt)
+    answers = functools.partial(generate_answers, module.policy, module.tokenizer, batch["prompt"])
+    through_engine = answers(max_new_tokens=6, engine=engine_)
+    assert through_engine == answers(max_new_tokens=6)  # float32: the copy is the policy, greedy agrees
+    assert through_engine != answers(max_new_tokens=4, engine=engine_), (
+        "the callback's length, not training's"
+    )
 
 
 # ----------------------------------------------------------------------------------------- FSDP2
 def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):
-    """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 and, after two optimizer
-    steps, equals the float32 shards gathered and cast."""
+    """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 (FSDP2 gathers every weight in
+    bf16, as the scorer computes with them) and, refreshed after two optimizer steps, equals the float32
+    shards gathered and cast."""
     grpo = GRPOConfig(
         num_generations=2,
         max_completion_length=4,
@@ -371,7 +552,8 @@ def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir)
     )
     try:
         trainer.fit(module, data)
-        weights = {n: v.full_tensor() for n, v in named_generation_weights(module.policy)}
+        module.rollouts.engine.refresh(module.policy, torch.device("cpu"))  # the last step's weights
+        weights = {n: v.full_tensor() for n, v in module.policy.named_parameters()}
     finally:
         close_process_group()
     copy = dict(module.rollouts.engine.copy.model.named_parameters())
@@ -383,8 +565,7 @@ def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir)
 
 def fsdp_rank(rank: int, cfg: dict) -> None:
     """One of two gloo ranks: a sharded tiny policy (bf16 all-gathers, as `bf16-mixed`), without and with
-    LoRA, two optimizer steps on rank-specific data each, the copy refreshed from the gathered weights after
-    each step."""
+    LoRA, two optimizer steps on rank-specific data each, the copy refreshed unit by unit after each."""
     dist.init_process_group("gloo", init_method=f"file://{cfg['out']}/store", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     records = {}
@@ -401,13 +582,14 @@ def fsdp_rank(rank: int, cfg: dict) -> None:
 
 
 def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
-    rollouts = engine()
+    """Rollouts on the copy, each followed by an optimizer step; the copy refreshed from the weights one
+    FSDP2 unit gathered at a time, counting the weights unsharded at once while it does."""
+    rollouts = engine(weights=UnitCounter(full_weights_by_unit))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
     ids, mask = prompts(2, seed=rank)
-    record = {"max_difference": [], "moved": []}
+    record = {"max_difference": [], "moved": [], "most_gathered": 0}
     for _ in range(2):
-        with torch.no_grad(), gathered_for_generation(model):
-            rollout = rollouts.generate(model, ids, mask, num_generations=2)
+        rollout = rollouts.generate(model, ids, mask, num_generations=2)  # no gathering around it
         T = rollout.completion_ids.size(1)
         logprobs, _ = call_in_root_forward(
             model, completion_logprobs, model, rollout.input_ids, rollout.attention_mask, T
@@ -415,11 +597,13 @@ def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
         (-(logprobs * rollout.completion_mask).sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
+        rollouts.weights_changed()
         before = {n: p.clone() for n, p in rollouts.copy.model.named_parameters()}
+        rollouts.refresh(model, torch.device("cpu"))
+        copy = dict(rollouts.copy.model.named_parameters())
         with torch.no_grad(), gathered_for_generation(model):
-            rollouts.weights_updated(model)
-            copy = dict(rollouts.copy.model.named_parameters())
-            gathered = dict(named_generation_weights(model))
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+            gathered = dict(inner.named_parameters())
             assert not any(isinstance(v, DTensor) for v in gathered.values())
             difference = max(
                 (copy[n].float() - v.to(copy[n].dtype).float()).abs().max() for n, v in gathered.items()
@@ -427,7 +611,29 @@ def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
             record["max_difference"].append(difference.item())
         record["moved"].append(sum(not torch.equal(before[n], copy[n]) for n in copy) / len(copy))
         record["dtype"] = str(next(iter(copy.values())).dtype)
+    record["most_gathered"] = rollouts.weights.most
+    record["largest_unit"] = largest_unit(model)
+    record["all"] = sum(p.numel() for p in model.parameters())
     return record
+
+
+class UnitCounter:
+    """A weight source that records the most weight elements unsharded at any one time while it runs."""
+
+    def __init__(self, source) -> None:
+        self.source, self.most = source, 0
+
+    def __call__(self, model):
+        for name, value in self.source(model):
+            unsharded = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+            self.most = max(self.most, unsharded)
+            yield name, value
+
+
+def largest_unit(model) -> int:
+    layers = model.get_decoder().layers
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return max(sum(p.numel() for p in model.parameters()) - sum(per_layer), *per_layer)
 
 
 def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
@@ -436,11 +642,13 @@ def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
     launch({"out": str(tmp_path), "strategy": "fsdp2 static rollout"}, timeout=180, script=__file__)
     for rank in range(2):
         records = json.load(open(tmp_path / f"rank{rank}.json"))
-        for variant, moving in (("full", 0.9), ("lora", 0.3)):  # LoRA: the adapted linear layers only
+        for variant, moving in (("full", 0.9), ("lora", 0.3)):  # LoRA: its B (and A) tensors only
             record = records[variant]
             assert record["dtype"] == "torch.bfloat16"
             assert record["max_difference"] == [0.0, 0.0], (rank, variant, record)
             assert all(share > moving for share in record["moved"]), (rank, variant, record)
+            # Refreshing never gathers more than one unit: no second full model beside the copy.
+            assert 0 < record["most_gathered"] <= record["largest_unit"] < record["all"], record
 
 
 if __name__ == "__main__":
@@ -457,9 +665,11 @@ def test_an_engine_built_before_fit_follows_the_trainers_precision(tiny_model_di
     module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
     module.configure_model()
     module.rollouts.sample(["1 + 1 ="], 1, do_sample=False)
-    assert module.rollouts.engine.copy.model.dtype == torch.float32
+    linear = "model.layers.0.mlp.up_proj.weight"
+    assert dict(module.rollouts.engine.copy.model.named_parameters())[linear].dtype == torch.float32
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )
     quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, data)
-    assert module.rollouts.engine.copy.model.dtype == torch.bfloat16
+    copy = dict(module.rollouts.engine.copy.model.named_parameters())
+    assert copy[linear].dtype == torch.bfloat16 and copy["model.embed_tokens.weight"].dtype == torch.float32

@@ -315,7 +315,7 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
     cli = build_cli(["--config", str(path), f"--model.policy={tiny_model_dir}"], run=False)
     assert (
         cli.model.reward_funcs == [accuracy_reward, think_format_reward]
-        and cli.model.val_reward is accuracy_reward
+        and cli.model.validation.reward is accuracy_reward
     )
     assert type(cli.datamodule) is PromptDataModule
 

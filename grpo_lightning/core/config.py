@@ -107,6 +107,27 @@ class GRPOConfig:
     """
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
+    importance_sampling_correction: bool = False
+    """Correct for the rollout engine's sampler not being the policy the loss scores: weight each token's
+    policy term by min(pi_old / pi_sampler, importance_sampling_cap), detached (truncated importance
+    sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"; `grpo_lightning.core.algorithm.sampler_correction`). pi_sampler is the log-prob each token
+    was drawn with (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
+    update; with one optimizer step per rollout it costs nothing more. Where they are equal the loss and
+    gradients are unchanged. Every step logs the gap either way (`rollout/logp_gap_mean`, `_max`,
+    `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: measured
+    on CPU (BENCHMARKS.md), the gap is rounding, 3e-5 nats per token in float32, and under bf16-mixed
+    2-3e-2 for eager decoding and the static copy alike (decoding token by token rounds otherwise than
+    scoring the whole sequence), while what the correction does to learning is not measured yet. Turn it
+    on where `rollout/logp_gap_frac_above` is material, or with top_p/top_k/min_completion_length, whose
+    truncation is a gap by design. TRL: `vllm_importance_sampling_correction` (on with vLLM) with
+    `vllm_importance_sampling_mode="token_truncate"`; verl: `algorithm.rollout_is` with
+    `rollout_is_level: token`, `rollout_is_mode: truncate`.
+    """
+    importance_sampling_cap: Annotated[float, Range(">= 1", why="below 1 it shrinks on-policy tokens")] = 2.0
+    """The truncation C of `importance_sampling_correction`'s weights; 2.0 as Yao et al. 2025 (TRL's
+    `vllm_importance_sampling_clip_max` defaults to 3.0, verl's `rollout_is_threshold` to 2.0).
+    """
     epsilon: PositiveFloat = 0.2
     """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
     epsilon_high: PositiveFloat | None = None
@@ -227,17 +248,33 @@ class GRPOConfig:
     (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
     """
+    packed_sequences: bool = True
+    """Pack the reference, old-policy and policy passes: each micro-batch's rows laid end to end in a few
+    lines (their prompts and completions, padding only where a line ends), kept apart by one attention
+    mask, with position ids restarting at each row; with `share_prompt` a line holds a group's prompt once
+    and several of its completions. The LM head runs on the completion tokens only. Same log-probs and
+    gradients up to rounding (tests/test_packing.py). On MATH-like rollouts with `share_prompt` and the
+    token budget the decoder computes 0.99 positions per token of the rows instead of 1.58
+    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full-attention layers: another
+    model (flash attention, sliding-window layers) keeps the padded passes, with a warning
+    (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
+    """
     generation_backend: Literal["auto", "eager", "static"] = "auto"
     """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
-    (`core.rollout.EagerEngine`, the reference path). "static": `generate` with a static KV cache on an
-    inference copy of the policy in the compute dtype (bf16 under `bf16-mixed`, LoRA adapters merged into
-    it), overwritten in place after every optimizer step; on CUDA its decoding step is compiled once
-    (`torch.compile` with CUDA graphs, through transformers' `CompileConfig`), on CPU it runs uncompiled
-    (`grpo_lightning.core.generation.static_engine`). Same sampling (the tokens' distribution is the policy's,
-    tests/test_static_rollout.py); costs one more copy of the weights in the compute dtype, on every rank
-    under FSDP2, and a compile warm-up (tens of seconds) per batch shape. "auto": "static" on CUDA, "eager"
-    elsewhere. A model the static path cannot serve (sliding-window or linear-attention layers, a quantized
-    base, DoRA) falls back to "eager" with one warning.
+    (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
+    static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
+    weights in the compute dtype, LoRA adapters unmerged, embeddings and norms as the policy holds them,
+    under the trainer's autocast), refreshed in place once before each rollout after the weights changed;
+    on CUDA its decoding step is compiled once (`torch.compile` with CUDA graphs, through transformers'
+    `CompileConfig`), on CPU it runs uncompiled (`grpo_lightning.core.generation.static_engine`). Same
+    sampling (each drawn token's log-prob is the scorer's, tests/test_static_rollout.py); costs the copy
+    (on every rank under FSDP2, refreshed one unit at a time) and one KV cache for the largest batch, both
+    in the pre-flight's memory estimate, and a compile warm-up (tens of seconds) per batch shape. Logs
+    `rollout/tokens_per_second`, `rollout/ms_per_decoding_step` and what compiling did
+    (`rollout/recompiles`, `rollout/cudagraph_skips`, ...; a warning names the cause once if the fast path
+    degrades). "auto": "static" on CUDA, "eager" elsewhere. A model the static path cannot serve
+    (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
+    warning.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
@@ -255,6 +292,11 @@ class GRPOConfig:
     `max_completion_length`, the reward audit and LoRA's input gradients in one block
     (`grpo_lightning.training.preflight`).
     """
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """The optimizer steps of one training step: num_iterations x steps_per_generation."""
+        return self.num_iterations * self.steps_per_generation
 
     def __post_init__(self) -> None:
         check_fields(self)

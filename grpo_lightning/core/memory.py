@@ -9,10 +9,16 @@ full fine-tuning):
   trainable tensor (torch keeps it as a tensor);
 - reference: a second copy of the weights when `beta > 0` without LoRA (LoRA's reference is the same base
   with the adapters off), sharded like the policy;
-- generate gather: FSDP2 gathers the whole policy once per rollout, in the compute dtype
-  (`distributed.gathered_for_generation`);
+- rollouts with the eager engine: under FSDP2 the whole policy gathered once per rollout, in the compute
+  dtype (`distributed.gathered_for_generation`: "generate gather");
+- rollouts with the static engine: its inference copy, unsharded on every rank, in the dtypes it computes
+  in (`static_engine.inference_copy_nbytes`: linear weights in the compute dtype, embeddings and norms as
+  the policy holds them); under FSDP2 the largest unit gathered while the copy refreshes ("refresh
+  gather": a decoder layer, or the root's embeddings and head), never a second full model;
 - KV cache: 2 (keys, values) x layers x KV heads x head size x compute-dtype bytes, per token of each
-  rollout sequence (prompts x G, each prompt + completion tokens long).
+  rollout sequence (prompts x G, each prompt + completion tokens long); for the static engine, its one
+  cache, sized for the largest row bucket (a power of two when compiled) and the longest cache
+  (`StaticEngine.cache_shape`), which serves every smaller bucket.
 
 With `cpu_offload` the weights, gradients, optimizer state and reference live in CPU memory instead
 (listed apart). Not counted: activations (they depend on `micro_batch_size` and gradient checkpointing),
@@ -38,6 +44,8 @@ class ModelFootprint:
         trainable_bytes: bytes of the trainable weights (all of them, or LoRA's adapters).
         trainable_tensors: number of trainable weight tensors (AdamW keeps a step count for each).
         layers / kv_heads / head_dim: the decoder's, for the KV cache.
+        largest_unit_parameters: weights of the largest FSDP2 unit (a decoder layer, or the root's own:
+            embeddings, final norm, LM head), gathered alone while the static engine's copy refreshes.
     """
 
     weight_bytes: int
@@ -47,6 +55,7 @@ class ModelFootprint:
     layers: int
     kv_heads: int
     head_dim: int
+    largest_unit_parameters: int = 0
 
 
 @dataclass
@@ -83,10 +92,13 @@ def estimate_memory(
     compute_bytes: int = 2,
     sequences: int = 1,
     tokens: int = 1,
+    inference_copy_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Memory per GPU of a run: `world` processes, FSDP2 when `sharded` (else one device or DDP, each
     holding everything), `reference` a separate frozen copy, `sequences` rollout rows of `tokens` tokens
-    per process, compute in `compute_bytes` per value (2 under bf16 or fp16 compute)."""
+    per process (the static engine's: its cache's rows and length), compute in `compute_bytes` per value
+    (2 under bf16 or fp16 compute). `inference_copy_bytes`: the static engine's copy; None: eager rollouts
+    on the policy itself."""
     share = world if sharded else 1
     states = {
         "weights": model.weight_bytes // share,
@@ -101,7 +113,11 @@ def estimate_memory(
         estimate.cpu = states
     else:
         estimate.gpu = dict(states)
-    if sharded:
+    if inference_copy_bytes is not None:
+        estimate.gpu["inference copy"] = inference_copy_bytes
+        if sharded:
+            estimate.gpu["refresh gather"] = model.largest_unit_parameters * compute_bytes
+    elif sharded:
         estimate.gpu["generate gather"] = model.parameters * compute_bytes
     per_token = 2 * model.layers * model.kv_heads * model.head_dim * compute_bytes
     estimate.gpu["KV cache"] = per_token * sequences * tokens
@@ -115,6 +131,9 @@ def footprint(model) -> ModelFootprint:
     trainable = [w for w in weights if w.requires_grad]
     config = model.config
     heads = config.num_attention_heads
+    layers = getattr(model.get_decoder(), "layers", None) or []
+    per_layer = [sum(w.numel() for w in layer.parameters()) for layer in layers]
+    root = sum(w.numel() for w in weights) - sum(per_layer)  # the root unit's own: embeddings, norm, head
     return ModelFootprint(
         weight_bytes=sum(w.numel() * w.element_size() for w in weights),
         parameters=sum(w.numel() for w in weights),
@@ -123,6 +142,7 @@ def footprint(model) -> ModelFootprint:
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        largest_unit_parameters=max([root, *per_layer]),
     )
 
 

@@ -25,6 +25,9 @@ class Rollout:
     completion_ids: Tensor  # [N*G, T] right-padded with the pad token
     completion_mask: Tensor  # [N*G, T] 1 up to and including the first EOS
     truncated: Tensor  # [N*G] bool: no EOS within max_new_tokens
+    # [N*G, T] float32: each drawn token's log-prob under the distribution the engine drew it from (after
+    # temperature, top-k, top-p and min_new_tokens), 0 after the end; None for greedy or scripted rollouts.
+    sampler_logprobs: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:  # [N*G, P+T]
@@ -51,7 +54,16 @@ class Rollout:
             completion_ids=self.completion_ids[rows, :T],  # [b, T']
             completion_mask=completion_mask[:, :T],
             truncated=self.truncated[rows],
+            sampler_logprobs=None if self.sampler_logprobs is None else self.sampler_logprobs[rows, :T],
         )
+
+    def rows(self, rows: Tensor) -> Rollout:
+        """`rows` alone, every column kept."""
+        return Rollout(**{f.name: _rows(getattr(self, f.name), rows) for f in fields(Rollout)})
+
+
+def _rows(tensor: Tensor | None, rows: Tensor) -> Tensor | None:
+    return None if tensor is None else tensor[rows]
 
 
 def _pad_columns(x: Tensor, width: int, value: int, left: bool) -> Tensor:
@@ -71,12 +83,14 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     def stacked(name: str, width: int, value: int, left: bool) -> Tensor:
         return torch.cat([_pad_columns(getattr(r, name), width, value, left) for r in rollouts])
 
+    sampled = all(r.sampler_logprobs is not None for r in rollouts)
     return Rollout(
         prompt_ids=stacked("prompt_ids", P, pad_token_id, left=True),  # [sum N*G, P]
         prompt_mask=stacked("prompt_mask", P, 0, left=True),
         completion_ids=stacked("completion_ids", T, pad_token_id, left=False),  # [sum N*G, T]
         completion_mask=stacked("completion_mask", T, 0, left=False),
         truncated=torch.cat([r.truncated for r in rollouts]),
+        sampler_logprobs=stacked("sampler_logprobs", T, 0, left=False) if sampled else None,
     )
 
 
@@ -99,10 +113,9 @@ class ScoredGroups:
         G = self.num_generations
         groups = groups.to(self.rewards.device)
         rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [n*G]
-        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[rows] for f in fields(Rollout)})
         return ScoredGroups(
             prompts=[self.prompts[i] for i in groups.tolist()],
-            rollout=rollout,
+            rollout=self.rollout.rows(rows),
             completions=[self.completions[i] for i in rows.tolist()],
             rewards_per_func=self.rewards_per_func[rows],
             rewards=self.rewards[rows],

@@ -127,6 +127,34 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
             unit.reshard()
 
 
+def full_weights_by_unit(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every weight of `model` in full, named as in its Hugging Face model (inside a PEFT wrapper): under
+    FSDP2 one unit gathered at a time (the root's own weights, then each decoder layer's), resharded before
+    the next, so that a consumer copying them (the static engine's inference copy) never holds a second
+    full model beside its own. A collective: every rank iterates it to the end, in the same order. Not
+    sharded: the weights themselves."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_sharded(model):
+        yield from inner.named_parameters()
+        return
+    done: set[str] = set()
+    for unit in _fsdp_modules(model):  # the same order on every rank, so the all-gathers pair up
+        unit.unshard()
+        try:
+            gathered = [(n, p) for n, p in inner.named_parameters() if n not in done and not _is_dtensor(p)]
+            for name, weight in gathered:
+                done.add(name)
+                yield name, weight
+        finally:
+            unit.reshard()
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def call_in_root_forward(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run `fn(*args, **kwargs)` as `model`'s forward, so that FSDP2's root hooks run around it.
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -19,7 +21,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.generation.engines import EagerEngine, PromptEncoder, PromptSampler, SamplingSettings
+from grpo_lightning.core.generation.engines import (
+    EagerEngine,
+    PromptEncoder,
+    PromptSampler,
+    RolloutEngine,
+    SamplingSettings,
+)
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
@@ -42,17 +50,39 @@ def generate_answers(
     num_generations: int = 1,
     max_new_tokens: int = 256,
     temperature: float = 1.0,
+    engine: RolloutEngine | None = None,
 ) -> list[str]:
-    """Decoded completions of chat `prompts`, `num_generations` per prompt (greedy when 1), grouped."""
-    settings = SamplingSettings(
+    """Decoded completions of chat `prompts`, `num_generations` per prompt (greedy when 1), grouped.
+    `engine`: the rollout engine to sample through (a `GRPOModule`'s, whose stop ids it keeps); default
+    `generate` on `model` itself."""
+    if engine is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token is not None else tokenizer.eos_token_id
+        settings = SamplingSettings(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=tuple(stop_token_ids(model, tokenizer)),
+            pad_token_id=pad,
+        )
+        engine = EagerEngine(settings)
+    settings = replace(
+        engine.settings,
         max_new_tokens=max_new_tokens,
-        eos_token_ids=tuple(stop_token_ids(model, tokenizer)),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token is not None else tokenizer.eos_token_id,
+        min_new_tokens=0,
         temperature=temperature,
+        top_p=1.0,
+        top_k=0,
     )
-    sampler = PromptSampler(PromptEncoder(tokenizer), EagerEngine(settings))
+    sampler = PromptSampler(PromptEncoder(tokenizer), engine, settings)
     _, completions = sampler.sample(model, prompts, num_generations, do_sample=num_generations > 1)
     return completions
+
+
+def module_engine(pl_module: L.LightningModule, model: PreTrainedModel) -> RolloutEngine | None:
+    """The engine a module samples its `model` through (a `GRPOModule`'s rollouts' `current_engine`, for its
+    policy), so that evaluations decode as training does; None for another module or model."""
+    rollouts = getattr(pl_module, "rollouts", None)
+    if rollouts is None or model is not getattr(pl_module, "policy", None):
+        return None
+    return rollouts.current_engine()
 
 
 class GSM8KAccuracyCallback(L.Callback):
@@ -61,7 +91,10 @@ class GSM8KAccuracyCallback(L.Callback):
     Works with any LightningModule that holds a Hugging Face causal LM (or a PEFT wrapper of one) and its
     tokenizer, found at `model_attr` / `tokenizer_attr` (dotted paths allowed). The problems are those
     `GSM8KDataModule(source, val_split=split, val_size=num_problems)` validates on; under DDP each rank
-    evaluates a shard and `GSM8KAccuracy` sums the counts over ranks. Results go to every logger as
+    evaluates a shard and `GSM8KAccuracy` sums the counts over ranks. A `GRPOModule`'s policy is sampled
+    through the module's own rollout engine (`generation_backend`: the static engine's inference copy,
+    refreshed first if the weights changed), so evaluation decodes as training does. Results go to every
+    logger as
     `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass@k`, `{prefix}maj@k`, ... at the current
     step, and into `trainer.callback_metrics`, so `EarlyStopping` / `ModelCheckpoint` can monitor them.
 
@@ -116,9 +149,13 @@ class GSM8KAccuracyCallback(L.Callback):
         rows = self.data.val_rows[rank::world_size]
         metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
         system_prompt = self.data.hparams.system_prompt
+        engine = module_engine(pl_module, model)  # GRPOModule's: the engine (and copy) training samples from
+        if engine is not None:
+            engine.refresh(model, pl_module.device)  # every rank, rows or not: a collective under FSDP2
         # Sharded (FSDP2): full weights once for the whole shard, as in training, so that `generate` needs
         # no collective: ranks may stop at different lengths, and make different numbers of calls.
-        with gathered_for_generation(model):
+        live = engine is None or engine.reads_live_weights
+        with gathered_for_generation(model) if live else nullcontext():
             for start in range(0, len(rows), self.batch_size):
                 batch = collate_rows(rows[start : start + self.batch_size], system_prompt)
                 completions = generate_answers(
@@ -128,6 +165,7 @@ class GSM8KAccuracyCallback(L.Callback):
                     num_generations=self.num_generations,
                     max_new_tokens=self.max_new_tokens,
                     temperature=self.temperature,
+                    engine=engine,
                 )
                 metric.update(completions, batch["answer"])
         return metric.compute()

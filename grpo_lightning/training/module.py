@@ -126,15 +126,14 @@ class GRPOModule(L.LightningModule):
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        self.num_generations_eval = num_generations_eval
         check_lora_choice(lora, model_options, grpo.sync_ref_model)
         self.policy_source, self.policy, self.tokenizer = policy_parts(policy, tokenizer, model_options)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
+        self.register_load_state_dict_post_hook(PolicyRollouts.weights_loaded)
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
         if self.policy is not None:
             self._prepare_models()
-        self.val_reward = val_reward
         self.validation = ValidationScoring(num_generations_eval, val_reward)  # checks num_generations_eval
         self.val_accuracy = self.validation.accuracy  # a submodule: it moves with the module
         self.automatic_optimization = False
@@ -154,10 +153,10 @@ class GRPOModule(L.LightningModule):
             if datamodule.conversational:
                 check_chat_template(self.tokenizer)
             rewards = self.reward_funcs if stage == "fit" else []
-            datamodule.check_columns(rewards, self.val_reward, validates=self.trainer.limit_val_batches != 0)
+            validates = self.trainer.limit_val_batches != 0
+            datamodule.check_columns(rewards, self.validation.reward, validates=validates)
         if stage == "fit":
-            per_batch = self.grpo.num_iterations * self.grpo.steps_per_generation
-            warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, per_batch)
+            warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, self.grpo.optimizer_steps_per_batch)
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -189,9 +188,7 @@ class GRPOModule(L.LightningModule):
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
-        per_batch = cfg.num_iterations * cfg.steps_per_generation
-        # The run's optimizer steps, which only a decaying schedule reads (they load the training data).
-        steps = optimizer_steps_in_run(trainer, per_batch) if cfg.lr_scheduler_type != "constant" else 0
+        steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
         return [optimizer], [build_scheduler(optimizer, *schedule)]
 
@@ -219,6 +216,7 @@ class GRPOModule(L.LightningModule):
             drop_reference(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.rollouts.weights_changed()  # the loaded weights, not the copy's, are sampled next
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
             new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
@@ -237,6 +235,7 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
+        self.rollouts.weights_changed()  # whatever changed the policy since, the first rollout samples it
         self.on_validation_start()
         ranks = ranks_of(self.trainer.strategy)
         self.update = RolloutUpdate(self.grpo, self.rollouts.scorer, ranks, self.tokenizer)
@@ -283,7 +282,8 @@ class GRPOModule(L.LightningModule):
         trajectory = self.update.trajectory(scored, self.policy, self.reference, stats)
         stats, grad_norm = self._update(trajectory)
         step_seconds = time.perf_counter() - start
-        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in scores.metrics.items()}}
+        extra = {**scores.metrics, **self.rollouts.engine_metrics()}  # rewards' metrics, the engine's speed
+        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}}
         metrics = training_step_metrics(
             trajectory,
             stats,
@@ -312,7 +312,7 @@ class GRPOModule(L.LightningModule):
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                 scheduler.step()
-                self.rollouts.weights_updated()
+                self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
             if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
                 break
         return stats, grad_norm

@@ -64,7 +64,8 @@ def training_step_metrics(
 ) -> dict[str, Tensor]:
     """`train/...` metrics, detached float tensors: rewards (total, per function), completion lengths, the
     share cut off, throughput and times, learning rate, skipped steps, the gradient norm of a step that was
-    taken, and every statistic of the update (`train/loss`, `train/kl`, ...)."""
+    taken, and every statistic of the update (`train/loss`, `train/kl`, ...); statistics already named
+    `rollout/...` (the sampler/scorer gap, the rollout engine's speed and counters) keep their name."""
     rewards, rollout = trajectory.rewards, trajectory.rollout  # [B]
     lengths = rollout.completion_mask.sum(dim=1).float()  # [B]
     grouped = rewards.view(-1, trajectory.num_generations)  # [N, G]
@@ -87,7 +88,7 @@ def training_step_metrics(
     for i, name in enumerate(reward_names):
         metrics[f"train/rewards/{name}"] = trajectory.rewards_per_func[:, i].nanmean()
     for key, value in update_stats.items():
-        metrics[f"train/{key}"] = value
+        metrics[key if key.startswith("rollout/") else f"train/{key}"] = value
     return {k: v.detach().float() for k, v in metrics.items()}
 
 

@@ -10,7 +10,7 @@ On the first training batch (before its step) `Preflight` reports:
   reference solutions (the batch's when the data module has no `train_rows`);
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the memory per GPU (`grpo_lightning.core.memory`): weights, gradients, optimizer, reference, the rollout's
-  gathered weights and KV cache, for the strategy at hand;
+  gathered weights or the static engine's inference copy, and the KV cache, for the strategy at hand;
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
   all: a bf16 weight keeps 8 bits of mantissa, so an AdamW step of ~1e-6 rounds away on nearly every weight
   (float32 master weights with bf16 compute, `precision: bf16-mixed`, keep every update).
@@ -29,7 +29,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from grpo_lightning.core.memory import compute_bytes, estimate_memory, footprint
+from grpo_lightning.core.generation.static_engine import StaticEngine, inference_copy_nbytes
+from grpo_lightning.core.memory import MemoryEstimate, compute_bytes, estimate_memory, footprint
 from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import is_sharded
@@ -179,20 +180,42 @@ def run_preflight(
 
 
 def memory_line(module: L.LightningModule, prompts: int, devices: int, precision: str, rollout) -> str:
-    """`memory.estimate_memory` for this module, its strategy and its batch of `prompts` per device."""
-    cfg = module.grpo
-    prompt_tokens = cfg.max_prompt_length or rollout.input_ids.size(1) - rollout.completion_ids.size(1)
-    estimate = estimate_memory(
-        footprint(module.policy),
+    """`memory.estimate_memory` for this module, its strategy, its rollout engine and its batch of `prompts`
+    per device, prompts at `max_prompt_length` (the rollout's own without one)."""
+    prompt_tokens = module.grpo.max_prompt_length or rollout.input_ids.size(1) - rollout.completion_ids.size(
+        1
+    )
+    return rollout_memory(
+        module, prompts * module.grpo.num_generations, prompt_tokens, devices, precision
+    ).text()
+
+
+def rollout_memory(
+    module: L.LightningModule, sequences: int, prompt_tokens: int, devices: int, precision: str
+) -> MemoryEstimate:
+    """The memory estimate of `module` with `sequences` rollout rows of `prompt_tokens` prompt tokens on each
+    of `devices`: for the static engine its inference copy and its KV cache's shape (`cache_shape`)."""
+    cfg, policy = module.grpo, module.policy
+    value_bytes = compute_bytes(precision, policy)
+    tokens, copy_bytes = prompt_tokens + cfg.max_completion_length, None
+    engine = module.rollouts.current_engine()
+    if isinstance(engine, StaticEngine):
+        width = -(-prompt_tokens // engine.prompt_bucket) * engine.prompt_bucket
+        sequences, tokens = engine.cache_shape(sequences, width, cfg.max_completion_length)
+        sharded_mixed = is_sharded(policy) and str(precision).endswith("-mixed")  # gathered in that dtype
+        gathered = engine.precision.linear_dtype if sharded_mixed else None
+        copy_bytes = inference_copy_nbytes(policy, engine.precision, gathered)
+    return estimate_memory(
+        footprint(policy),
         world=devices,
-        sharded=is_sharded(module.policy),
+        sharded=is_sharded(policy),
         cpu_offload=cfg.cpu_offload,
         reference=module.reference is not None,
-        compute_bytes=compute_bytes(precision, module.policy),
-        sequences=prompts * cfg.num_generations,
-        tokens=prompt_tokens + cfg.max_completion_length,
+        compute_bytes=value_bytes,
+        sequences=sequences,
+        tokens=tokens,
+        inference_copy_bytes=copy_bytes,
     )
-    return estimate.text()
 
 
 class Preflight(L.Callback):

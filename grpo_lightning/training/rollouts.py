@@ -1,7 +1,8 @@
 """The policy's rollouts for `GRPOModule`: its prompts encoded, completions sampled by the rollout engine of
 `grpo.generation_backend`, per-token log-probs scored, with the decisions made once (whether groups share
-their prompt pass, which engine, whether the weights are sharded) and the engine told of every optimizer
-step. `module.rollouts.sample(prompts, G)` samples as a training step does.
+their prompt pass, whether the passes pack their rows, which engine, whether the weights are sharded) and
+the engine told when the weights change (it refreshes an inference copy once, before the next rollout).
+`module.rollouts.sample(prompts, G)` samples as a training step does.
 
 No Lightning here: the module hands over its policy once it is loaded, and the device and precision of the
 trainer it runs under (`place`).
@@ -25,11 +26,17 @@ from grpo_lightning.core.generation.engines import (
     SamplingSettings,
     warn_if_unteachable,
 )
+from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.static_engine import StaticEngine, compute_dtype, resolve_backend
+from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, resolve_backend
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.io.distributed import call_in_root_forward, gathered_for_generation, is_sharded
+from grpo_lightning.io.distributed import (
+    call_in_root_forward,
+    full_weights_by_unit,
+    gathered_for_generation,
+    is_sharded,
+)
 
 
 class PolicyRollouts:
@@ -42,14 +49,13 @@ class PolicyRollouts:
 
     def __init__(self, cfg: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.policy: PreTrainedModel | None = (
-            None  # the module's once loaded (LoRA-wrapped, sharded in place)
-        )
+        self.policy: PreTrainedModel | None = None  # the module's, once loaded (with LoRA, sharded)
         self.device: torch.device | None = None  # where prompts go; None: where the policy's weights are
         self.precision: str | None = None  # the trainer's precision flag; None without a trainer
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
+        self._packs: bool | None = None  # grpo.packed_sequences where the policy can, decided once
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
 
     def place(self, device: torch.device, precision: str | None) -> None:
@@ -67,15 +73,27 @@ class PolicyRollouts:
         return self._share_prompt
 
     @property
+    def packs_sequences(self) -> bool:
+        """Whether the log-prob passes pack their rows (`grpo.packed_sequences`, if the policy can)."""
+        if self._packs is None:
+            reason = packing_unsupported(self.policy) if self.cfg.packed_sequences else None
+            if reason is not None:
+                warnings.warn(f"grpo.packed_sequences: {reason}; the passes run padded rows", stacklevel=3)
+            self._packs = self.cfg.packed_sequences and reason is None
+        return self._packs
+
+    @property
     def encoder(self) -> PromptEncoder:
         return PromptEncoder(self.tokenizer, self.cfg.max_prompt_length, self.cfg.truncate_prompts)
 
     @property
     def scorer(self) -> LogProbScorer:
-        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes."""
+        """The per-token log-probs of rollouts, for the reference, old-policy and policy passes: on packed
+        rows where the policy can (`packing.PackedLogProbScorer`), inside the root's FSDP hooks if sharded."""
         cfg = self.cfg
         in_root_forward = call_in_root_forward if is_sharded(self.policy) else None
-        return LogProbScorer(
+        scorer = PackedLogProbScorer if self.packs_sequences else LogProbScorer
+        return scorer(
             cfg.num_generations, cfg.temperature, self.shares_prompt, cfg.entropy_coef != 0, in_root_forward
         )
 
@@ -94,39 +112,56 @@ class PolicyRollouts:
             share_prompt=self.shares_prompt,
         )
         self.engine_precision = self.precision
-        # Sharded: full weights once, no collective per token, around `generate` for an engine that reads the
-        # live weights, around `weights_updated` for one that copies them.
+        # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
+        # collective runs per token.
         self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
         if resolve_backend(cfg.generation_backend, policy, device) == "eager":
             return EagerEngine(settings)
         return StaticEngine(
             settings,
-            dtype=compute_dtype(self.precision) if self.precision is not None else None,
+            precision=copy_precision(self.precision),  # the copy computes as the scorer does
             compile=device.type == "cuda",
             max_prompt_tokens=cfg.max_prompt_length,
+            weights=full_weights_by_unit,  # sharded: one unit gathered at a time
         )
+
+    def current_engine(self) -> RolloutEngine:
+        """The engine, built on first use and again for a trainer whose precision is not the one it was built
+        for: a module that sampled before `fit` must not keep a float32 inference copy under `bf16-mixed`."""
+        if self.engine is None or self.engine_precision != self.precision:
+            self.engine = self.build_engine()
+        return self.engine
 
     def sample(
         self, prompts: list, num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str]]:
-        """`num_generations` completions per prompt (greedy unless `do_sample`), decoded. The engine is built
-        on first use, and again for a trainer whose precision is not the one it was built for: a module that
-        sampled before `fit` must not keep a float32 inference copy under `bf16-mixed`."""
-        if self.engine is None or self.engine_precision != self.precision:
-            self.engine = self.build_engine()
-        sampler = PromptSampler(self.encoder, self.engine)
-        with self._gathered(self.policy) if self.engine.reads_live_weights else nullcontext():
-            return sampler.sample(
-                self.policy, prompts, num_generations, do_sample=do_sample, device=self.device
-            )
+        """`num_generations` completions per prompt (greedy unless `do_sample`) by the `current_engine`,
+        decoded. Sharded, an engine with a copy of its own refreshes it one unit at a time, and one on the
+        live weights gets them gathered once for the call, so that `generate` needs no collective (ranks may
+        stop at different lengths)."""
+        engine = self.current_engine()
+        device = self.device or next(self.policy.parameters()).device
+        engine.refresh(self.policy, device)  # a collective under FSDP2, where the copy is stale
+        sampler = PromptSampler(self.encoder, engine)
+        with self._gathered(self.policy) if engine.reads_live_weights else nullcontext():
+            return sampler.sample(self.policy, prompts, num_generations, do_sample=do_sample, device=device)
 
-    def weights_updated(self) -> None:
-        """After an optimizer step: the engine, if built, takes the new weights."""
-        engine = self.engine
-        if engine is None:  # not built yet (the first rollouts were scripted): it will read the new weights
-            return
-        with nullcontext() if engine.reads_live_weights else self._gathered(self.policy):
-            engine.weights_updated(self.policy)
+    @staticmethod
+    def weights_loaded(module: object, incompatible_keys: object) -> None:
+        """A `load_state_dict` post-hook of the module that holds the rollouts (Lightning restoring, or a
+        user): the next rollout samples the loaded weights."""
+        module.rollouts.weights_changed()
+
+    def weights_changed(self) -> None:
+        """After an optimizer step or a checkpoint load: the engine, if built, takes the new weights before
+        its next rollout (and only then: several optimizer steps per rollout refresh it once)."""
+        if self.engine is not None:
+            self.engine.weights_changed()
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's `rollout/...` metrics: its last call's speed, and for the static engine what
+        compiling did (`compile_watch.FastPathReport`) and how often the copy was refreshed."""
+        return {} if self.engine is None else {f"rollout/{k}": v for k, v in self.engine.metrics().items()}
 
     def check(self, rollout: Rollout, completions: list[str]) -> None:
         """Warn when a training step's rollout cannot teach anything (`engines.warn_if_unteachable`)."""

@@ -99,11 +99,15 @@ def check_after_validation(trainer: L.Trainer) -> list[str]:
     return done
 
 
-def optimizer_steps_in_run(trainer: L.Trainer, steps_per_batch: int) -> int:
-    """The optimizer steps `fit` makes at most, from the Trainer's `max_steps` (which counts them under the
-    module's manual optimisation) and `max_epochs` (`schedules.optimizer_steps_in_fit`); the training data
-    is loaded for its batches per epoch."""
+def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
+    """The optimizer steps `fit` makes at most, the length of a decaying learning-rate schedule: from the
+    Trainer's `max_steps` (which counts them under the module's manual optimisation) and `max_epochs`
+    (`schedules.optimizer_steps_in_fit`), the training data loaded for its batches per epoch. 0 for a
+    constant schedule, which reads no length (and nothing is loaded)."""
+    if cfg.lr_scheduler_type == "constant":
+        return 0
     trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
+    batches = trainer.num_training_batches
     return optimizer_steps_in_fit(
-        trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, steps_per_batch
+        trainer.max_steps, trainer.max_epochs, batches, cfg.optimizer_steps_per_batch
     )

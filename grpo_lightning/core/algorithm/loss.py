@@ -15,6 +15,8 @@ References:
     - KL estimators k1/k2/k3: J. Schulman, "Approximating KL divergence", 2020.
     - KL in the reward (``kl_in_reward``): verl's ``algorithm.use_kl_in_reward`` (``apply_kl_penalty``).
     - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
+    - Truncated importance sampling of the sampler (``importance_weights``): Yao et al. 2025, "Your
+      efficient RL framework secretly brings you off-policy RL training" (``sampler_correction.py``).
 """
 
 from collections.abc import Callable
@@ -270,6 +272,7 @@ def grpo_loss(
     kl_estimator: KLEstimator = "k3",
     total_tokens: float | Tensor | None = None,
     total_sequences: int | Tensor | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
 
@@ -299,6 +302,11 @@ def grpo_loss(
     (replaces the local token count) and ``total_sequences`` (replaces the local ``B``): the micro-batch
     losses then sum to the full-batch loss. The defaults use the local counts, as TRL.
 
+    ``importance_weights`` ``w`` (detached, ``[B, T]``) multiply each token's policy term, ``l = -w * min(...)
+    + beta * KL``: the truncated importance weights ``min(pi_old / pi_sampler, C)`` of tokens drawn by a
+    sampler other than ``pi_old`` (Yao et al. 2025, TIS; TRL weights the same term, not the KL). All ones
+    leave the loss and its gradient unchanged.
+
     The entropy bonus subtracts ``entropy_coef`` times the masked token mean of ``entropies`` (its token
     count is ``total_tokens`` when given).
 
@@ -320,6 +328,7 @@ def grpo_loss(
         kl_estimator: ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`); ``"k1"`` only with ``beta=0``.
         total_tokens: global number of masked tokens (float or 0-d tensor).
         total_sequences: global number of sequences (int or 0-d tensor).
+        importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
 
     Returns:
         ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
@@ -354,6 +363,8 @@ def grpo_loss(
     per_token_loss, is_low_clipped, is_high_clipped = surrogate(
         ratio, advantages, logprobs, epsilon, epsilon_high, delta
     )  # [B, T] or [B, 1], and the clip masks
+    if importance_weights is not None:
+        per_token_loss = per_token_loss * importance_weights.detach()  # [B, T]
 
     per_token_kl = None
     if ref_logprobs is not None:

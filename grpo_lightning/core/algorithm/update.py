@@ -10,8 +10,9 @@
    longest row, as sampled), or the token-budget partition (`token_budget`, `max_tokens_per_micro_batch`)
    as index tensors, each taken out and trimmed to its own longest row (`Rollout.select`).
 4. The loss of each micro-batch (`loss.grpo_loss`) with the whole mini-batch's denominators, so that the
-   micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), their
-   statistics weighted by token share (`MicroBatchSums`).
+   micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), and
+   the sampler/scorer gap of its tokens (truncated importance weights where asked, `sampler_correction`);
+   their statistics weighted by token share (`MicroBatchSums`).
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
 `RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
@@ -33,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss, kl_in_reward
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
@@ -113,7 +115,9 @@ def build_trajectory(
     """The trajectory of `scored`'s groups: loss mask, KL in the reward (verl's `use_kl_in_reward`, needs
     `old_logprobs` and `ref_logprobs`), group advantages (over all `ranks` when given) and step credit
     (`credit.step_credit_penalties`, needs the `tokenizer`). `stats` are earlier metrics of the step
-    (dynamic sampling's), extended with those of the options used here."""
+    (dynamic sampling's), extended with those of the options used here, and with `old_logprobs` and the
+    sampler's, the gap between them over the whole rollout (`sampler_correction.logprob_gap_stats`; one
+    update per rollout measures it in the loss instead, which then has the scorer's log-probs)."""
     rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
     stats = dict(stats or {})
     outcome = rewards  # [B]
@@ -130,9 +134,13 @@ def build_trajectory(
         )  # [B, T]
         token_advantages = advantages[:, None] + penalties  # [B, T]
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
+    mask = loss_mask(rollout, cfg.mask_truncated_completions)  # [B, T]
+    if old_logprobs is not None and rollout.sampler_logprobs is not None:
+        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
+        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, cap))
     return Trajectory(
         **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
-        loss_mask=loss_mask(rollout, cfg.mask_truncated_completions),
+        loss_mask=mask,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
         advantages=advantages,
@@ -246,13 +254,25 @@ def micro_batch_loss(
     total_sequences: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there,
-    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`)."""
+    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`). With the sampler's
+    log-probs, the statistics hold the gap to the scorer's, pi_old: the rollout-time log-probs, or with one
+    optimizer step per rollout the policy's own (the same weights), so the gap costs no extra pass; with
+    `importance_sampling_correction` the loss weights each token by `truncated_importance_weights`."""
     t = trajectory
-    return grpo_loss(
+    old_logprobs = None if t.old_logprobs is None else t.old_logprobs[rows]  # [b, T]
+    weights, gap = None, {}
+    if t.rollout.sampler_logprobs is not None:
+        scorer = old_logprobs if old_logprobs is not None else logprobs.detach()  # [b, T] pi_old
+        sampler = t.rollout.sampler_logprobs[rows]  # [b, T]
+        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
+        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], cap)
+        if cap is not None:
+            weights = truncated_importance_weights(scorer, sampler, cap)  # [b, T]
+    loss, stats = grpo_loss(
         logprobs,
         t.token_advantages[rows],
         t.loss_mask[rows],
-        old_logprobs=None if t.old_logprobs is None else t.old_logprobs[rows],
+        old_logprobs=old_logprobs,
         ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[rows],
         loss_type=cfg.loss_type,
         importance_sampling_level=cfg.importance_sampling_level,
@@ -266,7 +286,9 @@ def micro_batch_loss(
         entropy_coef=cfg.entropy_coef,
         total_tokens=total_tokens,
         total_sequences=total_sequences,
+        importance_weights=weights,
     )
+    return loss, {**stats, **gap}
 
 
 def micro_batch_losses(
@@ -297,10 +319,12 @@ class MicroBatchSums:
     """An update's loss and statistics over its micro-batches.
 
     The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add up, as does
-    `policy_loss`. The other statistics are micro-batch means, weighted by the micro-batch's token share.
+    `policy_loss`. Maxima take the largest; the other statistics are micro-batch means, weighted by the
+    micro-batch's token share.
     """
 
     ADDED = ("policy_loss",)
+    MAXED = ("rollout/logp_gap_max",)
 
     def __init__(self) -> None:
         self.values: dict[str, Tensor] = {}
@@ -308,9 +332,12 @@ class MicroBatchSums:
     def add(self, loss: Tensor, stats: dict[str, Tensor], token_share: Tensor) -> None:
         self.values["loss"] = self.values.get("loss", 0.0) + loss.detach()
         for key, value in stats.items():
-            self.values[key] = self.values.get(key, 0.0) + (
-                value if key in self.ADDED else value * token_share
-            )
+            if key in self.MAXED:
+                self.values[key] = torch.maximum(self.values[key], value) if key in self.values else value
+            else:
+                self.values[key] = self.values.get(key, 0.0) + (
+                    value if key in self.ADDED else value * token_share
+                )
 
     @property
     def loss(self) -> Tensor:

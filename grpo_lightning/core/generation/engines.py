@@ -2,9 +2,11 @@
 
 - `SamplingSettings`: what every sampled token obeys (length bounds, stop ids, temperature, top-p/k).
 - `RolloutEngine`: how completions are generated from token ids (`EagerEngine`: Hugging Face `generate`
-  with a dynamic KV cache). An engine that keeps its own inference copy of the weights (a static cache
-  compiled for a GPU) refreshes it in `weights_updated`, which the trainer calls after every optimizer
-  step that changed the weights.
+  with a dynamic KV cache). The trainer tells it when the weights change (`weights_changed`: an optimizer
+  step, a checkpoint load); an engine that keeps its own inference copy of them (a static cache compiled
+  for a GPU) takes the new ones once, before its next rollout (`refresh`). Every sampled rollout carries
+  the log-prob of each drawn token under the distribution it was drawn from (`Rollout.sampler_logprobs`),
+  and the engine reports its speed (`metrics`).
 - `PromptSampler`: text or chat prompts -> token ids (`PromptEncoder`: chat template, `max_prompt_length`)
   -> the engine -> the `Rollout` and its decoded completions. Training, validation and
   `evaluation.generate_answers` all sample through it.
@@ -17,6 +19,7 @@ No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one), a 
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +58,8 @@ class SamplingSettings:
 class RolloutEngine(Protocol):
     """Generates completion groups from left-padded prompt ids; the trainer tells it when weights change."""
 
+    settings: SamplingSettings
+
     def generate(
         self,
         model: PreTrainedModel,
@@ -63,40 +68,64 @@ class RolloutEngine(Protocol):
         *,
         num_generations: int,
         do_sample: bool = True,
+        settings: SamplingSettings | None = None,
     ) -> Rollout:
         """`num_generations` completions for each prompt of `prompt_ids` `[N, P]` (left-padded): a `Rollout`
-        of `N * num_generations` rows, prompt i's group in rows i*G .. i*G+G-1; greedy unless `do_sample`."""
+        of `N * num_generations` rows, prompt i's group in rows i*G .. i*G+G-1; greedy unless `do_sample`.
+        `settings`: this call's, instead of the engine's (an evaluation's length or temperature)."""
         ...
 
-    def weights_updated(self, model: PreTrainedModel) -> None:
-        """Called after every optimizer step that changed `model`'s weights (with full weights when
-        sharded, if `reads_live_weights` is False), before the next `generate`."""
+    def weights_changed(self) -> None:
+        """The policy's weights changed (an optimizer step, a checkpoint load): the next rollout samples the
+        new ones. Cheap: an engine with a copy of its own takes them in `refresh`, once."""
+        ...
+
+    def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
+        """Make the next `generate` sample from `model`'s current weights, if it keeps a copy of its own (a
+        collective under FSDP2: every rank calls it at the same point). `generate` calls it too."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The last call's `tokens_per_second` and `ms_per_decoding_step`, and what else the engine counts."""
         ...
 
     @property
     def reads_live_weights(self) -> bool:
-        """Whether the next `generate` reads `model`'s own weights (the caller gathers sharded weights around
-        it), or a copy of the engine's own that `weights_updated` keeps current (the caller gathers them
-        around that instead)."""
+        """Whether `generate` reads `model`'s own weights (the caller gathers sharded weights around it), or a
+        copy of the engine's own, which `refresh` fills."""
         return True
+
+
+def rollout_speed(rollout: Rollout, decoding_steps: int, seconds: float) -> dict[str, float]:
+    """Completion tokens per second of one `generate` call that ran `decoding_steps` steps (one per column)
+    in `seconds`, and milliseconds per step. Reading the mask waits for the device."""
+    tokens = int(rollout.completion_mask.sum())
+    seconds = max(seconds, 1e-9)
+    return {
+        "tokens_per_second": tokens / seconds,
+        "ms_per_decoding_step": 1000 * seconds / max(decoding_steps, 1),
+    }
 
 
 class EagerEngine(RolloutEngine):
     """`generate` with a dynamic KV cache on the live model: nothing to refresh when the weights change.
 
-    Samples the raw policy (`sampling.generate_completions`); with `settings.share_prompt` each distinct
-    prompt is prefilled once and its cache repeated to the group (`shared_prompt.prefill_groups`).
+    Samples the raw policy (`sampling.generate_completions`) under the caller's autocast; with
+    `settings.share_prompt` each distinct prompt is prefilled once and its cache repeated to the group
+    (`shared_prompt.prefill_groups`).
     """
 
     def __init__(self, settings: SamplingSettings) -> None:
         self.settings = settings
+        self.last_speed: dict[str, float] = {}
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True) -> Rollout:
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
         # The argument types are RolloutEngine.generate's.
-        s = self.settings
+        s = settings or self.settings
+        start = time.perf_counter()
         prefill = prefill_groups(model, prompt_ids, prompt_mask, num_generations) if s.share_prompt else None
-        return generate_completions(
+        rollout = generate_completions(
             model,
             prompt_ids,  # [N, P]
             prompt_mask,  # [N, P]
@@ -111,9 +140,17 @@ class EagerEngine(RolloutEngine):
             do_sample=do_sample,
             prompt_cache=prefill,
         )
+        self.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), time.perf_counter() - start)
+        return rollout
 
-    def weights_updated(self, model: PreTrainedModel) -> None:
+    def weights_changed(self) -> None:
         """Nothing to do: `generate` reads the live weights."""
+
+    def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
+        """Nothing to do: `generate` reads the live weights."""
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.last_speed)
 
 
 @contextmanager
@@ -191,10 +228,12 @@ class PromptEncoder:
 @dataclass
 class PromptSampler:
     """Prompts -> `encoder` -> `engine` -> (`Rollout`, decoded completions): the one sampling path of
-    training, validation and `evaluation.generate_answers`."""
+    training, validation and `evaluation.generate_answers`. `settings`: the sampling of its calls, when not
+    the engine's own (an evaluation's length and temperature)."""
 
     encoder: PromptEncoder
     engine: RolloutEngine
+    settings: SamplingSettings | None = None
 
     def sample(
         self,
@@ -210,7 +249,9 @@ class PromptSampler:
         ids, mask = self.encoder.encode(
             prompts, device if device is not None else next(model.parameters()).device
         )
-        rollout = self.engine.generate(model, ids, mask, num_generations=num_generations, do_sample=do_sample)
+        rollout = self.engine.generate(
+            model, ids, mask, num_generations=num_generations, do_sample=do_sample, settings=self.settings
+        )
         return rollout, self.encoder.decode(rollout)
 
 

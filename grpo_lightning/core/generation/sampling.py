@@ -44,8 +44,14 @@ class InverseCDFSampler(LogitsProcessor):
 
     The same distribution as `torch.multinomial`, but one uniform number per row and a cumulative sum: on CPU
     `multinomial` over a 150k vocabulary costs several times the LM head of a small model at every step.
-    Put it last, after the temperature / top-k / top-p warpers, which it then samples through.
+    Put it last, after the temperature / top-k / top-p warpers (and `generate`'s own `min_new_tokens`
+    processor, which runs first), which it then samples through. `drawn_logprobs`: where each step's `[B]`
+    log-probs of the drawn tokens under that distribution are appended (the sampler's side of the
+    sampler/scorer gap, `Rollout.sampler_logprobs`).
     """
+
+    def __init__(self, drawn_logprobs: list[Tensor] | None = None) -> None:
+        self.drawn_logprobs = drawn_logprobs
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         probs = torch.softmax(scores.float(), dim=-1)  # [B, V]
@@ -53,11 +59,17 @@ class InverseCDFSampler(LogitsProcessor):
         u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [B, 1], [0, total)
         # right=True returns the first index whose cdf exceeds u, never a zero-probability token.
         tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.size(-1) - 1)  # [B, 1]
+        if self.drawn_logprobs is not None:  # the draw's log-prob under the distribution it came from
+            log_z = scores.float().logsumexp(dim=-1, keepdim=True)  # [B, 1]
+            self.drawn_logprobs.append((scores.gather(-1, tokens).float() - log_z).squeeze(-1))  # [B]
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
 
-def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsProcessorList:
-    """Temperature, top-k and top-p warpers (those that change anything) followed by `InverseCDFSampler`."""
+def sampling_processors(
+    temperature: float, top_p: float, top_k: int, drawn_logprobs: list[Tensor] | None = None
+) -> LogitsProcessorList:
+    """Temperature, top-k and top-p warpers (those that change anything) followed by `InverseCDFSampler`
+    (which appends the drawn tokens' log-probs to `drawn_logprobs`, if given)."""
     processors = LogitsProcessorList()
     if temperature != 1.0:
         processors.append(TemperatureLogitsWarper(temperature))
@@ -65,7 +77,7 @@ def sampling_processors(temperature: float, top_p: float, top_k: int) -> LogitsP
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    processors.append(InverseCDFSampler())
+    processors.append(InverseCDFSampler(drawn_logprobs))
     return processors
 
 
@@ -124,7 +136,8 @@ def generate_completions(
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
     token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes;
     or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
-    step over a static cache; None never compiles.
+    step over a static cache; None never compiles. Sampled rollouts carry `sampler_logprobs`, each drawn
+    token's log-prob under the distribution it was drawn from; greedy ones None.
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
@@ -138,7 +151,8 @@ def generate_completions(
         compile_config=compile_config,
         disable_compile=compile_config is None,
     )
-    processors = sampling_processors(temperature, top_p, top_k) if do_sample else None
+    drawn: list[Tensor] = []  # [N*G] per decoding step
+    processors = sampling_processors(temperature, top_p, top_k, drawn) if do_sample else None
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:
@@ -159,7 +173,11 @@ def generate_completions(
     completion_ids = output[:, prompt_ids.size(1) :]  # [N*G, T]
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated)
+    sampler_logprobs = None
+    if do_sample and len(drawn) >= completion_ids.size(1):  # one draw per generated column, in order
+        drawn_columns = torch.stack(drawn[: completion_ids.size(1)], dim=1)  # [N*G, T]
+        sampler_logprobs = drawn_columns.masked_fill(completion_mask == 0, 0.0)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, sampler_logprobs)
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

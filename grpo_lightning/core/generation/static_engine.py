@@ -1,48 +1,69 @@
-"""Rollouts through a static KV cache and a compiled decoding step, on an inference copy of the policy.
+"""Rollouts through a static KV cache and a compiled decoding step, on an inference copy of the policy that
+computes what the loss scores.
 
 Eager decoding of a small model is launch-bound: one decoding step of a 0.5B model runs some 50x above the
 time its weights take to read, nearly all of it Python and kernel launches. transformers' `generate`
 removes that overhead itself when the KV cache has a fixed shape (`StaticCache`): it compiles the model's
 forward for the decoding steps (`torch.compile`, CUDA graphs under mode "reduce-overhead"; see
 `GenerationMixin._valid_auto_compile_criteria` and `get_compiled_call`). `StaticEngine` arranges for that
-to happen once per run and keep holding:
+to happen once per run and keep holding, and reports when it does not (`compile_watch.CompileWatch`):
 
-- shapes never change between steps: prompts are left-padded to a multiple of `prompt_bucket`, and the
-  cache (rows x length) is allocated once and reused while it is large enough; with compilation, rows are
-  padded to a power of two (the padding rows repeat the first prompt and are dropped from the rollout).
-  `recompiles` counts graphs compiled on a cache shape that was already warm: 0 is the target.
-- generation runs on an inference copy (`InferenceCopy`): a plain HF model of the policy's class, in the
-  compute dtype (bf16 under `bf16-mixed`, whose master weights are float32), whose parameters are
-  overwritten in place after every optimizer step (`weights_updated`), so a captured graph keeps reading
-  the same storage and never recompiles. A LoRA policy's copy holds the merged weights, base + scaling *
-  B @ A, computed into the copy (the trained base is never touched): LoRA rollouts then cost what
-  full-model rollouts cost. Under FSDP2 the copy is filled from the gathered weights
-  (`distributed.gathered_for_generation` around the calls).
+- shapes never change between steps: prompts are left-padded to a multiple of `prompt_bucket`; with
+  compilation, rows are padded to a power of two (the padding rows repeat the first prompt and are dropped
+  from the rollout) and the cache is as long as the longest prompt to expect plus `max_new_tokens`. One
+  key/value storage sized for the largest row bucket seen backs every bucket's cache (the smaller ones
+  are views of its first rows), so memory holds one cache, not one per bucket.
+- generation runs on an inference copy (`InferenceCopy`): a plain HF model of the policy's class whose
+  tensors are overwritten in place, so a captured graph keeps reading the same storage and never
+  recompiles. The copy is refreshed once before the first rollout after the weights changed (an optimizer
+  step, a checkpoint load: `weights_changed`), never after each optimizer step; under FSDP2 its weights
+  arrive one unit (a decoder layer) gathered at a time (the `weights` source the trainer passes), so no
+  second full model is alive while it refreshes.
 - sampling is the eager path's (`sampling.generate_completions`: the same processors, the checkpoint's
   generation config ignored, `min_new_tokens`, EOS handling), run with the static cache passed in; with
   `share_prompt` each prompt's prefill runs once (`shared_prompt.prefill_groups`) and is copied into its
-  G rows of the static cache.
+  G rows of the static cache. Every sampled rollout carries the log-prob of each token under the
+  distribution it was drawn from (`Rollout.sampler_logprobs`), which the trainer compares with the loss's.
 
+The copy samples from the policy the loss scores, by construction: it holds each weight as the scorer
+computes with it and runs under the same autocast (`InferenceCopy`), so on the same tokens, in one pass,
+its log-probs are the scorer's exactly, with full fine-tuning and with LoRA at every adapter size
+(tests/test_static_lora.py; a copy with the adapters merged into bf16 weights kept 0.4-0.5 of the
+scorer's log-prob change at B ~ 1e-4). A copy all in the compute dtype would differ where autocast keeps
+float32: the embeddings, so the residual stream, and the norms. What still differs is decoding itself: one
+token at a time over a KV cache rounds otherwise than one pass over the sequence in bf16 (and compiled
+kernels fuse in their own order). Measured on CPU (benchmarks/sampler_gap.py, BENCHMARKS.md) that leaves
+2-3e-2 nats per token under bf16-mixed, as for eager decoding under autocast, where an all-bf16 copy had
+5e-2; every training step logs it (`rollout/logp_gap_*`).
 No hand-written decoding loop: `generate` does the decoding. No Lightning here.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 import warnings
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-from torch._dynamo.utils import counters
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import CompileConfig, PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer
 
-from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings
+from grpo_lightning.core.generation.compile_watch import CompileWatch
+from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
 from grpo_lightning.core.generation.sampling import generate_completions
 from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
 from grpo_lightning.core.types import Rollout
+
+# The policy's weights, named as in its Hugging Face model (PEFT's adapter weights under their PEFT names),
+# in full: an unsharded policy's own tensors (`own_weights`), or under FSDP2 one unit gathered at a time
+# (`io.distributed.full_weights_by_unit`). Every rank iterates it to the end.
+WeightSource = Callable[[PreTrainedModel], Iterable[tuple[str, Tensor]]]
 
 
 def hf_model(model: PreTrainedModel) -> PreTrainedModel:
@@ -50,10 +71,9 @@ def hf_model(model: PreTrainedModel) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _lora_layers(model: PreTrainedModel) -> dict[str, torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in hf_model(model).named_modules() if isinstance(m, LoraLayer)}
+def own_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
+    """An unsharded policy's weights as it holds them (the default `WeightSource`)."""
+    yield from hf_model(model).named_parameters()
 
 
 def plain_class(model: PreTrainedModel) -> type[PreTrainedModel]:
@@ -65,25 +85,28 @@ def plain_class(model: PreTrainedModel) -> type[PreTrainedModel]:
     )
 
 
-def named_generation_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
-    """The weights that generation runs on, named as in the plain HF model: a LoRA layer's weight is
-    base + sum over active adapters of PEFT's `get_delta_weight` (scaling * B @ A), in float32, one layer at
-    a time. Under FSDP2, call it where the weights are gathered (the sharded ones are DTensors)."""
-    lora = _lora_layers(model)
-    for name, param in hf_model(model).named_parameters():
-        if ".lora_" in name:
-            continue
-        layer = lora.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
-        if layer is not None and name.endswith(".base_layer.weight") and not layer.disable_adapters:
-            deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A]
-            param = param.float() + sum(d.float() for d in deltas)
-        yield name.replace(".base_layer.", "."), param
+@dataclass(frozen=True)
+class CopyPrecision:
+    """How the scorer computes, which the inference copy repeats.
+
+    Args:
+        linear_dtype: the dtype of linear layers' weights (LoRA's A and B too) as the scorer's matmuls read
+            them: autocast casts them to it, a 16-bit `-true` precision stores them in it. None: as the
+            policy holds them.
+        autocast_dtype: the scorer runs under autocast in this dtype (Lightning's `-mixed` precisions), and
+            so does the copy: norms, softmax and the residual stream then keep the policy's own dtype
+            (float32 master weights: float32). None: no autocast.
+    """
+
+    linear_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = None
 
 
-def compute_dtype(precision: str) -> torch.dtype | None:
-    """The inference copy's dtype under Lightning's `precision`: bf16 or fp16 under their mixed or true
-    precisions, else None (the policy's own)."""
-    return {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0])
+def copy_precision(precision: str | None) -> CopyPrecision:
+    """The `CopyPrecision` of Lightning's `precision` flag (None: no trainer, the policy as it is)."""
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0])
+    mixed = str(precision).endswith("-mixed")
+    return CopyPrecision(linear_dtype=dtype, autocast_dtype=dtype if mixed else None)
 
 
 def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device) -> str:
@@ -99,8 +122,20 @@ def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device
     return backend
 
 
+def _active_lora(model: PreTrainedModel) -> tuple[str, object] | None:
+    """`(adapter name, LoraConfig)` of the policy's active adapter; None without PEFT."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return None
+    name = model.active_adapter
+    return name, model.peft_config[name]
+
+
 def static_unsupported(model: PreTrainedModel) -> str | None:
     """Why `model`'s rollouts cannot go through `StaticEngine`, or None when they can."""
+    from peft import LoraConfig, PeftModel
+
     inner = hf_model(model)
     config = inner.config.get_text_config(decoder=True)
     if inner.config.is_encoder_decoder or cache_argument(model) is None:
@@ -110,39 +145,158 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         return f"its attention layers are not all full attention ({sorted(layer_types)})"
-    if any(any(layer.use_dora.values()) for layer in _lora_layers(model).values()):
-        return "DoRA adapters do not merge as base + scaling * B @ A"
-    with torch.device("meta"):
-        plain = plain_class(model)._from_config(copy.deepcopy(inner.config))
-    expected = {name for name, _ in plain.named_parameters()}
-    found = {name for name, _ in named_generation_weights(model)}
+    if isinstance(model, PeftModel):
+        if len(model.active_adapters) != 1:
+            return f"it has {len(model.active_adapters)} active adapters; the inference copy serves one"
+        adapter = model.peft_config[model.active_adapter]
+        if not isinstance(adapter, LoraConfig):
+            return f"its adapter is {type(adapter).__name__}; the inference copy serves LoRA"
+        if adapter.use_dora:
+            return "DoRA adapters are not served by the inference copy (LoRA only)"
+    plain = _plain_copy(model, torch.device("meta"), None)
+    expected = {name: p.shape for name, p in plain.named_parameters()}
+    found = {name: p.shape for name, p in hf_model(model).named_parameters()}
     if expected != found:
-        odd = sorted(expected ^ found)[:3]
+        odd = sorted(set(expected) ^ set(found))[:3] or [n for n in expected if expected[n] != found[n]][:3]
         return f"its parameters do not map onto a plain {type(plain).__name__} (e.g. {odd})"
     return None
 
 
-class InferenceCopy:
-    """A plain HF model of the policy's class and config in `dtype`, for generation only; `refresh` writes
-    the policy's current (merged) weights into the same tensors."""
+def _plain_copy(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None) -> PreTrainedModel:
+    """A plain HF model of the policy's class and config on `device`, with its active LoRA adapter injected
+    by PEFT (unmerged: its forward is PEFT's, base(x) + scaling * B(A(x)), as the policy's)."""
+    from peft import inject_adapter_in_model
 
-    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, device: torch.device) -> None:
-        inner = hf_model(model)
-        with torch.device(device):
-            self.model = plain_class(model)._from_config(
-                copy.deepcopy(inner.config),
-                dtype=dtype,
-                attn_implementation=inner.config._attn_implementation,
-            )
-        self.model.eval().requires_grad_(False)
-        self.parameters = dict(self.model.named_parameters())
-        self.refresh(model)
+    inner = hf_model(model)
+    with torch.device(device):
+        plain = plain_class(model)._from_config(
+            copy.deepcopy(inner.config),
+            dtype=dtype or next(inner.parameters()).dtype,
+            attn_implementation=inner.config._attn_implementation,
+        )
+    adapter = _active_lora(model)
+    if adapter is not None:
+        name, config = adapter
+        inject_adapter_in_model(copy.deepcopy(config), plain, adapter_name=name)
+    return plain.eval().requires_grad_(False)
+
+
+class InferenceCopy:
+    """The policy for generation only: a plain HF model of its class and config with its LoRA adapter kept
+    unmerged (`_plain_copy`), each weight held as the scorer computes with it (`precision`):
+
+    - linear layers' weights (the base's and LoRA's A and B) in `precision.linear_dtype`, the dtype
+      autocast casts them to for the scorer's matmuls; so a small adapter update survives as it does in
+      the scorer (a LoRA merged into bf16 weights, bf16(W + s * B @ A), rounds it away where s * B @ A is
+      below half a bf16 step of W: most of it while B is small, early in training);
+    - every other weight (embeddings, norms) in the dtype the policy gives it: float32 master weights keep
+      float32 embeddings, so the residual stream and the norms compute in float32 under autocast, as the
+      scorer's do. A tied LM head then gets a weight of its own in the linear dtype: casting a float32
+      embedding at every decoding step would cost more than the head's matmul.
+
+    The price of matching instead of a copy all in bf16: the float32 embedding (2 more bytes per
+    embedding weight; +0.27 GB for Qwen2.5-0.5B's, plus its 0.27 GB bf16 head when tied) and the norms;
+    the matmuls, and so the decoding speed, are those of a bf16 copy. `refresh` writes the policy's
+    current weights into the same tensors, cast, in place.
+    """
+
+    def __init__(self, model: PreTrainedModel, precision: CopyPrecision, device: torch.device) -> None:
+        self.precision = precision
+        self.model = _plain_copy(model, device, precision.linear_dtype)
+        named = list(self.model.named_parameters(remove_duplicate=False))
+        self.tensors: dict[str, nn.Parameter] = dict(named)
+        tied: dict[int, list[str]] = defaultdict(list)
+        for name, tensor in named:
+            tied[id(tensor)].append(name)
+        self.names_of = {name: tied[id(tensor)] for name, tensor in named}  # a policy name -> its copies
+        self.linear = {  # the weights autocast casts: those of linear layers, LoRA's included
+            f"{module_name}.{name}" if module_name else name
+            for module_name, module in self.model.named_modules()
+            if isinstance(module, nn.Linear)
+            for name, _ in module.named_parameters(recurse=False)
+        }
+        self.filled = False
+        self.refreshes = 0  # times the policy's weights were written in
+        self._take_buffers(model, device)
+
+    def _take_buffers(self, model: PreTrainedModel, device: torch.device) -> None:
+        """The policy's buffers as it holds them (the rotary embedding's frequencies: a base cast with
+        `.to(torch.bfloat16)` has them in bf16, a fresh model in float32)."""
+        for name, buffer in hf_model(model).named_buffers():
+            module_name, _, attr = name.rpartition(".")
+            owner = self.model.get_submodule(module_name)
+            if attr in owner._buffers:
+                setattr(owner, attr, buffer.detach().to(device, copy=True))
+
+    def take_dtypes(self, dtypes: Iterable[tuple[str, torch.dtype]]) -> None:
+        """Give each tensor its dtype for the policy's weights arriving in `dtypes` (what the first fill
+        does, without the values: on the meta device, for `inference_copy_nbytes`)."""
+        for name, dtype in dtypes:
+            self._take_dtype(name, dtype)
 
     @torch.no_grad()
-    def refresh(self, model: PreTrainedModel) -> None:
-        """Copy the policy's weights in, cast, in place: the storage, and graphs captured over it, stay."""
-        for name, value in named_generation_weights(model):
-            self.parameters[name].copy_(value)
+    def refresh(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Write the policy's `weights` in, cast, in place: the storage, and graphs captured over it, stay.
+        The first fill gives each tensor its dtype (`InferenceCopy`)."""
+        for name, value in weights:
+            if not self.filled:
+                self._take_dtype(name, value.dtype)
+            for target in dict.fromkeys(self.tensors[n] for n in self.names_of[name]):  # each tensor once
+                target.copy_(value)
+        self.filled = True
+        self.refreshes += 1
+
+    def _take_dtype(self, name: str, incoming: torch.dtype) -> None:
+        linear_dtype = self.precision.linear_dtype
+        wanted = {
+            n: linear_dtype if linear_dtype and n in self.linear else incoming for n in self.names_of[name]
+        }
+        if len(set(wanted.values())) > 1:  # a tied embedding and LM head that compute in different dtypes
+            for copy_name, dtype in wanted.items():
+                self._replace(copy_name, dtype)
+            return
+        for copy_name, dtype in wanted.items():
+            if self.tensors[copy_name].dtype != dtype:
+                self.tensors[copy_name].data = torch.empty_like(self.tensors[copy_name], dtype=dtype)
+
+    def _replace(self, name: str, dtype: torch.dtype) -> None:
+        """A tensor of its own for `name` (untied from the others that shared it)."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        tensor = nn.Parameter(torch.empty_like(self.tensors[name], dtype=dtype), requires_grad=False)
+        setattr(module, attr, tensor)
+        self.tensors[name] = tensor
+
+    def nbytes(self) -> int:
+        """Bytes of the copy's weights (each tensor once)."""
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self.tensors.values()}.values())
+
+
+def inference_copy_nbytes(
+    model: PreTrainedModel, precision: CopyPrecision, gathered_dtype: torch.dtype | None = None
+) -> int:
+    """Bytes the static engine's copy of `model` holds (`InferenceCopy`'s dtypes, planned on the meta
+    device). `gathered_dtype`: the dtype the weights arrive in when FSDP2 gathers them in another than
+    they are stored in (its mixed precision's `param_dtype`)."""
+    plan = InferenceCopy(model, precision, torch.device("meta"))
+    plan.take_dtypes((name, gathered_dtype or w.dtype) for name, w in hf_model(model).named_parameters())
+    return plan.nbytes()
+
+
+# dynamo's switch that makes the recompile limit an error, and the error (named "cache limit" before 2.7).
+_LIMIT_OPTION = next(
+    (
+        o
+        for o in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
+        if hasattr(torch._dynamo.config, o)
+    ),
+    None,
+)
+_LIMIT_ERROR = (
+    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)
+    or getattr(torch._dynamo.exc, "FailOnCacheLimitHit", None)
+    or ()
+)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -156,61 +310,152 @@ def _compile_config(device: torch.device) -> CompileConfig:
     return config
 
 
+class _CastingLayer(StaticLayer):
+    """A `StaticLayer` that stores keys and values in its own dtype. Under autocast the rotary embedding
+    leaves the keys in float32 (the residual stream's dtype) while attention reads them cast to the autocast
+    dtype: stored in it, they take half the memory and attention reads the same values."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return super().update(
+            key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs
+        )
+
+
+class SharedCaches:
+    """Static KV caches for every row bucket over one key/value storage in `dtype`, sized for the largest
+    bucket and the longest cache seen: a bucket's cache is a view of the storage's first rows (contiguous,
+    as `StaticCache` allocates its own). A bucket or length beyond the storage reallocates it, larger, and
+    every bucket's cache with it (their next call warms up again)."""
+
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        self.config, self.dtype = config, dtype
+        self.rows = self.length = 0  # the storage's
+        self.storage: list[tuple[Tensor, Tensor]] = []  # per layer: keys, values [rows, heads, length, d]
+        self.caches: dict[int, StaticCache] = {}  # rows -> its cache
+        self.generation = 0  # storages allocated so far
+
+    def get(self, rows: int, length: int, device: torch.device) -> tuple[StaticCache, int]:
+        """A cache for `rows` rows of at least `length` positions, and its length."""
+        if rows > self.rows or length > self.length:
+            self.storage, self.caches = [], {}  # the old storage is freed before the new one is allocated
+            self.rows, self.length = max(rows, self.rows), max(length, self.length)
+            self.generation += 1
+            largest = self._cache(self.rows, device)
+            self.storage = [(layer.keys, layer.values) for layer in largest.layers]
+            self.caches[self.rows] = largest
+        if rows not in self.caches:
+            self.caches[rows] = self._cache(rows, device, view=True)
+        return self.caches[rows], self.length
+
+    def _cache(self, rows: int, device: torch.device, view: bool = False) -> StaticCache:
+        """A cache of `rows` rows, allocated, or a view of the storage's first rows."""
+        cache = StaticCache(config=self.config, max_cache_len=self.length)
+        cache.layers = [_CastingLayer(max_cache_len=self.length) for _ in cache.layers]
+        kv_heads, head_dim = self._heads()
+        # Zero-length states set the layer's shapes and dtype; `lazy_initialization` allocates the rest.
+        empty = torch.empty((0 if view else rows, kv_heads, 0, head_dim), dtype=self.dtype, device=device)
+        for i, layer in enumerate(cache.layers):
+            layer.lazy_initialization(empty, empty)
+            if view:
+                keys, values = self.storage[i]
+                layer.keys, layer.values = keys[:rows], values[:rows]
+                torch._dynamo.mark_static_address(layer.keys)  # as StaticLayer marks its own tensors
+                torch._dynamo.mark_static_address(layer.values)
+        return cache
+
+    def _heads(self) -> tuple[int, int]:
+        config = self.config.get_text_config(decoder=True)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def nbytes(self) -> int:
+        """Bytes of the keys and values (the storage; the views add none)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.storage)
+
+
 class StaticEngine(RolloutEngine):
     """Rollouts of `num_generations` completions per prompt through `generate` with a static KV cache, on an
-    inference copy of the policy refreshed in place after every optimizer step (see the module docstring).
+    inference copy of the policy refreshed in place before the first rollout after its weights changed
+    (see the module docstring).
 
-    `settings`: what every sampled token obeys, as for `EagerEngine`; `share_prompt` prefills each prompt
-    once. `dtype`: the inference copy's (None: the policy's parameters'). `compile`: compile the decoding
-    step (`torch.compile` through transformers' `CompileConfig`, CUDA graphs on GPU); off, the static cache
-    is used eagerly. `prompt_bucket`: prompts are left-padded to a multiple of it, so that prompt lengths
-    within a bucket share one cache length. `max_prompt_tokens`: the longest prompt to expect; compiling,
-    the cache is that long (plus `max_new_tokens`) from the first call, so that no longer prompt changes
-    its shape (the decoding step's shapes are the cache's: a shorter prompt in it needs no new graph).
+    `settings`: what every sampled token obeys, as for `EagerEngine` (a call may pass its own).
+    `precision`: how the scorer computes, which the copy repeats (`CopyPrecision`; default: the policy as
+    it is, no autocast). `compile`: compile the decoding step (`torch.compile` through transformers'
+    `CompileConfig`, CUDA graphs on GPU); off, the static cache is used eagerly. `prompt_bucket`: prompts
+    are left-padded to a multiple of it, so that prompt lengths within a bucket share one cache length.
+    `max_prompt_tokens`: the longest prompt to expect; compiling, the cache is that long (plus
+    `max_new_tokens`) from the first call, so that no longer prompt changes its shape (the decoding step's
+    shapes are the cache's: a shorter prompt in it needs no new graph). `weights`: where the copy's weights
+    come from (`WeightSource`; default the policy's own tensors, unsharded).
     """
 
     def __init__(
         self,
         settings: SamplingSettings,
         *,
-        dtype: torch.dtype | None = None,
+        precision: CopyPrecision = CopyPrecision(),
         compile: bool = False,
         prompt_bucket: int = 64,
         max_prompt_tokens: int | None = None,
+        weights: WeightSource = own_weights,
     ) -> None:
         self.settings = settings
-        self.sampling = {  # generate_completions' keywords
-            "max_new_tokens": settings.max_new_tokens,
-            "min_new_tokens": settings.min_new_tokens,
-            "eos_token_ids": list(settings.eos_token_ids),
-            "pad_token_id": settings.pad_token_id,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
-            "top_k": settings.top_k,
-        }
-        self.share_prompt = settings.share_prompt
-        self.dtype = dtype
+        self.precision = precision
         self.compile = compile
         self.prompt_bucket = prompt_bucket
         self.max_prompt_tokens = max_prompt_tokens
+        self.weights = weights
         self.copy: InferenceCopy | None = None
+        self.caches: SharedCaches | None = None
+        self.stale = True  # the policy's weights changed since the copy last took them
+        self.watch = CompileWatch()
+        self.compile_failed: str | None = None  # why decoding stopped compiling for good
         self._compile_config: CompileConfig | None = (
             None  # one object: transformers compiles again for another
         )
-        self._caches: dict[int, tuple[StaticCache, int]] = {}  # rows -> that batch size's cache, its length
-        self._warm: set[tuple[int, int]] = set()  # (rows, length) shapes generated with at least once
-        self.warmup_compiles = 0  # graphs compiled on the first call of each cache shape
-        self.recompiles = 0  # graphs compiled on a shape that was already warm: should stay 0
+        self.last_speed: dict[str, float] = {}
 
     @property
     def reads_live_weights(self) -> bool:
-        """Only until the first `generate` has built the copy from them."""
-        return self.copy is None
+        """Never: the copy takes the weights from `weights` (which gathers a sharded policy itself)."""
+        return False
 
-    def weights_updated(self, model: PreTrainedModel) -> None:
-        """The optimizer changed `model`'s weights: write them into the copy (gathered, if sharded)."""
-        if self.copy is not None:
-            self.copy.refresh(model)
+    @property
+    def recompiles(self) -> int:
+        return self.watch.report.recompiles
+
+    @property
+    def warmup_compiles(self) -> int:
+        report = self.watch.report
+        return report.graphs_compiled - report.recompiles
+
+    @property
+    def refreshes(self) -> int:
+        return self.copy.refreshes if self.copy is not None else 0
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed: the copy takes them before the next rollout."""
+        self.stale = True
+
+    def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
+        """Build the copy on `device`, or write the policy's weights into it if they changed since (a
+        collective under FSDP2: every rank calls it at the same point)."""
+        if self.copy is not None and not self.stale:
+            return
+        # Outside inference mode (validation's): tensors made there could not be written in place later.
+        with torch.inference_mode(False), torch.no_grad():
+            if self.copy is None:
+                self.copy = InferenceCopy(model, self.precision, torch.device(device))
+            self.copy.refresh(self.weights(model))
+            if self.caches is None:  # the embedding's dtype is the weights' once they are in
+                self.caches = SharedCaches(self.copy.model.config, self.kv_dtype())
+        self.stale = False
+
+    def metrics(self) -> dict[str, float]:
+        """The last call's speed and what compiling did so far (`compile_watch.FastPathReport`)."""
+        counts = {name: float(value) for name, value in vars(self.watch.report).items()}
+        return {**self.last_speed, **counts, "copy_refreshes": float(self.refreshes)}
 
     @torch.no_grad()
     def generate(
@@ -221,75 +466,114 @@ class StaticEngine(RolloutEngine):
         *,
         num_generations: int,
         do_sample: bool = True,
+        settings: SamplingSettings | None = None,
     ) -> Rollout:
         """`num_generations` completions per prompt of `prompt_ids` `[N, P]` (left-padded): N*G rows."""
+        self.refresh(model, prompt_ids.device)
         # Outside inference mode (validation's): the copy and the caches, created in the first call wherever
-        # it is, are updated in place by later calls. Autocast off: the copy already has its compute dtype,
-        # and one autocast state for every call means one set of compile guards.
-        with torch.inference_mode(False), torch.autocast(prompt_ids.device.type, enabled=False):
-            return self._generate(model, prompt_ids.clone(), prompt_mask.clone(), num_generations, do_sample)
+        # it is, are updated in place by later calls. The copy's own autocast, whatever the caller's: the
+        # scorer's numerics, and one autocast state for every call means one set of compile guards.
+        device = prompt_ids.device.type
+        autocast = self.precision.autocast_dtype
+        with (
+            torch.inference_mode(False),
+            torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None),
+        ):
+            start = time.perf_counter()
+            rollout, steps = self._generate(
+                prompt_ids.clone(), prompt_mask.clone(), num_generations, do_sample, settings or self.settings
+            )
+            self.last_speed = rollout_speed(rollout, steps, time.perf_counter() - start)
+        return rollout
 
     def _generate(
-        self, model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, G: int, do_sample: bool
-    ) -> Rollout:
-        if self.copy is None:
-            dtype = self.dtype or next(model.parameters()).dtype
-            self.copy = InferenceCopy(model, dtype, prompt_ids.device)
+        self, prompt_ids: Tensor, prompt_mask: Tensor, G: int, do_sample: bool, settings: SamplingSettings
+    ) -> tuple[Rollout, int]:
         twin = self.copy.model
         N, P = prompt_ids.shape
         rows = N * G
         width = _round_up(P, self.prompt_bucket)
-        pad = self.sampling["pad_token_id"]
-        ids = F.pad(prompt_ids, (width - P, 0), value=pad)  # [N, W]
+        ids = F.pad(prompt_ids, (width - P, 0), value=settings.pad_token_id)  # [N, W]
         mask = F.pad(prompt_mask, (width - P, 0), value=0)  # [N, W]
-        longest = max(
-            width, _round_up(self.max_prompt_tokens or 0, self.prompt_bucket) if self.compile else 0
-        )
-        cache, cache_rows, length = self._cache(twin, rows, longest + self.sampling["max_new_tokens"])
+        compiling = self.compile and self.compile_failed is None
+        cache_rows, length = self.cache_shape(rows, width, settings.max_new_tokens)
+        cache, length = self.caches.get(cache_rows, length, ids.device)
         prompt_of_row = torch.arange(cache_rows, device=ids.device) // G  # [R] padding rows repeat prompt 0
         prompt_of_row[rows:] = 0
         cache.reset()
-        if self.share_prompt and width > 1:
+        if settings.share_prompt and width > 1:
             self._prefill(twin, ids, mask, prompt_of_row, cache)
-        if self.compile and self._compile_config is None:
+        if compiling and self._compile_config is None:
             self._compile_config = _compile_config(ids.device)
-        graphs = counters["stats"]["unique_graphs"]
-        output = generate_completions(
-            twin,
-            ids[prompt_of_row],
-            mask[prompt_of_row],
-            num_generations=1,  # the rows are repeated already
-            do_sample=do_sample,
-            prompt_cache={cache_argument(twin): cache},
-            compile_config=self._compile_config,
-            **self.sampling,
-        )
-        compiled = counters["stats"]["unique_graphs"] - graphs
-        shape = (cache_rows, length)
-        if shape in self._warm:
-            self.recompiles += compiled
-        else:
-            self._warm.add(shape)
-            self.warmup_compiles += compiled
+        call = {
+            "num_generations": 1,  # the rows are repeated already
+            "do_sample": do_sample,
+            "prompt_cache": {cache_argument(twin): cache},
+            "max_new_tokens": settings.max_new_tokens,
+            "min_new_tokens": settings.min_new_tokens,
+            "eos_token_ids": list(settings.eos_token_ids),
+            "pad_token_id": settings.pad_token_id,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": settings.top_k,
+        }
+        output = self._decode(twin, ids[prompt_of_row], mask[prompt_of_row], call, compiling, cache)
         completion_mask = output.completion_mask[:rows]  # [N*G, T] padding rows may have run longer
         T = int(completion_mask.sum(dim=1).max())
-        return Rollout(
+        sampled = output.sampler_logprobs
+        rollout = Rollout(
             prompt_ids.repeat_interleave(G, dim=0),  # [N*G, P] without the bucket's padding
             prompt_mask.repeat_interleave(G, dim=0),
             output.completion_ids[:rows, :T],
             completion_mask[:, :T],
             output.truncated[:rows],
+            None if sampled is None else sampled[:rows, :T],
+        )
+        return rollout, output.completion_ids.size(1)
+
+    def _decode(self, twin, ids, mask, call: dict, compiling: bool, cache: StaticCache) -> Rollout:
+        """`generate_completions` on the copy, compiled where asked, its compiling watched: a call that
+        would exceed dynamo's recompile limit decodes uncompiled instead, and so do all later ones."""
+        if not compiling:
+            if self.compile:
+                self.watch.fell_back(self.compile_failed)
+            return generate_completions(twin, ids, mask, compile_config=None, **call)
+        refusal = _compile_refused(twin, cache, self._compile_config)
+        if refusal is not None:
+            self.compile_failed = refusal
+            return self._decode(twin, ids, mask, call, False, cache)
+        shape = (cache.layers[0].keys.shape, self.caches.generation)
+        # Past the limit, dynamo would run the step uncompiled for good with one log line: fail instead.
+        fail_at_limit = {_LIMIT_OPTION: True} if _LIMIT_OPTION else {}
+        try:
+            with torch._dynamo.config.patch(**fail_at_limit), self.watch.call(shape):
+                return generate_completions(twin, ids, mask, compile_config=self._compile_config, **call)
+        except _LIMIT_ERROR:
+            limit = torch._dynamo.config.recompile_limit
+            self.compile_failed = f"dynamo's recompile limit ({limit}) was hit; decoding stays uncompiled"
+            cache.reset()
+            return self._decode(twin, ids, mask, call, False, cache)
+
+    def cache_shape(self, rows: int, prompt_width: int, max_new_tokens: int) -> tuple[int, int]:
+        """The static cache's rows and length for `rows` sequences of `prompt_width` (bucketed) prompt tokens:
+        rows a power of two and the length that of `max_prompt_tokens` when compiling (one graph for every
+        prompt length), else as needed."""
+        if self.compile:
+            rows = 1 << (rows - 1).bit_length()
+            prompt_width = max(prompt_width, _round_up(self.max_prompt_tokens or 0, self.prompt_bucket))
+        return rows, prompt_width + max_new_tokens
+
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the one attention computes in (autocast's, or the linear layers')."""
+        precision = self.precision
+        return (
+            precision.autocast_dtype
+            or precision.linear_dtype
+            or self.copy.model.get_input_embeddings().weight.dtype
         )
 
-    def _cache(self, twin: PreTrainedModel, rows: int, length: int) -> tuple[StaticCache, int, int]:
-        """A static cache of at least `length` positions for `rows` rows (a power of two when compiling),
-        reused while it is long enough, so that the compiled decoding step keeps its shapes; with its rows and
-        its length."""
-        rows = 1 << (rows - 1).bit_length() if self.compile else rows
-        if rows not in self._caches or self._caches[rows][1] < length:
-            self._caches[rows] = StaticCache(config=twin.config, max_cache_len=length), length
-        cache, length = self._caches[rows]
-        return cache, rows, length
+    def cache_nbytes(self) -> int:
+        return self.caches.nbytes() if self.caches is not None else 0
 
     @staticmethod
     def _prefill(twin: PreTrainedModel, ids: Tensor, mask: Tensor, prompt_of_row: Tensor, cache: StaticCache):
@@ -299,8 +583,19 @@ class StaticEngine(RolloutEngine):
         cached = ids.size(1) - 1
         for static, computed in zip(cache.layers, prefill.layers, strict=True):
             keys, values = computed.keys[prompt_of_row], computed.values[prompt_of_row]  # [R, heads, W-1, d]
-            if not static.is_initialized:
-                static.lazy_initialization(keys, values)
             static.keys[:, :, :cached].copy_(keys)
             static.values[:, :, :cached].copy_(values)
             static.cumulative_length.fill_(cached)
+
+
+def _compile_refused(twin: PreTrainedModel, cache: StaticCache, config: CompileConfig) -> str | None:
+    """Why transformers would decode uncompiled with this cache (`_valid_auto_compile_criteria`), or None."""
+    criteria = getattr(twin, "_valid_auto_compile_criteria", None)
+    if criteria is None:
+        return None
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig(compile_config=config, disable_compile=False)
+    if criteria({cache_argument(twin): cache}, generation):
+        return None
+    return "transformers does not compile this model's decoding step (`_valid_auto_compile_criteria`)"

@@ -1,0 +1,135 @@
+"""The sampler/scorer gap and its truncated importance-sampling correction (Yao et al. 2025): the weights on
+a hand-computed case, no change at all where the sampler is the scorer, and the gap logged every training
+step (about 0 for the eager engine in float32)."""
+
+import lightning as L
+import pytest
+import torch
+
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.update import micro_batch_loss
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.types import Rollout, Trajectory
+from grpo_lightning.training.data import GSM8KDataModule
+from tests.helpers import length_reward, quiet_trainer, tiny_module
+
+
+def test_weights_and_loss_by_hand():
+    """One completion of 3 tokens, advantage 2, on-policy (ratio 1), cap 2, dapo: each token's loss is
+    -w_t * A / 3 with w = min(exp(log pi - log pi_sampler), 2), and so is its gradient."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    sampler = torch.tensor([[-1.2, -1.0, -2.5]])  # log-ratios 0.2, -1.0, 2.0 (the last above log 2)
+    weights = truncated_importance_weights(logprobs, sampler, cap=2.0)
+    expected = torch.tensor([[1.2214028, 0.3678794, 2.0]])  # e^0.2, e^-1, min(e^2, 2)
+    torch.testing.assert_close(weights, expected)
+    assert not weights.requires_grad
+    loss, _ = grpo_loss(logprobs, torch.tensor([2.0]), torch.ones(1, 3), importance_weights=weights)
+    torch.testing.assert_close(loss, torch.tensor(-2.0 / 3 * (1.2214028 + 0.3678794 + 2.0)))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -2.0 / 3 * expected)
+    gap = logprob_gap_stats(logprobs, sampler, torch.tensor([[1, 1, 0]]), cap=2.0)  # the last is padding
+    torch.testing.assert_close(gap["rollout/logp_gap_mean"], torch.tensor(0.6))
+    torch.testing.assert_close(gap["rollout/logp_gap_max"], torch.tensor(1.0))
+    torch.testing.assert_close(gap["rollout/logp_gap_frac_above"], torch.tensor(1.0))
+    torch.testing.assert_close(gap["rollout/is_weight_mean"], torch.tensor((1.2214028 + 0.3678794) / 2))
+    assert float(gap["rollout/is_weight_frac_capped"]) == 0.0
+
+
+def trajectory(sampler_equals_scorer: bool, with_old: bool, seed: int = 0) -> tuple[Trajectory, torch.Tensor]:
+    """Two groups of 2 completions of 5 tokens (some padding), and the policy's log-probs (with grad)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 4, 5
+    logprobs = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    mask = torch.ones(B, T)
+    mask[1, 3:] = mask[3, 4:] = 0
+    old = logprobs.detach() + 0.05 * torch.randn(B, T, generator=g) if with_old else None
+    scorer = old if with_old else logprobs.detach()
+    sampler = scorer.clone() if sampler_equals_scorer else scorer + 0.3 * torch.randn(B, T, generator=g)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    rollout = Rollout(
+        ids[:, :2], torch.ones(B, 2), ids, mask.long(), torch.zeros(B, dtype=torch.bool), sampler
+    )
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    return Trajectory(
+        prompts=["a", "b"],
+        rollout=rollout,
+        completions=[""] * B,
+        loss_mask=mask,
+        old_logprobs=old,
+        ref_logprobs=None,
+        rewards_per_func=torch.zeros(B, 1),
+        rewards=torch.zeros(B),
+        advantages=advantages,
+        token_advantages=advantages,
+        num_generations=2,
+    ), logprobs
+
+
+def loss_and_grad(trajectory_: Trajectory, logprobs: torch.Tensor, correction: bool, loss_type: str):
+    cfg = GRPOConfig(importance_sampling_correction=correction, loss_type=loss_type, beta=0.0)
+    logprobs.grad = None
+    loss, stats = micro_batch_loss(
+        trajectory_,
+        slice(None),
+        logprobs,
+        torch.zeros_like(logprobs),
+        cfg,
+        torch.tensor(17.0),
+        torch.tensor(4.0),
+    )
+    loss.backward()
+    return loss.detach(), logprobs.grad.clone(), stats
+
+
+@pytest.mark.parametrize("with_old", [False, True], ids=["one-step", "old-logprobs"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_correction_changes_nothing_where_the_sampler_is_the_scorer(with_old, loss_type):
+    same, logprobs = trajectory(sampler_equals_scorer=True, with_old=with_old)
+    loss, grad, stats = loss_and_grad(same, logprobs, correction=False, loss_type=loss_type)
+    corrected, corrected_grad, corrected_stats = loss_and_grad(same, logprobs, True, loss_type)
+    torch.testing.assert_close(corrected, loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(corrected_grad, grad, rtol=0, atol=1e-6)
+    assert float(stats["rollout/logp_gap_max"]) == 0.0
+    assert float(corrected_stats["rollout/is_weight_mean"]) == pytest.approx(1.0)
+    # Where they differ, the correction changes the gradient by the weights: it is not a no-op.
+    apart, logprobs = trajectory(sampler_equals_scorer=False, with_old=with_old)
+    _, plain_grad, plain_stats = loss_and_grad(apart, logprobs, False, loss_type)
+    _, weighted_grad, _ = loss_and_grad(apart, logprobs, True, loss_type)
+    scorer = apart.old_logprobs if with_old else logprobs.detach()
+    weights = truncated_importance_weights(scorer, apart.rollout.sampler_logprobs, 2.0)
+    torch.testing.assert_close(weighted_grad, plain_grad * weights, rtol=1e-5, atol=1e-7)
+    assert float(plain_stats["rollout/logp_gap_mean"]) > 0.1
+
+
+class StepMetrics(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def test_gap_is_logged_every_step_and_about_zero_for_eager_float32(tiny_model_dir):
+    """The eager engine samples the float32 policy itself: its log-probs are the scorer's up to rounding.
+    With 2 optimizer steps per rollout the gap is taken against the rollout-time log-probs."""
+    for steps_per_generation in (1, 2):
+        module = tiny_module(
+            tiny_model_dir,
+            reward_funcs=[length_reward],
+            learning_rate=1e-2,
+            steps_per_generation=steps_per_generation,
+            importance_sampling_correction=True,
+        )
+        data = GSM8KDataModule(
+            source="arithmetic", system_prompt=None, arithmetic_size=16, batch_size=2, val_size=2
+        )
+        metrics = StepMetrics()
+        steps = 2 * steps_per_generation
+        quiet_trainer(max_steps=steps, limit_val_batches=0, callbacks=[metrics]).fit(module, data)
+        assert len(metrics.steps) == 2
+        for logged in metrics.steps:
+            assert 0 <= logged["rollout/logp_gap_mean"] < 1e-5, logged
+            assert logged["rollout/logp_gap_max"] < 1e-4 and logged["rollout/logp_gap_frac_above"] == 0.0
+            assert logged["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+            assert logged["rollout/tokens_per_second"] > 0 and logged["rollout/ms_per_decoding_step"] > 0
