@@ -40,7 +40,7 @@ _PUBLIC = {
     "Rollout": "grpo_lightning.core.types",
     "RolloutEngine": "grpo_lightning.core.generation.engines",
     "EagerEngine": "grpo_lightning.core.generation.engines",
-    "SamplingSettings": "grpo_lightning.core.generation.engines",
+    "SamplingSettings": "grpo_lightning.core.generation.sampling",
     "PromptSampler": "grpo_lightning.core.generation.engines",
     "LogProbScorer": "grpo_lightning.core.generation.engines",
     # callbacks

@@ -405,9 +405,8 @@ def check_on_policy(
             )
             generate = engine.generate
         else:
-            generate = functools.partial(
-                sampling.generate_completions, eos_token_ids=[tokenizer.eos_token_id], **settings
-            )
+            eager = SamplingSettings(**settings, eos_token_ids=(tokenizer.eos_token_id,))
+            generate = functools.partial(sampling.generate_completions, settings=eager)
         rollout = generate(
             model, enc["input_ids"], enc["attention_mask"], num_generations=completions // len(texts)
         )

@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.generation.sampling import generate_completions
+from grpo_lightning.core.generation.sampling import SamplingSettings, generate_completions
 from grpo_lightning.io.export import ExportBestCallback, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
@@ -66,11 +66,11 @@ def greedy_tokens(model, tokenizer, module: GRPOModule) -> torch.Tensor:
         model,
         ids,
         mask,
+        SamplingSettings(
+            max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id
+        ),
         num_generations=1,
-        max_new_tokens=8,
         do_sample=False,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
     ).completion_ids  # [2, T]
 
 

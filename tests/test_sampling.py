@@ -17,6 +17,7 @@ from transformers import (
 from grpo_lightning.core.generation import sampling
 from grpo_lightning.core.generation.sampling import (
     InverseCDFSampler,
+    SamplingSettings,
     _token_logprobs_and_entropy,
     completion_logprobs,
     generate_completions,
@@ -125,10 +126,8 @@ def test_completion_mask_stops_after_first_eos(tiny_model_dir):
         model,
         enc["input_ids"],
         enc["attention_mask"],
+        SamplingSettings(max_new_tokens=5, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id),
         num_generations=4,
-        max_new_tokens=5,
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
     )
     assert rollout.completion_ids.shape[0] == 4
     n = rollout.completion_mask.sum(1)
@@ -174,11 +173,13 @@ def test_sampled_tokens_are_drawn_from_the_distribution_the_loss_scores(tiny_mod
         model,
         enc["input_ids"],
         enc["attention_mask"],
+        SamplingSettings(
+            max_new_tokens=12,
+            eos_token_ids=(tok.eos_token_id,),
+            pad_token_id=tok.pad_token_id,
+            temperature=0.7,
+        ),
         num_generations=4,
-        max_new_tokens=12,
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
-        temperature=0.7,
     )
     T = rollout.completion_ids.size(1)
     recorded = torch.stack(RecordingSampler.recorded, dim=1)[:, :T]  # [B, T] at sampling time
@@ -204,10 +205,8 @@ def test_token_frequencies_match_the_raw_policy(tiny_model_dir):
         model,
         enc["input_ids"],
         enc["attention_mask"],
+        SamplingSettings(max_new_tokens=1, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id),
         num_generations=4000,
-        max_new_tokens=1,
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
     )
     with torch.no_grad():
         probs = model(**enc).logits[0, -1].float().softmax(-1)  # [V] the raw policy
@@ -229,10 +228,8 @@ def test_greedy_decoding_takes_the_raw_policys_argmax(tiny_model_dir, lora):
         model,
         enc["input_ids"],
         enc["attention_mask"],
+        SamplingSettings(max_new_tokens=8, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id),
         num_generations=1,
-        max_new_tokens=8,
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
         do_sample=False,
     )
     T = rollout.completion_ids.size(1)

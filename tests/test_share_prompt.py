@@ -20,6 +20,7 @@ from transformers import (
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.sampling import (
     Rollout,
+    SamplingSettings,
     completion_logprobs,
     generate_completions,
     position_ids,
@@ -242,21 +243,25 @@ def test_generation_from_a_shared_prefill_draws_the_same_tokens(tiny_model_dir, 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).train()
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     G = 4
-    options = {
-        "num_generations": G,
-        "max_new_tokens": 12,
-        "eos_token_ids": [tok.eos_token_id],
-        "pad_token_id": tok.pad_token_id,
-        "temperature": 0.8,
-        "top_k": 50,
-    }
+    settings = SamplingSettings(
+        max_new_tokens=12,
+        eos_token_ids=(tok.eos_token_id,),
+        pad_token_id=tok.pad_token_id,
+        temperature=0.8,
+        top_k=50,
+    )
     rollouts = []
     for shared in (False, True):
         torch.manual_seed(3)
         cache = prefill_groups(model, enc["input_ids"], enc["attention_mask"], G) if shared else None
         rollouts.append(
             generate_completions(
-                model, enc["input_ids"], enc["attention_mask"], prompt_cache=cache, **options
+                model,
+                enc["input_ids"],
+                enc["attention_mask"],
+                settings,
+                num_generations=G,
+                prompt_cache=cache,
             )
         )
     unshared, shared = rollouts

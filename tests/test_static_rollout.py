@@ -75,8 +75,10 @@ def engine(share_prompt: bool = True, **options) -> StaticEngine:
 
 
 def eager_greedy(model, ids, mask, G: int = 2, **options):
-    settings = {**SAMPLING, "eos_token_ids": list(SAMPLING["eos_token_ids"]), **options}
-    return generate_completions(model, ids, mask, num_generations=G, do_sample=False, **settings)
+    settings = SamplingSettings(
+        **{**SAMPLING, **options, "eos_token_ids": tuple(options.get("eos_token_ids", (EOS,)))}
+    )
+    return generate_completions(model, ids, mask, settings, num_generations=G, do_sample=False)
 
 
 def train_steps(model, steps: int, on_step=None, seed: int = 0) -> None:
@@ -171,8 +173,8 @@ def test_token_frequencies_match_eager_sampling():
     for name in ("eager", "static"):
         torch.manual_seed(1 if name == "eager" else 2)
         if name == "eager":
-            settings = {**SAMPLING, "max_new_tokens": 3, "eos_token_ids": [EOS]}
-            rollout = generate_completions(model, ids, mask, num_generations=G, **settings)
+            settings = SamplingSettings(**{**SAMPLING, "max_new_tokens": 3})
+            rollout = generate_completions(model, ids, mask, settings, num_generations=G)
         else:
             rollout = engine(max_new_tokens=3).generate(model, ids, mask, num_generations=G)
         draws[name] = rollout.completion_ids  # [G, 3]

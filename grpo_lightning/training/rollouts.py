@@ -101,16 +101,8 @@ class PolicyRollouts:
         """The engine that generates the rollouts (`grpo.generation_backend`), in the trainer's precision."""
         cfg, policy = self.cfg, self.policy
         device = self.device or next(policy.parameters()).device
-        settings = SamplingSettings(
-            max_new_tokens=cfg.max_completion_length,
-            min_new_tokens=cfg.min_completion_length,
-            eos_token_ids=tuple(stop_token_ids(policy, self.tokenizer)),
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            share_prompt=self.shares_prompt,
-        )
+        eos, pad = stop_token_ids(policy, self.tokenizer), self.tokenizer.pad_token_id
+        settings = SamplingSettings.of(cfg, eos, pad, self.shares_prompt)
         self.engine_precision = self.precision
         # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
         # collective runs per token.

@@ -1,6 +1,7 @@
 """The rollout seam: prompts in, sampled completions and their log-probs out.
 
-- `SamplingSettings`: what every sampled token obeys (length bounds, stop ids, temperature, top-p/k).
+- `SamplingSettings` (`sampling.py`): what every sampled token obeys (length bounds, stop ids,
+  temperature, top-p/k).
 - `RolloutEngine`: how completions are generated from token ids (`EagerEngine`: Hugging Face `generate`
   with a dynamic KV cache). The trainer tells it when the weights change (`weights_changed`: an optimizer
   step, a checkpoint load); an engine that keeps its own inference copy of them (a static cache compiled
@@ -30,7 +31,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
+from grpo_lightning.core.generation.sampling import (
+    SamplingSettings,
+    completion_logprobs,
+    generate_completions,
+)
 from grpo_lightning.core.generation.shared_prompt import (
     group_completion_logprobs,
     prefill_groups,
@@ -39,20 +44,6 @@ from grpo_lightning.core.generation.shared_prompt import (
 from grpo_lightning.core.types import Rollout
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingSettings:
-    """What every sampled completion obeys (see `GRPOConfig` for the options they come from)."""
-
-    max_new_tokens: int  # completion budget, `GRPOConfig.max_completion_length`
-    min_new_tokens: int = 0  # EOS suppressed until this many new tokens
-    eos_token_ids: tuple[int, ...]  # any of them ends a completion (`stop_token_ids`)
-    pad_token_id: int  # fills the completions after their end
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
 
 
 class RolloutEngine(Protocol):
@@ -129,14 +120,8 @@ class EagerEngine(RolloutEngine):
             model,
             prompt_ids,  # [N, P]
             prompt_mask,  # [N, P]
+            s,
             num_generations=num_generations,
-            max_new_tokens=s.max_new_tokens,
-            min_new_tokens=s.min_new_tokens,
-            eos_token_ids=list(s.eos_token_ids),
-            pad_token_id=s.pad_token_id,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
             do_sample=do_sample,
             prompt_cache=prefill,
         )

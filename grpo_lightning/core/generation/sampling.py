@@ -6,8 +6,9 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,7 +26,39 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """What every sampled completion obeys, one object from the options to the draw: `of` reads them from
+    `GRPOConfig`, `generate_completions` and `sampling_processors` apply them."""
+
+    max_new_tokens: int  # completion budget, `GRPOConfig.max_completion_length`
+    min_new_tokens: int = 0  # EOS suppressed until this many new tokens
+    eos_token_ids: tuple[int, ...]  # any of them ends a completion (`stop_token_ids`)
+    pad_token_id: int  # fills the completions after their end
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
+
+    @classmethod
+    def of(
+        cls, cfg: GRPOConfig, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
+    ) -> SamplingSettings:
+        """The settings of `cfg`'s rollouts: its lengths, temperature, top-p and top-k."""
+        return cls(
+            max_new_tokens=cfg.max_completion_length,
+            min_new_tokens=cfg.min_completion_length,
+            eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=pad_token_id,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            share_prompt=share_prompt,
+        )
 
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -66,17 +99,17 @@ class InverseCDFSampler(LogitsProcessor):
 
 
 def sampling_processors(
-    temperature: float, top_p: float, top_k: int, drawn_logprobs: list[Tensor] | None = None
+    settings: SamplingSettings, drawn_logprobs: list[Tensor] | None = None
 ) -> LogitsProcessorList:
-    """Temperature, top-k and top-p warpers (those that change anything) followed by `InverseCDFSampler`
-    (which appends the drawn tokens' log-probs to `drawn_logprobs`, if given)."""
+    """The temperature, top-k and top-p warpers of `settings` (those that change anything) followed by
+    `InverseCDFSampler` (which appends the drawn tokens' log-probs to `drawn_logprobs`, if given)."""
     processors = LogitsProcessorList()
-    if temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(temperature))
-    if top_k > 0:
-        processors.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p))
+    if settings.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k > 0:
+        processors.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p < 1.0:
+        processors.append(TopPLogitsWarper(settings.top_p))
     processors.append(InverseCDFSampler(drawn_logprobs))
     return processors
 
@@ -114,20 +147,15 @@ def generate_completions(
     model: PreTrainedModel,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
+    settings: SamplingSettings,
     *,
     num_generations: int,
-    max_new_tokens: int,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_new_tokens: int = 0,
     do_sample: bool = True,
     prompt_cache: dict[str, Cache] | None = None,
     compile_config: CompileConfig | None = None,
 ) -> Rollout:
-    """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache.
+    """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache, as
+    `settings` say (the lengths, stop and pad ids, and the draw's temperature, top-k and top-p).
 
     Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
     `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
@@ -141,9 +169,10 @@ def generate_completions(
     """
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
+    eos_token_ids, pad_token_id = list(settings.eos_token_ids), settings.pad_token_id
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        min_new_tokens=settings.min_new_tokens,
         do_sample=False,
         eos_token_id=eos_token_ids,
         pad_token_id=pad_token_id,
@@ -152,7 +181,7 @@ def generate_completions(
         disable_compile=compile_config is None,
     )
     drawn: list[Tensor] = []  # [N*G] per decoding step
-    processors = sampling_processors(temperature, top_p, top_k, drawn) if do_sample else None
+    processors = sampling_processors(settings, drawn) if do_sample else None
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:

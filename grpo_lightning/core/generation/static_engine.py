@@ -506,16 +506,10 @@ class StaticEngine(RolloutEngine):
         if compiling and self._compile_config is None:
             self._compile_config = _compile_config(ids.device)
         call = {
+            "settings": settings,
             "num_generations": 1,  # the rows are repeated already
             "do_sample": do_sample,
             "prompt_cache": {cache_argument(twin): cache},
-            "max_new_tokens": settings.max_new_tokens,
-            "min_new_tokens": settings.min_new_tokens,
-            "eos_token_ids": list(settings.eos_token_ids),
-            "pad_token_id": settings.pad_token_id,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
-            "top_k": settings.top_k,
         }
         output = self._decode(twin, ids[prompt_of_row], mask[prompt_of_row], call, compiling, cache)
         completion_mask = output.completion_mask[:rows]  # [N*G, T] padding rows may have run longer
