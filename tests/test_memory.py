@@ -99,7 +99,7 @@ def test_static_engine_estimate_equals_its_copy_and_caches(tiny_model_dir, tied)
     )
     module = GRPOModule(LlamaForCausalLM(config), tokenizer, grpo=grpo)
     rollouts = module.rollouts
-    rollouts.engine = rollouts.build_engine(module.policy, torch.device("cpu"), "bf16-mixed")
+    rollouts.place(torch.device("cpu"), "bf16-mixed")  # as a bf16-mixed trainer places them
     rollout, _ = module.rollouts.sample(["3 + 4 =", "2 * 5 - 1 =", "7 ="], 2)
     module.rollouts.sample(["1 + 1 ="], 2)  # 2 rows: a view of the 6-row storage
     engine = rollouts.engine

@@ -217,7 +217,7 @@ def test_a_model_that_cannot_pack_falls_back_with_one_warning(tiny_model_dir):
         max_window_layers=0,
     )
     module = tiny_module(tiny_model_dir, num_generations=2)
-    module.policy = AutoModelForCausalLM.from_config(sliding)
+    module.policy = module.rollouts.policy = AutoModelForCausalLM.from_config(sliding)
     with pytest.warns(
         UserWarning, match="grpo.packed_sequences: its attention layers are not all full attention"
     ):
@@ -242,7 +242,7 @@ def one_step(model_dir: str, packed: bool):
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )
-    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)  # the rollout's two optimizer steps
     trainer.fit(module, data)
     assert module.rollouts.packs_sequences is packed
     return module, trainer.callback_metrics

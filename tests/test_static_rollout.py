@@ -516,7 +516,7 @@ def test_gsm8k_callback_samples_through_the_modules_engine(tiny_model_dir):
     )
     module = GRPOModule(tiny_model_dir, grpo=grpo)
     module.configure_model()
-    engine_ = module.rollouts.engine
+    engine_ = module.rollouts.current_engine()
     callback = GSM8KAccuracyCallback(source=GSM8K_DIR, split="holdout", num_problems=2, max_new_tokens=6)
     callback.setup(None, module, "fit")
     callback.evaluate(module)

@@ -321,8 +321,11 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
 
     def ours(option: str):
         head, *rest = option.split(".")
-        if head == "model":
-            return plain(functools.reduce(getattr, rest, cli.model))
+        if head == "model":  # the module's arguments, as its hyper-parameters hold them
+            value = cli.model.hparams[rest[0]]
+            for key in rest[1:]:
+                value = value[key] if isinstance(value, dict) else getattr(value, key)
+            return plain(value)
         if head == "data":
             return cli.datamodule.hparams[rest[0]]
         return functools.reduce(lambda ns, key: ns[key], option.split("."), cli.config)
