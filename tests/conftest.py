@@ -1,4 +1,5 @@
 import io
+import signal
 
 import pytest
 import torch
@@ -49,3 +50,11 @@ def no_audit(monkeypatch):
     from grpo_lightning.training.audit_callback import RewardAuditCallback
 
     monkeypatch.setattr(RewardAuditCallback, "on_fit_start", lambda self, trainer, pl_module: None)
+
+
+@pytest.fixture(autouse=True)
+def default_ctrl_c_handler():
+    """Each test starts with Python's own SIGINT handler: a handler left by an earlier test's in-process
+    run would otherwise take the Ctrl-C that the interrupt tests send."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield

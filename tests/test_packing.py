@@ -242,7 +242,8 @@ def one_step(model_dir: str, packed: bool):
     data = GSM8KDataModule(
         source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
     )
-    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)  # the rollout's two optimizer steps
+    # One rollout, two optimizer steps (num_iterations): the second scores a moved policy, so KL > 0.
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(module, data)
     assert module.rollouts.packs_sequences is packed
     return module, trainer.callback_metrics
