@@ -17,15 +17,16 @@ from tests.test_heldout import load_script
 COMPARE = load_script("compare_options", "benchmarks/compare_options.py")
 
 
-def fit_refused(module_dir: str, root, callbacks=(), match: str = "", **trainer) -> None:
-    """A fit with these callbacks and Trainer options must stop before any weights load, saying `match`."""
+def fit_refused(module_dir: str, root, callbacks=(), match: str = "", **trainer) -> tuple[bool, int]:
+    """A fit with these callbacks and Trainer options stops saying `match`; returns whether the policy's
+    weights were loaded and the trainer's step then (a check before the work leaves both untouched)."""
     module = tiny_module(module_dir, reward_funcs=[digit_reward], **trainer.pop("grpo", {}))
     trainer = quiet_trainer(
         default_root_dir=str(root), callbacks=list(callbacks), **{"max_steps": 1, **trainer}
     )
     with pytest.raises(ValueError, match=match):
         trainer.fit(module, GSM8KDataModule("arithmetic", None, batch_size=2, val_size=2))
-    assert module.policy is None and trainer.global_step == 0
+    return module.policy is not None, trainer.global_step
 
 
 def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
@@ -33,32 +34,32 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
 ):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
-    fit_refused(
+    assert fit_refused(
         tiny_model_dir,
         tmp_path,
         [ModelCheckpoint(dirpath=str(a_file / "ckpt"))],
         match=rf"ModelCheckpoint\(dirpath='{a_file}/ckpt'\): {a_file} is a file, not a folder",
         enable_checkpointing=True,
-    )
-    fit_refused(
+    ) == (False, 0)
+    assert fit_refused(
         tiny_model_dir,
         tmp_path,
         [ModelCheckpoint(monitor="val/acuracy")],
         match=r"ModelCheckpoint\(monitor='val/acuracy'\): GRPOModule never logs 'val/acuracy'; did you mean "
         r"'val/accuracy'\? it logs val/accuracy, val/accuracy_strict, ",
         enable_checkpointing=True,
-    )
-    fit_refused(
+    ) == (False, 0)
+    assert fit_refused(
         tiny_model_dir, tmp_path, [EarlyStopping("val_accuracy")], match="did you mean 'val/accuracy'"
-    )
-    fit_refused(
+    ) == (False, 0)
+    assert fit_refused(
         tiny_model_dir,
         tmp_path,
         match=r"model.grpo.lr_scheduler_type='linear' decays over the run, whose length is unknown",
         max_steps=-1,
         max_epochs=-1,
         grpo={"lr_scheduler_type": "linear"},
-    )
+    ) == (False, 0)
 
 
 @pytest.fixture(scope="module")
