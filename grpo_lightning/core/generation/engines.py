@@ -32,6 +32,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.generation.sampling import (
+    COMPACT_ABOVE_ROWS,
     SamplingSettings,
     completion_logprobs,
     generate_completions,
@@ -103,11 +104,16 @@ class EagerEngine(RolloutEngine):
 
     Samples the raw policy (`sampling.generate_completions`) under the caller's autocast; with
     `settings.share_prompt` each distinct prompt is prefilled once and its cache repeated to the group
-    (`shared_prompt.prefill_groups`).
+    (`shared_prompt.prefill_groups`). `compact_above_rows`: a call of more rows than this stops decoding its
+    finished rows once half have ended (`sampling.generate_completions`); None decodes every row until the
+    longest ends.
     """
 
-    def __init__(self, settings: SamplingSettings) -> None:
+    def __init__(
+        self, settings: SamplingSettings, compact_above_rows: int | None = COMPACT_ABOVE_ROWS
+    ) -> None:
         self.settings = settings
+        self.compact_above_rows = compact_above_rows
         self.last_speed: dict[str, float] = {}
 
     @torch.no_grad()
@@ -124,6 +130,7 @@ class EagerEngine(RolloutEngine):
             num_generations=num_generations,
             do_sample=do_sample,
             prompt_cache=prefill,
+            compact_above_rows=self.compact_above_rows,
         )
         self.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), time.perf_counter() - start)
         return rollout

@@ -21,6 +21,8 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -142,6 +144,51 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return sorted(i for i in ids if i is not None)
 
 
+COMPACT_ABOVE_ROWS = 8
+"""`generate_completions` drops the finished rows of a batch of more rows than this. On CPU a decoding step of
+SmolLM2-135M costs about the same for 2 to 8 rows and 40% more for 16 (BENCHMARKS.md, "Decoding"): below 8
+rows, dropping rows would save nothing that pays for restarting `generate`."""
+
+CacheRowSelect = Callable[[Cache, Tensor], Cache]  # (cache, rows to keep [b']) -> a cache of those rows
+
+
+def select_cache_rows(cache: Cache, rows: Tensor) -> Cache:
+    """`cache` with only its batch rows `rows` `[b']`, in that order (a dynamic cache, selected in place)."""
+    cache.batch_select_indices(rows)
+    return cache
+
+
+class HalfFinished(StoppingCriteria):
+    """Ends a `generate` call once at most half of its rows are still live (no end token yet), so that
+    `generate_completions` goes on with the live rows only. Its decision stays on the device: no host sync."""
+
+    def __init__(self, eos_token_ids: Tensor) -> None:
+        self.eos_token_ids = eos_token_ids  # [E]
+        self.ended: Tensor | None = None  # [b] rows that emitted an end token in this call
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
+        ended = torch.isin(input_ids[:, -1], self.eos_token_ids)  # [b] finished rows then get pad tokens
+        self.ended = ended if self.ended is None else self.ended | ended
+        live = (~self.ended).sum()
+        return ((2 * live <= ended.size(0)) & (live > 0)).expand_as(ended)  # [b] all rows alike
+
+
+def _drops_rows(model: PreTrainedModel) -> bool:
+    """Whether `generate`'s cache of `model` can lose batch rows between calls: a decoder whose attention
+    layers are all full attention (a cache of keys and values per row; linear-attention or Mamba states are
+    left alone)."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return not model.config.is_encoder_decoder and layer_types == {"full_attention"}
+
+
+def _returned_cache(output) -> tuple[str, Cache]:
+    """`generate`'s cache keyword and the cache it returned (`cache` in recent transformers,
+    `past_key_values` before)."""
+    name = "cache" if output.get("cache") is not None else "past_key_values"
+    return name, output[name]
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -153,59 +200,94 @@ def generate_completions(
     do_sample: bool = True,
     prompt_cache: dict[str, Cache] | None = None,
     compile_config: CompileConfig | None = None,
+    compact_above_rows: int | None = COMPACT_ABOVE_ROWS,
+    keep_cache_rows: CacheRowSelect = select_cache_rows,
 ) -> Rollout:
-    """Sample `num_generations` completions per prompt in one batched `generate` call with KV cache, as
+    """Sample `num_generations` completions per prompt with batched `generate` calls and a KV cache, as
     `settings` say (the lengths, stop and pad ids, and the draw's temperature, top-k and top-p).
 
     Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
     `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
     changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
     only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
+
+    Finished rows stop costing: a batch of more than `compact_above_rows` rows decodes until at most half
+    of them are live (`HalfFinished`), then the live rows go on alone, from `keep_cache_rows` of the cache
+    (a dynamic cache: `select_cache_rows`), with the length bounds less what they decoded; `generate` runs
+    their last token and continues, so no token is decoded twice or skipped, and each is drawn from the
+    same distribution as in one call. Each round's tokens and log-probs go back to their rows. None: one
+    `generate` call, every row decoded until the longest ends.
+
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
     token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes;
     or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
     step over a static cache; None never compiles. Sampled rollouts carry `sampler_logprobs`, each drawn
     token's log-prob under the distribution it was drawn from; greedy ones None.
     """
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N*G, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N*G, P]
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [B, P] B = N*G
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [B, P]
     eos_token_ids, pad_token_id = list(settings.eos_token_ids), settings.pad_token_id
-    config = GenerationConfig(
-        max_new_tokens=settings.max_new_tokens,
-        min_new_tokens=settings.min_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_ids,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-        compile_config=compile_config,
-        disable_compile=compile_config is None,
-    )
-    drawn: list[Tensor] = []  # [N*G] per decoding step
-    processors = sampling_processors(settings, drawn) if do_sample else None
+    eos = torch.tensor(eos_token_ids, device=prompt_ids.device)  # [E]
+    B, budget = prompt_ids.size(0), settings.max_new_tokens
+    tokens = prompt_ids.new_full((B, budget), pad_token_id)  # [B, T_max] each row's tokens, by column
+    drawn_logprobs = torch.zeros(B, budget, device=prompt_ids.device)  # [B, T_max]
+    all_drawn = do_sample  # every column has its draws' log-probs
+    compacting = compact_above_rows is not None and _drops_rows(model)
+    rows = torch.arange(B, device=prompt_ids.device)  # [b] the row of each row of this round's batch
+    ids, mask, cache = prompt_ids, prompt_mask, prompt_cache or {}  # [b, L] the batch's sequences so far
+    decoded = 0  # columns decoded so far
     was_training = model.training
     model.eval()  # no dropout while sampling, and gradient checkpointing would switch the KV cache off
     try:
         with raw_policy_generation(model, eos_token_ids, pad_token_id):
-            output = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                generation_config=config,
-                logits_processor=processors,
-                # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
-                # all-reduce per token, and a hang when ranks make different numbers of calls); our callers
-                # gather sharded weights first (`distributed.gathered_for_generation`), so no rank waits.
-                synced_gpus=False,
-                **(prompt_cache or {}),
-            )
+            while True:
+                drawn: list[Tensor] = []  # [b] per decoding step of this round
+                half_finished = HalfFinished(eos) if compacting and ids.size(0) > compact_above_rows else None
+                output = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=GenerationConfig(
+                        max_new_tokens=budget - decoded,
+                        min_new_tokens=max(0, settings.min_new_tokens - decoded),
+                        do_sample=False,
+                        eos_token_id=eos_token_ids,
+                        pad_token_id=pad_token_id,
+                        use_cache=True,
+                        return_dict_in_generate=True,
+                        compile_config=compile_config,
+                        disable_compile=compile_config is None,
+                    ),
+                    logits_processor=sampling_processors(settings, drawn) if do_sample else None,
+                    stopping_criteria=StoppingCriteriaList([half_finished] if half_finished else []),
+                    # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
+                    # all-reduce per token, and a hang when ranks make different numbers of calls); our
+                    # callers gather sharded weights first (`distributed.gathered_for_generation`).
+                    synced_gpus=False,
+                    **cache,
+                )
+                new = output.sequences[:, ids.size(1) :]  # [b, k]
+                k = new.size(1)
+                tokens[rows, decoded : decoded + k] = new
+                all_drawn = all_drawn and len(drawn) >= k  # one draw per generated column, in order
+                if all_drawn:
+                    drawn_logprobs[rows, decoded : decoded + k] = torch.stack(drawn[:k], dim=1)
+                decoded += k
+                live = ~torch.isin(new, eos).any(dim=1)  # [b] no end token yet
+                if half_finished is None or decoded >= budget or not bool(live.any()):
+                    break
+                keep = live.nonzero().squeeze(1)  # [b']
+                cache_name, returned = _returned_cache(output)
+                cache = {cache_name: keep_cache_rows(returned, keep)}
+                rows, ids = rows[keep], output.sequences[keep]  # [b'], [b', L + k]
+                mask = torch.cat([mask[keep], mask.new_ones(keep.size(0), k)], dim=1)  # [b', L + k]
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.size(1) :]  # [N*G, T]
+    completion_ids = tokens[:, :decoded]  # [B, T]
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
-    sampler_logprobs = None
-    if do_sample and len(drawn) >= completion_ids.size(1):  # one draw per generated column, in order
-        drawn_columns = torch.stack(drawn[: completion_ids.size(1)], dim=1)  # [N*G, T]
-        sampler_logprobs = drawn_columns.masked_fill(completion_mask == 0, 0.0)
+    sampler_logprobs = (
+        drawn_logprobs[:, :decoded].masked_fill(completion_mask == 0, 0.0) if all_drawn else None
+    )
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, sampler_logprobs)
 
 

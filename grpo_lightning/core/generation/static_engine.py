@@ -24,6 +24,11 @@ to happen once per run and keep holding, and reports when it does not (`compile_
   `share_prompt` each prompt's prefill runs once (`shared_prompt.prefill_groups`) and is copied into its
   G rows of the static cache. Every sampled rollout carries the log-prob of each token under the
   distribution it was drawn from (`Rollout.sampler_logprobs`), which the trainer compares with the loss's.
+- uncompiled, finished rows stop costing as on the eager path: once half of a call's rows have ended, the
+  live ones are copied to the storage's first rows and go on in the cache of their smaller bucket (a view
+  of those rows, `_keep_rows`). Compiled, rows stay in their power-of-two bucket until the call ends: each
+  smaller bucket would be one more graph to compile (and CUDA graphs to capture) inside a rollout, for a
+  step that costs about as much on a GPU for 8 rows as for 64.
 
 The copy samples from the policy the loss scores, by construction: it holds each weight as the scorer
 computes with it and runs under the same autocast (`InferenceCopy`), so on the same tokens, in one pass,
@@ -56,7 +61,7 @@ from transformers.cache_utils import StaticLayer
 
 from grpo_lightning.core.generation.compile_watch import CompileWatch
 from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
-from grpo_lightning.core.generation.sampling import generate_completions
+from grpo_lightning.core.generation.sampling import COMPACT_ABOVE_ROWS, generate_completions
 from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
 from grpo_lightning.core.types import Rollout
 
@@ -387,7 +392,9 @@ class StaticEngine(RolloutEngine):
     `max_prompt_tokens`: the longest prompt to expect; compiling, the cache is that long (plus
     `max_new_tokens`) from the first call, so that no longer prompt changes its shape (the decoding step's
     shapes are the cache's: a shorter prompt in it needs no new graph). `weights`: where the copy's weights
-    come from (`WeightSource`; default the policy's own tensors, unsharded).
+    come from (`WeightSource`; default the policy's own tensors, unsharded). `compact_above_rows`: uncompiled,
+    a call of more rows than this stops decoding its finished rows once half have ended
+    (`sampling.generate_completions`); None (and compiling) decodes every row until the longest ends.
     """
 
     def __init__(
@@ -399,8 +406,10 @@ class StaticEngine(RolloutEngine):
         prompt_bucket: int = 64,
         max_prompt_tokens: int | None = None,
         weights: WeightSource = own_weights,
+        compact_above_rows: int | None = COMPACT_ABOVE_ROWS,
     ) -> None:
         self.settings = settings
+        self.compact_above_rows = compact_above_rows
         self.precision = precision
         self.compile = compile
         self.prompt_bucket = prompt_bucket
@@ -510,6 +519,8 @@ class StaticEngine(RolloutEngine):
             "num_generations": 1,  # the rows are repeated already
             "do_sample": do_sample,
             "prompt_cache": {cache_argument(twin): cache},
+            "compact_above_rows": None if self.compile else self.compact_above_rows,
+            "keep_cache_rows": self._keep_rows,
         }
         output = self._decode(twin, ids[prompt_of_row], mask[prompt_of_row], call, compiling, cache)
         completion_mask = output.completion_mask[:rows]  # [N*G, T] padding rows may have run longer
@@ -547,6 +558,18 @@ class StaticEngine(RolloutEngine):
             self.compile_failed = f"dynamo's recompile limit ({limit}) was hit; decoding stays uncompiled"
             cache.reset()
             return self._decode(twin, ids, mask, call, False, cache)
+
+    def _keep_rows(self, cache: StaticCache, rows: Tensor) -> StaticCache:
+        """The cache of the live `rows` `[b']` of `cache`: their keys and values moved to the storage's first
+        rows, which the cache of `b'` rows views. No allocation: the storage shrinks in place."""
+        smaller, _ = self.caches.get(rows.size(0), self.caches.length, rows.device)
+        filled = int(cache.layers[0].cumulative_length)  # positions written so far, the same in every layer
+        for source, target in zip(cache.layers, smaller.layers, strict=True):
+            # The index gathers a copy first: rows moving down onto rows they overlap are read before written.
+            target.keys[:, :, :filled] = source.keys[rows, :, :filled]
+            target.values[:, :, :filled] = source.values[rows, :, :filled]
+            target.cumulative_length.copy_(source.cumulative_length)
+        return smaller
 
     def cache_shape(self, rows: int, prompt_width: int, max_new_tokens: int) -> tuple[int, int]:
         """The static cache's rows and length for `rows` sequences of `prompt_width` (bucketed) prompt tokens:
