@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.engines import LogProbScorer
-from grpo_lightning.core.generation.sampling import head_logprobs
+from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention
 from grpo_lightning.core.generation.shared_prompt import rows_share_prompts
 from grpo_lightning.core.types import Rollout
 
@@ -216,9 +216,8 @@ def packing_unsupported(model: nn.Module) -> str | None:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in PACKED_ATTENTION:
         return f"its attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+    if (reason := not_full_attention(model)) is not None:
+        return reason
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
         return f"{type(decoder).__name__}.forward takes no position ids"
     return None

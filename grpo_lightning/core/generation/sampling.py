@@ -173,13 +173,16 @@ class HalfFinished(StoppingCriteria):
         return ((2 * live <= ended.size(0)) & (live > 0)).expand_as(ended)  # [b] all rows alike
 
 
-def _drops_rows(model: PreTrainedModel) -> bool:
-    """Whether `generate`'s cache of `model` can lose batch rows between calls: a decoder whose attention
-    layers are all full attention (a cache of keys and values per row; linear-attention or Mamba states are
-    left alone)."""
+def not_full_attention(model: PreTrainedModel) -> str | None:
+    """Why some of `model`'s attention layers are not full attention (sliding-window, chunked, linear), or
+    None. Such a model's cache is not one key and value per token and row, nor its mask one causal mask:
+    sharing a prompt's cache, a static cache, packed rows and dropping rows between `generate` calls are
+    for full attention only."""
     config = model.config.get_text_config(decoder=True)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    return not model.config.is_encoder_decoder and layer_types == {"full_attention"}
+    if layer_types != {"full_attention"}:
+        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+    return None
 
 
 def _returned_cache(output) -> tuple[str, Cache]:
@@ -232,7 +235,8 @@ def generate_completions(
     tokens = prompt_ids.new_full((B, budget), pad_token_id)  # [B, T_max] each row's tokens, by column
     drawn_logprobs = torch.zeros(B, budget, device=prompt_ids.device)  # [B, T_max]
     all_drawn = do_sample  # every column has its draws' log-probs
-    compacting = compact_above_rows is not None and _drops_rows(model)
+    compacting = compact_above_rows is not None and not model.config.is_encoder_decoder
+    compacting = compacting and not_full_attention(model) is None  # a cache of keys and values per row
     rows = torch.arange(B, device=prompt_ids.device)  # [b] the row of each row of this round's batch
     ids, mask, cache = prompt_ids, prompt_mask, prompt_cache or {}  # [b, L] the batch's sequences so far
     decoded = 0  # columns decoded so far

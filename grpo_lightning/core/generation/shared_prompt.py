@@ -28,7 +28,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.sampling import head_logprobs, position_ids
+from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention, position_ids
 from grpo_lightning.core.types import Rollout
 
 
@@ -69,9 +69,8 @@ def sharing_unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot encode a group's prompt once, or None when it can."""
     if cache_argument(model) is None:
         return f"{type(model.get_decoder()).__name__}.forward takes no KV cache"
-    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+    if (reason := not_full_attention(model)) is not None:
+        return reason
     checkpointed = any(layer.gradient_checkpointing for layer in _checkpointable_layers(model.get_decoder()))
     if checkpointed and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
         # Older transformers drop the cache inside a checkpointed layer: completions would not see the prompt.

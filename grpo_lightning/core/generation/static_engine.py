@@ -61,7 +61,11 @@ from transformers.cache_utils import StaticLayer
 
 from grpo_lightning.core.generation.compile_watch import CompileWatch
 from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
-from grpo_lightning.core.generation.sampling import COMPACT_ABOVE_ROWS, generate_completions
+from grpo_lightning.core.generation.sampling import (
+    COMPACT_ABOVE_ROWS,
+    generate_completions,
+    not_full_attention,
+)
 from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
 from grpo_lightning.core.types import Rollout
 
@@ -142,14 +146,12 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
     from peft import LoraConfig, PeftModel
 
     inner = hf_model(model)
-    config = inner.config.get_text_config(decoder=True)
     if inner.config.is_encoder_decoder or cache_argument(model) is None:
         return f"{type(inner).__name__} is not a decoder-only model with a KV cache"
     if getattr(inner, "hf_quantizer", None) is not None:
         return "its base is quantized: the inference copy holds plain weights"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+    if (reason := not_full_attention(inner)) is not None:
+        return reason
     if isinstance(model, PeftModel):
         if len(model.active_adapters) != 1:
             return f"it has {len(model.active_adapters)} active adapters; the inference copy serves one"
