@@ -23,17 +23,18 @@ rows from the batch would save little of it.
 `--natural`: rows end where the model ends them, as in training. The demo's rollouts (the built-in
 arithmetic problems with the default system prompt, SmolLM2's chat template, `--generations` rows per
 prompt, temperature 0.5, up to `--new_tokens` tokens, no minimum), decoded by `eager` and `static` with
-finished rows dropped (`compact`: once half of a batch of more than 8 rows has ended, the live rows go on
-alone) and kept (`keep`: every row decodes until the longest ends). Each timed call samples the next
-prompts, with the same seed for every variant (the variants interleaved call by call); after the first
-compaction the draws differ, so the figures are per completion token as well as per call. Before each
-call the engine is told that the weights changed, as after an optimizer step: the static engine's time
-includes refreshing its copy. `rows / step`: the mean batch of the decoding forwards.
+finished rows dropped (`compact`: once at most `--live_share`, by default half, of a batch of more than 8
+rows is live, the live rows go on alone) and kept (`keep`: every row decodes until the longest ends).
+Each timed call samples the next prompts, with the same seed for every variant (the variants interleaved
+call by call); after the first compaction the draws differ, so the figures are per completion token as
+well as per call. Before each call the engine is told that the weights changed, as after an optimizer
+step: the static engine's time includes refreshing its copy. `rows / step`: the mean batch of the decoding
+forwards.
 
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 2
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 1 --generations 4 --prompts 2
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 2 --natural --generations 8 \
-        --calls 8
+        --calls 8 [--live_share 0.75]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from grpo_lightning.core.generation import sampling  # noqa: E402
 from grpo_lightning.core.generation.engines import EagerEngine, PromptEncoder  # noqa: E402
 from grpo_lightning.core.generation.sampling import SamplingSettings, stop_token_ids  # noqa: E402
 from grpo_lightning.core.generation.static_engine import StaticEngine  # noqa: E402
@@ -76,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--natural",
         action="store_true",
         help="rows end at EOS: finished rows dropped or kept (eager, static)",
+    )
+    parser.add_argument(
+        "--live_share",
+        type=float,
+        default=sampling.COMPACT_LIVE_SHARE,
+        help=f"--natural: drop finished rows once at most this share is live ({sampling.COMPACT_LIVE_SHARE})",
     )
     args = parser.parse_args(argv)
     args.engines = args.engines.split(",")
@@ -143,6 +151,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]
 def natural(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:
     """Per engine and `compact` / `keep`: totals over `--calls` timed calls of rows that end at EOS."""
     torch.set_num_threads(args.threads)
+    sampling.COMPACT_LIVE_SHARE = args.live_share  # what-if: another rule than the shipped one
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     G, count = args.generations[0], args.prompts
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.natural:
         args.engines = [name for name in args.engines if name in NATURAL]
-    kind = "up to" if args.natural else "exactly"
+    kind = f"live share {args.live_share}, up to" if args.natural else "exactly"
     print(
         f"{args.model}: {args.prompts} prompts x G in {args.generations}, {kind} {args.new_tokens} tokens, "
         f"{args.threads} threads, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"

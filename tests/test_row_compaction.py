@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.generation.engines import EagerEngine
-from grpo_lightning.core.generation.sampling import SamplingSettings, completion_logprobs
+from grpo_lightning.core.generation.sampling import COMPACT_LIVE_SHARE, SamplingSettings, completion_logprobs
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.offline.tiny import build_model
 
@@ -75,7 +75,7 @@ class ForwardRows:
 
 def expected_rows(completion_mask: torch.Tensor, truncated: torch.Tensor, above: int) -> list[int]:
     """The rows decoded for each completion column, as the rule says: a batch of more than `above` rows goes
-    on with its live rows once at most half of it is live, while tokens remain to decode."""
+    on with its live rows once at most `COMPACT_LIVE_SHARE` (half) of it is live, while tokens remain."""
     T = completion_mask.size(1)
     lengths = completion_mask.sum(1)  # [B]
     ends_at = torch.where(truncated, T, lengths - 1)  # [B] the column of each row's end token
@@ -83,7 +83,7 @@ def expected_rows(completion_mask: torch.Tensor, truncated: torch.Tensor, above:
     for t in range(T):
         rows.append(batch)
         live = int((ends_at > t).sum())  # rows without an end token after column t
-        if batch > above and 0 < 2 * live <= batch and t + 1 < BUDGET:
+        if batch > above and 0 < live <= int(COMPACT_LIVE_SHARE * batch) and t + 1 < BUDGET:
             batch = live
     return rows
 
@@ -151,7 +151,9 @@ def test_a_seed_gives_the_same_rollout():
     rollouts = []
     for kind in ("eager", "eager", "static"):
         engine = build_engine(kind, 4)
-        decoder_of(engine, model)  # the static engine's copy is built (random initial weights) before the seed
+        decoder_of(
+            engine, model
+        )  # the static engine's copy is built (random initial weights) before the seed
         torch.manual_seed(3)
         rollouts.append(engine.generate(model, ids, mask, num_generations=8))
     first, again, static = rollouts
@@ -176,9 +178,9 @@ def test_static_compaction_reuses_the_storage():
 
 def test_tokens_after_a_compaction_follow_the_scorers_distribution():
     """2000 rows of one prompt on a peaked model, whose likeliest first token ends a completion: most rows
-    end at the first token, the rest (about 730) decode on in a batch of their own. The second token of those rows
-    against the scorer's distribution given each row's first token (a chi-square goodness of fit over the
-    11 likeliest tokens and the rest); a different model's distribution is told apart."""
+    end at the first token, the rest (about 730) decode on in a batch of their own. The second token of
+    those rows against the scorer's distribution given each row's first token (a chi-square goodness of
+    fit over the 11 likeliest tokens and the rest); a different model's distribution is told apart."""
     model = tiny()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)  # one first token carries 63% of the mass

@@ -149,6 +149,10 @@ COMPACT_ABOVE_ROWS = 8
 SmolLM2-135M costs about the same for 2 to 8 rows and 40% more for 16 (BENCHMARKS.md, "Decoding"): below 8
 rows, dropping rows would save nothing that pays for restarting `generate`."""
 
+COMPACT_LIVE_SHARE = 0.5
+"""... and does so once at most this share of the batch is live (`RowsEnded`): each restart costs less than
+one decoding step, and halving the batch saves a good part of every later step."""
+
 CacheRowSelect = Callable[[Cache, Tensor], Cache]  # (cache, rows to keep [b']) -> a cache of those rows
 
 
@@ -158,19 +162,21 @@ def select_cache_rows(cache: Cache, rows: Tensor) -> Cache:
     return cache
 
 
-class HalfFinished(StoppingCriteria):
-    """Ends a `generate` call once at most half of its rows are still live (no end token yet), so that
-    `generate_completions` goes on with the live rows only. Its decision stays on the device: no host sync."""
+class RowsEnded(StoppingCriteria):
+    """Ends a `generate` call of `rows` rows once at most `max_live` of them are still live (no end token
+    yet), so that `generate_completions` goes on with the live rows only. Its decision stays on the device:
+    no host sync."""
 
-    def __init__(self, eos_token_ids: Tensor) -> None:
+    def __init__(self, eos_token_ids: Tensor, max_live: int) -> None:
         self.eos_token_ids = eos_token_ids  # [E]
+        self.max_live = max_live
         self.ended: Tensor | None = None  # [b] rows that emitted an end token in this call
 
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
         ended = torch.isin(input_ids[:, -1], self.eos_token_ids)  # [b] finished rows then get pad tokens
         self.ended = ended if self.ended is None else self.ended | ended
         live = (~self.ended).sum()
-        return ((2 * live <= ended.size(0)) & (live > 0)).expand_as(ended)  # [b] all rows alike
+        return ((live <= self.max_live) & (live > 0)).expand_as(ended)  # [b] all rows alike
 
 
 def not_full_attention(model: PreTrainedModel) -> str | None:
@@ -214,12 +220,12 @@ def generate_completions(
     changes the policy's distribution: the checkpoint's generation config contributes its EOS and pad ids
     only (`raw_policy_generation`), so the tokens are drawn from what `completion_logprobs` scores.
 
-    Finished rows stop costing: a batch of more than `compact_above_rows` rows decodes until at most half
-    of them are live (`HalfFinished`), then the live rows go on alone, from `keep_cache_rows` of the cache
-    (a dynamic cache: `select_cache_rows`), with the length bounds less what they decoded; `generate` runs
-    their last token and continues, so no token is decoded twice or skipped, and each is drawn from the
-    same distribution as in one call. Each round's tokens and log-probs go back to their rows. None: one
-    `generate` call, every row decoded until the longest ends.
+    Finished rows stop costing: a batch of more than `compact_above_rows` rows decodes until at most
+    `COMPACT_LIVE_SHARE` (half) of them are live (`RowsEnded`), then the live rows go on alone, from
+    `keep_cache_rows` of the cache (a dynamic cache: `select_cache_rows`), with the length bounds less what
+    they decoded; `generate` runs their last token and continues, so no token is decoded twice or skipped,
+    and each is drawn from the same distribution as in one call. Each round's tokens and log-probs go back
+    to their rows. None: one `generate` call, every row decoded until the longest ends.
 
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
     token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes;
@@ -246,7 +252,12 @@ def generate_completions(
         with raw_policy_generation(model, eos_token_ids, pad_token_id):
             while True:
                 drawn: list[Tensor] = []  # [b] per decoding step of this round
-                half_finished = HalfFinished(eos) if compacting and ids.size(0) > compact_above_rows else None
+                b = ids.size(0)
+                rows_ended = (
+                    RowsEnded(eos, int(COMPACT_LIVE_SHARE * b))
+                    if compacting and b > compact_above_rows
+                    else None
+                )
                 output = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -262,7 +273,7 @@ def generate_completions(
                         disable_compile=compile_config is None,
                     ),
                     logits_processor=sampling_processors(settings, drawn) if do_sample else None,
-                    stopping_criteria=StoppingCriteriaList([half_finished] if half_finished else []),
+                    stopping_criteria=StoppingCriteriaList([rows_ended] if rows_ended else []),
                     # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
                     # all-reduce per token, and a hang when ranks make different numbers of calls); our
                     # callers gather sharded weights first (`distributed.gathered_for_generation`).
@@ -277,7 +288,7 @@ def generate_completions(
                     drawn_logprobs[rows, decoded : decoded + k] = torch.stack(drawn[:k], dim=1)
                 decoded += k
                 live = ~torch.isin(new, eos).any(dim=1)  # [b] no end token yet
-                if half_finished is None or decoded >= budget or not bool(live.any()):
+                if rows_ended is None or decoded >= budget or not bool(live.any()):
                     break
                 keep = live.nonzero().squeeze(1)  # [b']
                 cache_name, returned = _returned_cache(output)
