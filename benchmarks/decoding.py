@@ -23,18 +23,18 @@ rows from the batch would save little of it.
 `--natural`: rows end where the model ends them, as in training. The demo's rollouts (the built-in
 arithmetic problems with the default system prompt, SmolLM2's chat template, `--generations` rows per
 prompt, temperature 0.5, up to `--new_tokens` tokens, no minimum), decoded by `eager` and `static` with
-finished rows dropped (`compact`: once at most `--live_share`, by default half, of a batch of more than 8
-rows is live, the live rows go on alone) and kept (`keep`: every row decodes until the longest ends).
-Each timed call samples the next prompts, with the same seed for every variant (the variants interleaved
-call by call); after the first compaction the draws differ, so the figures are per completion token as
-well as per call. Before each call the engine is told that the weights changed, as after an optimizer
-step: the static engine's time includes refreshing its copy. `rows / step`: the mean batch of the decoding
-forwards.
+finished rows dropped (`compact S`: once at most a share S of a batch of more than 8 rows is live, the
+live rows go on alone; `--live_share`, by default the shipped half, takes several) and kept (`keep`:
+every row decodes until the longest ends). Each timed call samples the next prompts, with the same seed
+for every variant (the variants interleaved call by call); after the first compaction the draws differ,
+so the figures are per completion token as well as per call. Before each call the engine is told that
+the weights changed, as after an optimizer step: the static engine's time includes refreshing its copy.
+`rows / step`: the mean batch of the decoding forwards.
 
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 2
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 1 --generations 4 --prompts 2
     python benchmarks/decoding.py --model models/smollm2-135m-instruct --threads 2 --natural --generations 8 \
-        --calls 8 [--live_share 0.75]
+        --calls 8 [--live_share 0.5,0.75]
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--live_share",
-        type=float,
-        default=sampling.COMPACT_LIVE_SHARE,
-        help=f"--natural: drop finished rows once at most this share is live ({sampling.COMPACT_LIVE_SHARE})",
+        default=str(sampling.COMPACT_LIVE_SHARE),
+        help=f"--natural: drop finished rows once at most this share is live, or several: 0.5,0.75 "
+        f"({sampling.COMPACT_LIVE_SHARE})",
     )
     args = parser.parse_args(argv)
     args.engines = args.engines.split(",")
@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
     args.generations = [int(g) for g in args.generations.split(",")]
+    args.live_share = [float(share) for share in args.live_share.split(",")]
     return args
 
 
@@ -149,9 +150,8 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]
 
 
 def natural(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]:
-    """Per engine and `compact` / `keep`: totals over `--calls` timed calls of rows that end at EOS."""
+    """Per engine and `compact S` / `keep`: totals over `--calls` timed calls of rows that end at EOS."""
     torch.set_num_threads(args.threads)
-    sampling.COMPACT_LIVE_SHARE = args.live_share  # what-if: another rule than the shipped one
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     G, count = args.generations[0], args.prompts
@@ -172,8 +172,8 @@ def natural(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]
     )
     variants = {}
     for name in args.engines:
-        for rows in ("compact", "keep"):
-            above = {} if rows == "compact" else {"compact_above_rows": None}
+        for rows in [*(f"compact {share}" for share in args.live_share), "keep"]:
+            above = {"compact_above_rows": None} if rows == "keep" else {}
             variants[name, rows] = (
                 EagerEngine(settings, **above) if name == "eager" else StaticEngine(settings, **above)
             )
@@ -191,6 +191,8 @@ def natural(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]
     for call, (ids, mask) in enumerate(batches):
         for key, engine in variants.items():
             current[:] = [key]
+            if key[1] != "keep":  # what-if: another share than the shipped one
+                sampling.COMPACT_LIVE_SHARE = float(key[1].split()[1])
             torch.manual_seed(call)
             engine.weights_changed()  # as after each optimizer step: the static engine refreshes its copy
             start, cpu = time.perf_counter(), time.process_time()
@@ -198,7 +200,7 @@ def natural(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]
             seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
             if call == 0:  # the warm-up; the static engine's copy exists from here on
                 decoder = model if key[0] == "eager" else engine.copy.model
-                if key[1] == "compact" or key[0] != "eager":
+                if key[1] == f"compact {args.live_share[0]}" or key[0] != "eager":
                     decoder.get_decoder().register_forward_pre_hook(count_rows, with_kwargs=True)
                 row_steps[key] = 0
                 continue
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.natural:
         args.engines = [name for name in args.engines if name in NATURAL]
-    kind = f"live share {args.live_share}, up to" if args.natural else "exactly"
+    kind = "up to" if args.natural else "exactly"
     print(
         f"{args.model}: {args.prompts} prompts x G in {args.generations}, {kind} {args.new_tokens} tokens, "
         f"{args.threads} threads, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"
