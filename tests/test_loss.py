@@ -15,7 +15,7 @@ LEVELS = ("token", "sequence")
 MAX_LEN = 8  # max_completion_length used for dr_grpo throughout
 
 
-def _options(loss_type: str, **kwargs) -> dict:
+def loss_options(loss_type: str, **kwargs) -> dict:
     """grpo_loss keyword options; cispo gets a raw ratio bound for epsilon_high, as in TRL."""
     options = {"loss_type": loss_type, "max_completion_length": MAX_LEN}
     if loss_type == "cispo":
@@ -23,7 +23,7 @@ def _options(loss_type: str, **kwargs) -> dict:
     return options | kwargs
 
 
-def _batch(seed: int = 0, batch: int = 4, length: int = 5, dtype: torch.dtype = torch.float64) -> dict:
+def random_batch(seed: int = 0, batch: int = 4, length: int = 5, dtype: torch.dtype = torch.float64) -> dict:
     """Random tensors with ratios spread well beyond the clip range and uneven completion lengths."""
     gen = torch.Generator().manual_seed(seed)
     logprobs = -torch.rand(batch, length, generator=gen, dtype=dtype) * 3  # [B, T]
@@ -104,7 +104,7 @@ def _reference_loss(
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_penalty_formula(estimator: str) -> None:
-    data = _batch(2)
+    data = random_batch(2)
     kl = kl_penalty(data["logprobs"], data["ref_logprobs"], estimator)
     expected = [
         [_kl_reference(lp, ref, estimator) for lp, ref in zip(lp_row, ref_row, strict=True)]
@@ -148,7 +148,7 @@ HAND = {
     ],
 )
 def test_clipped_loss_hand_values(loss_type: str, delta: float | None, expected: float) -> None:
-    loss, stats = grpo_loss(**HAND, **_options(loss_type, delta=delta))
+    loss, stats = grpo_loss(**HAND, **loss_options(loss_type, delta=delta))
     torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.2))
     torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.2))
@@ -256,8 +256,8 @@ CONFIGS = [
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_reference(loss_type: str, level: str, config: dict) -> None:
-    data = _batch(3)
-    options = _options(loss_type, importance_sampling_level=level, **config)
+    data = random_batch(3)
+    options = loss_options(loss_type, importance_sampling_level=level, **config)
     loss, stats = grpo_loss(**data, **options)
     torch.testing.assert_close(loss, torch.tensor(_reference_loss(**data, **options), dtype=torch.float64))
     mask = data["mask"]
@@ -267,7 +267,7 @@ def test_matches_reference(loss_type: str, level: str, config: dict) -> None:
 
 
 def test_advantages_per_token_match_reference() -> None:
-    data = _batch(4)
+    data = random_batch(4)
     data["advantages"] = torch.randn(data["logprobs"].shape, generator=torch.Generator().manual_seed(5))
     data["advantages"] = data["advantages"].double()
     for level in LEVELS:
@@ -277,7 +277,7 @@ def test_advantages_per_token_match_reference() -> None:
 
 
 def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
-    data = _batch(6)
+    data = random_batch(6)
     mask = data["mask"]
     base, _ = grpo_loss(**data, loss_type="dapo")
     for estimator in ("k2", "k3"):
@@ -306,4 +306,4 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
 )
 def test_grpo_loss_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        grpo_loss(**(_batch(0) | kwargs))
+        grpo_loss(**(random_batch(0) | kwargs))

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss
-from tests.test_loss import LEVELS, LOSS_TYPES, _batch, _options
+from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_padding_invariance(loss_type: str, level: str) -> None:
-    data = _batch(8)
+    data = random_batch(8)
     gen = torch.Generator().manual_seed(9)
     extra = 3
     padded = {
@@ -27,7 +27,7 @@ def test_padding_invariance(loss_type: str, level: str) -> None:
     padded["mask"] = torch.cat([data["mask"], torch.zeros(data["mask"].shape[0], extra, dtype=torch.bool)], 1)
     padded["logprobs"][:, -1] = -torch.inf  # padding may hold anything, even -inf
     padded["advantages"] = data["advantages"]
-    options = _options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
+    options = loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
 
     logprobs = data["logprobs"].clone().requires_grad_()
     loss, stats = grpo_loss(**(data | {"logprobs": logprobs}), **options)
@@ -48,13 +48,13 @@ def test_padding_invariance(loss_type: str, level: str) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_zero_variance_group_gives_zero_gradient(loss_type: str, level: str) -> None:
-    data = _batch(10, batch=6)
+    data = random_batch(10, batch=6)
     data["advantages"] = group_advantages(
         torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5], dtype=torch.float64), 3
     )
     logprobs = data["logprobs"].clone().requires_grad_()
     loss, stats = grpo_loss(
-        **(data | {"logprobs": logprobs}), **_options(loss_type, importance_sampling_level=level)
+        **(data | {"logprobs": logprobs}), **loss_options(loss_type, importance_sampling_level=level)
     )
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(value) for value in stats.values())
@@ -65,9 +65,9 @@ def test_zero_variance_group_gives_zero_gradient(loss_type: str, level: str) -> 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_sum_to_full_batch(loss_type: str, level: str) -> None:
-    data = _batch(11, batch=6, length=6)
+    data = random_batch(11, batch=6, length=6)
     data["mask"][3] = False  # an empty completion must not break the totals
-    options = _options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
+    options = loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
 
     logprobs = data["logprobs"].clone().requires_grad_()
     full_loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
@@ -90,10 +90,12 @@ def test_micro_batches_sum_to_full_batch(loss_type: str, level: str) -> None:
 
 
 def test_all_zero_mask_gives_zero_loss() -> None:
-    data = _batch(12) | {"mask": torch.zeros(4, 5, dtype=torch.bool)}
+    data = random_batch(12) | {"mask": torch.zeros(4, 5, dtype=torch.bool)}
     for loss_type in LOSS_TYPES:
         for level in LEVELS:
-            loss, stats = grpo_loss(**data, **_options(loss_type, importance_sampling_level=level, beta=0.1))
+            loss, stats = grpo_loss(
+                **data, **loss_options(loss_type, importance_sampling_level=level, beta=0.1)
+            )
             assert loss == 0
             assert all(torch.isfinite(value) for value in stats.values())
 
@@ -122,7 +124,7 @@ def test_loss_finite_for_finite_inputs(
         old_logprobs=tensor(-1e4, 0.0),
         ref_logprobs=tensor(-1e4, 0.0),
         entropies=tensor(0.0, 20.0),
-        **_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01, delta=2.0),
+        **loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01, delta=2.0),
     )
     loss.backward()
     assert torch.isfinite(loss)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_lightning.core.algorithm.loss import grpo_loss
-from tests.test_loss import LEVELS, LOSS_TYPES, _batch, _options
+from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 
 def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
@@ -65,8 +65,8 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | None) -> None:
-    data = _batch(7, batch=6, length=7)
-    options = _options(
+    data = random_batch(7, batch=6, length=7)
+    options = loss_options(
         loss_type,
         importance_sampling_level=level,
         beta=beta,
