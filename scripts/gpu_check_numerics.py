@@ -1,4 +1,4 @@
-"""Numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
+"""The GPU check's numerics (each prints PASS or FAIL with its numbers; any FAIL exits with status 1):
 - on-policy, sampled by the eager path and by the static engine: float32 weights under bf16 autocast (the
   static engine samples from its copy, bf16 linear weights under the same autocast), a checkpoint
   generation config as Qwen2.5-Instruct's (repetition penalty 1.1, top-k 20, top-p 0.8, temperature 0.7)

@@ -1,7 +1,7 @@
-"""Rollouts: the rollout engines side by side on one workload (issue 20's: 8 prompts x 8 completions, 150
+"""The GPU check's rollouts: the rollout engines side by side on one workload (8 prompts x 8 completions, 150
 prompt tokens, exactly 256 new tokens, bf16, random weights of Qwen2.5-0.5B and -1.5B shapes, and the 0.5B
 shape with LoRA r=16): "eager" (`generate` with a dynamic cache on the model itself, the module's eager
-path) and "compiled" (`static_rollout.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
+path) and "compiled" (`static_engine.StaticEngine`: static cache, compiled decoding step, CUDA graphs;
 "static" is the same uncompiled; both with the copy as the trainer builds it under `bf16-mixed`). Per row:
 warm-up seconds (the first call, compilation included), completion tokens per second over the next calls
 (each after an in-place weight refresh, as after an optimizer step), milliseconds per decoding step (wall,

@@ -1,6 +1,6 @@
-"""Throughput: per run, the mean over the steps after the first (warm-up) of the step-time split (generate /
-reference log-probs / the rest, which is the policy's forward-backward and the optimizer step), completion
-tokens per second, and peak memory.
+"""The GPU check's throughput, bf16 FSDP2 (world size 1) and LoRA: per run, the mean over the steps after the
+first (warm-up) of the step-time split (generate / reference log-probs / the rest, which is the policy's
+forward-backward and the optimizer step), completion tokens per second, and peak memory.
 """
 
 from __future__ import annotations
