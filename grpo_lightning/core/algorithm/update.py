@@ -33,8 +33,13 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss, kl_in_reward
-from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.loss import (
+    group_advantages,
+    grpo_loss,
+    kl_in_reward,
+    logprob_gap_stats,
+    truncated_importance_weights,
+)
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
