@@ -16,7 +16,8 @@ References:
     - KL in the reward (``kl_in_reward``): verl's ``algorithm.use_kl_in_reward`` (``apply_kl_penalty``).
     - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
     - Truncated importance sampling of the sampler (``importance_weights``): Yao et al. 2025, "Your
-      efficient RL framework secretly brings you off-policy RL training" (``sampler_correction.py``).
+      efficient RL framework secretly brings you off-policy RL training" (``truncated_importance_weights``,
+      below).
 """
 
 import math
