@@ -22,9 +22,8 @@ import argparse
 import functools
 import math
 
-import lightning as L
 import torch
-from gpu_check_shared import ROLLOUT_SHAPES, Check
+from gpu_check_shared import ROLLOUT_SHAPES, Check, quiet_trainer
 from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.config import GRPOConfig
@@ -181,18 +180,7 @@ def check_weights_move(shape: dict, tokenizer, device: str) -> list[Check]:
             ),
         )
         before = {n: p.detach().clone() for n, p in model.named_parameters() if "embed_tokens" not in n}
-        trainer = L.Trainer(
-            accelerator="cpu" if device == "cpu" else "gpu",
-            devices=1,
-            precision=precision,
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-        )
+        trainer = quiet_trainer(device != "cpu", precision=precision, max_steps=2)
         data = GSM8KDataModule(source="arithmetic", batch_size=2, val_size=8, arithmetic_size=200)
         trainer.fit(module, data)
         after = dict(module.policy.named_parameters())

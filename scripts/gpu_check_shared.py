@@ -1,5 +1,5 @@
-"""What the GPU check's parts share: the random models' shapes, the clock after the device finished,
-peak memory, and a check's PASS/FAIL record."""
+"""What the GPU check's parts share: the random models' shapes, a quiet one-device Trainer, the clock
+after the device finished, peak memory, and a check's PASS/FAIL record."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import resource
 import time
 from dataclasses import dataclass
 
+import lightning as L
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -63,6 +64,21 @@ ROLLOUT_SHAPES = {
         },
     ),
 }
+
+
+def quiet_trainer(gpu: bool, **kwargs) -> L.Trainer:
+    """A Trainer on one GPU (or the CPU) that logs, checkpoints, validates and prints nothing."""
+    return L.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def now(device: str) -> float:

@@ -9,9 +9,8 @@ import argparse
 import gc
 from dataclasses import dataclass
 
-import lightning as L
 import torch
-from gpu_check_shared import now, peak_memory_gib
+from gpu_check_shared import now, peak_memory_gib, quiet_trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from grpo_lightning.core.config import GRPOConfig
@@ -102,19 +101,7 @@ def run(name: str, args: argparse.Namespace, shape: dict, tokenizer, lora: bool)
         precision = "bf16-mixed"
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(gpu, strategy=strategy, precision=precision, max_steps=args.steps)
     data = GSM8KDataModule(source="arithmetic", batch_size=args.batch_size, val_size=8, arithmetic_size=200)
     trainer.fit(module, data)
     measured = module.times[1:] or module.times  # the first step warms up kernels and allocators
