@@ -15,8 +15,8 @@ from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.helpers import digit_reward, quiet_trainer
-from tests.test_static_rollout import assert_copy_holds, eager_greedy, sliding_window_model
+from tests.helpers import digit_reward, quiet_trainer, sliding_window_model
+from tests.test_static_rollout import assert_copy_holds, eager_greedy
 
 
 def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):

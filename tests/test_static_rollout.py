@@ -15,13 +15,13 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
 from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, static_unsupported
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.offline.tiny import build_model
+from tests.helpers import sliding_window_model
 
 VOCAB, EOS, PAD = 300, 2, 0
 SAMPLING = {
@@ -323,18 +323,10 @@ def test_fast_path_degradations_are_counted_and_warned_once(recwarn):
 
 
 # ----------------------------------------------------------------------------------------- unsupported models
-def sliding_window_model(vocab: int = VOCAB) -> torch.nn.Module:
-    """A Qwen2 whose second layer attends over a sliding window of 4 tokens."""
-    layers = ["full_attention", "sliding_attention"]
-    window = {"use_sliding_window": True, "sliding_window": 4, "layer_types": layers}
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_hidden_layers=2, **sizes, **window))
-
-
 def test_unsupported_models_say_why():
     assert static_unsupported(tiny()) is None
     assert static_unsupported(apply_lora(tiny(), LoraOptions(r=4))) is None
-    assert "not all full attention" in static_unsupported(sliding_window_model())
+    assert "not all full attention" in static_unsupported(sliding_window_model(VOCAB))
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(tiny(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
