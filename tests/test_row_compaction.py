@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.sampling import COMPACT_LIVE_SHARE, SamplingSettings, completion_logprobs
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.offline.tiny import build_model
+from tests.helpers import sliding_window_model
 
 VOCAB, PAD = 300, 0
 ENDS = tuple(range(3, VOCAB, 8))  # an eighth of the vocabulary ends a completion: lengths spread over 1-16
@@ -219,13 +219,7 @@ def test_tokens_after_a_compaction_follow_the_scorers_distribution():
 def test_models_with_other_attention_layers_decode_every_row():
     """A model with a sliding-window layer keeps every row in one `generate` call (its cache is left as
     `generate` made it), and still samples what it scores."""
-    window = {
-        "use_sliding_window": True,
-        "sliding_window": 4,
-        "layer_types": ["full_attention", "sliding_attention"],
-    }
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, num_hidden_layers=2, **sizes, **window)).eval()
+    model = sliding_window_model(VOCAB).eval()
     ids, mask = prompts(4)
     torch.manual_seed(0)
     with ForwardRows(model.get_decoder()) as forwards:

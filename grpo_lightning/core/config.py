@@ -272,9 +272,16 @@ class GRPOConfig:
     in the pre-flight's memory estimate, and a compile warm-up (tens of seconds) per batch shape. Logs
     `rollout/tokens_per_second`, `rollout/ms_per_decoding_step` and what compiling did
     (`rollout/recompiles`, `rollout/cudagraph_skips`, ...; a warning names the cause once if the fast path
-    degrades). "auto": "static" on CUDA, "eager" elsewhere. A model the static path cannot serve
-    (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
-    warning.
+    degrades). Both paths stop decoding finished rows: once at most half of a batch of more than 8 rows is
+    live, the live rows go on alone, with the same sampling (`sampling.generate_completions`,
+    tests/test_row_compaction.py); a compiled step keeps its rows in their bucket (one graph per bucket).
+    "auto": "static" on CUDA, compiled; "eager" elsewhere, never compiled. Measured on a 2-core CPU with
+    SmolLM2-135M-Instruct in float32, 2 threads (BENCHMARKS.md, "Decoding"; `python benchmarks/decoding.py
+    --model models/smollm2-135m-instruct --threads 2 --calls 2 --generations 1,4,8`, 2026-12-01, quiet):
+    compiling took 27-32 s per batch shape and then decoded no faster (70-106 ms per step against eager's
+    72-102), and the uncompiled static path was 5-10% slower than eager for 2 to 8 rows, 13% faster for 16;
+    AUTO_NATURAL_PLACEHOLDER A model the static path cannot serve (sliding-window or linear-attention layers,
+    a quantized base, DoRA) falls back to "eager" with one warning.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
