@@ -18,7 +18,8 @@ def pytest_configure(config) -> None:
     the processes its tests start) uses its share, not every core (threads beyond the cores only wait)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
