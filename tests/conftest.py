@@ -8,6 +8,7 @@ import torch
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from grpo_lightning.offline.tiny import save_tiny
 from tests.helpers import gsm8k_rows
+from tests.two_ranks import FILES as TWO_RANK_FILES
 from tests.two_ranks import launch_two_rank_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,25 +25,28 @@ def pytest_configure(config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-# Session fixtures costlier than a test (a real model's export, a launch of 2 processes): under pytest-xdist,
-# the tests that use one go to one worker, so that it is made once, not once per worker.
-SHARED_ONCE = ("smollm2_dir", "two_rank_runs")
+# Test files sharing a session fixture too costly to make twice (a launch of 2 processes, a real model's
+# export): under pytest-xdist, each group runs on one worker.
+SHARED_FIXTURE_FILES = {
+    **{f"tests/{name}.py": "two_rank_runs" for name in TWO_RANK_FILES},
+    "tests/test_credit.py": "smollm2_dir",
+    "tests/test_real_model.py": "smollm2_dir",
+}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup`: tests that share a fixture of `SHARED_ONCE`, or a
-    module- or class-scoped one (a training run that several tests check), run on the same worker. A test
-    file can also name its group itself (`pytestmark = pytest.mark.xdist_group(...)`)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        shared = [name for name in SHARED_ONCE if name in item.fixturenames]
-        fixtures = item._fixtureinfo.name2fixturedefs.values()
-        if not shared and any(defs[-1].scope in ("module", "class") for defs in fixtures):
-            shared = [item.nodeid.split("::")[0]]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's work units: a test file's tests go to one worker (its module-scoped fixtures, a run
+    that several tests check, are made once), and the files of a group of `SHARED_FIXTURE_FILES` too.
+    (`--dist loadgroup` does not group on pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_FIXTURE_FILES.get(path, path)
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

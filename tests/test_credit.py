@@ -14,7 +14,6 @@ from tests.test_dynamic_sampling import StepSpy, fit_on_rows, tiny_module
 
 TEXT = "Tom has 3 + 4 = 8 apples. Then 8 × 2 = 16 €.\n#### 16"  # one wrong step, "3 + 4 = 8"
 UNICODE = "Émile: 5 × 3 = 16 😀 ok"  # a wrong step with a 2-byte operator, then a 4-byte character
-pytestmark = pytest.mark.xdist_group("smollm2_dir")  # with test_real_model.py: one export of SmolLM2
 
 
 @pytest.fixture(scope="module", params=["smollm2", "tiny"])
