@@ -434,7 +434,8 @@ def test_gpu_check_script_runs_on_cpu():
     """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish, and the
     rollout comparison's engines each write the workload's tokens."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
-    env = {**os.environ, "PYTHON": sys.executable}  # this interpreter, whatever the checkout's venv
+    # This interpreter, whatever the checkout's venv; a rendezvous of its own, as in `launch`.
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV} | {"PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=300, env=env
     )
