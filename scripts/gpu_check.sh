@@ -8,7 +8,7 @@
 # Offline; the throughput part took 122 s on one H200 (before the static rollouts), the rest is not yet
 # measured there.
 #   bash scripts/gpu_check.sh                   # GPU, all three parts
-#   bash scripts/gpu_check.sh --only rollouts   # GPU, the rollout comparison alone (issue 20's table)
+#   bash scripts/gpu_check.sh --only rollouts   # GPU, the rollout comparison alone
 #   bash scripts/gpu_check.sh --only numerics   # GPU, the numeric checks alone
 #   bash scripts/gpu_check.sh --cpu --tiny      # CPU smoke run, seconds
 set -euo pipefail

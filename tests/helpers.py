@@ -1,5 +1,6 @@
 """What several test files share: the GSM8K rows, dense rewards for random-weight models, a quiet CPU
-Trainer, a small GRPO module on the tiny model, and the CLI's one-line errors."""
+Trainer, a small GRPO module on the tiny model, a model that is not all full attention, and the CLI's
+one-line errors."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 
 import lightning as L
 import pytest
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.cli import main
 from grpo_lightning.core.config import GRPOConfig
@@ -56,6 +58,15 @@ def tiny_module(
     grpo_config = GRPOConfig(**{**options, **grpo})
     funcs = None if reward_funcs is None else list(reward_funcs)
     return cls(path, reward_funcs=funcs, grpo=grpo_config, **(module_options or {}))
+
+
+def sliding_window_model(vocab: int) -> PreTrainedModel:
+    """A 2-layer Qwen2 whose second layer attends over a sliding window of 4 tokens: what the static engine,
+    shared prompts and packed passes cannot serve."""
+    layers = ["full_attention", "sliding_attention"]
+    window = {"use_sliding_window": True, "sliding_window": 4, "layer_types": layers}
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_hidden_layers=2, **sizes, **window))
 
 
 def cli_error(args: list[str], capsys) -> str:

@@ -1,6 +1,6 @@
 """Numerical safety of the training step: non-finite steps are skipped and counted, empty masks give a
 finite zero, bf16 models get float32 log-probs and loss. (The loss's own guards and its hypothesis
-properties are in test_loss.py.)"""
+properties are in test_loss.py and test_loss_properties.py.)"""
 
 import math
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from grpo_lightning.core.algorithm.update import (
     MicroBatchSums,
@@ -27,7 +27,7 @@ from grpo_lightning.core.generation.packing import (
 from grpo_lightning.core.generation.sampling import completion_logprobs
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.data import GSM8KDataModule
-from tests.helpers import length_reward, quiet_trainer, tiny_module
+from tests.helpers import length_reward, quiet_trainer, sliding_window_model, tiny_module
 from tests.test_share_prompt import PlainSGD, float64_norms, grads, load_tiny, make_rollout
 from tests.test_token_budget import float64_trajectory
 
@@ -206,19 +206,8 @@ def test_a_model_that_cannot_pack_falls_back_with_one_warning(tiny_model_dir):
     flash = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     flash.config._attn_implementation = "flash_attention_2"  # its mask format; nothing runs here
     assert "'flash_attention_2' takes no 4-D mask" in packing_unsupported(flash)
-    sliding = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-    )
     module = tiny_module(tiny_model_dir, num_generations=2)
-    module.policy = module.rollouts.policy = AutoModelForCausalLM.from_config(sliding)
+    module.policy = module.rollouts.policy = sliding_window_model(len(tok))
     with pytest.warns(
         UserWarning, match="grpo.packed_sequences: its attention layers are not all full attention"
     ):

@@ -12,7 +12,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.test_resume import length_reward
+from tests.helpers import length_reward, quiet_trainer
 
 ALPHA = 0.3
 
@@ -93,14 +93,10 @@ def fit(model_dir: str, max_steps: int, root: str, ckpt_path: str | None = None,
     callbacks = [snapshots]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=max_steps, save_top_k=-1))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=max_steps,
         limit_val_batches=0,
-        logger=False,
         enable_checkpointing=save,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         default_root_dir=root,
     )

@@ -19,7 +19,7 @@ from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import INTERRUPT_FILENAME, ResumableSampler
-from tests.helpers import length_reward
+from tests.helpers import length_reward, quiet_trainer
 
 M = 2  # steps after the resume
 BATCHES_PER_EPOCH = 3  # train_size=6, batch_size=2: the resumed steps reach into the next epoch
@@ -86,16 +86,12 @@ def fit(
     callbacks = [recorder, *callbacks]
     if save_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=max_steps, save_top_k=-1))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=max_steps,
         val_check_interval=2,
         limit_val_batches=limit_val_batches,
         num_sanity_val_steps=0,
-        logger=False,
         enable_checkpointing=save_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         default_root_dir=root,
     )

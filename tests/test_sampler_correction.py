@@ -6,8 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import grpo_loss
-from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
 from grpo_lightning.core.algorithm.update import micro_batch_loss
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, Trajectory

@@ -13,8 +13,6 @@ from transformers import (
     AutoTokenizer,
     GPT2Config,
     GPT2LMHeadModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from grpo_lightning.core.config import GRPOConfig
@@ -36,7 +34,7 @@ from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.helpers import quiet_trainer
+from tests.helpers import quiet_trainer, sliding_window_model
 
 PROMPTS = ["Natalia sold 48 clips in April and", "Weng", "How many clips did she sell in May?"]
 
@@ -279,18 +277,7 @@ def test_generation_from_a_shared_prefill_draws_the_same_tokens(tiny_model_dir, 
 
 def test_a_model_that_cannot_share_falls_back_with_one_warning(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-    )
-    module = GRPOModule(Qwen2ForCausalLM(config), tokenizer=tok, grpo=GRPOConfig(num_generations=2))
+    module = GRPOModule(sliding_window_model(len(tok)), tokenizer=tok, grpo=GRPOConfig(num_generations=2))
     assert "not all full attention" in sharing_unsupported(module.policy)
     with pytest.warns(
         UserWarning, match="grpo.share_prompt: its attention layers are not all full attention"

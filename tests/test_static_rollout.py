@@ -1,47 +1,27 @@
 """The static-cache rollout engine samples what the loss scores, from the weights the optimizer just wrote:
 the same distribution (each drawn token's log-prob, as the engine reports it, is what `completion_logprobs`
 scores under the trainer's precision; token frequencies as eager's), the same greedy rollouts after
-optimizer steps (full model, LoRA unmerged, FSDP2), an inference copy refreshed in place once per rollout
-(unit by unit under FSDP2), one KV storage for every row bucket, and a compiled decoding step that never
-recompiles after warm-up and says so when it falls back.
+optimizer steps (full model, LoRA unmerged), an inference copy refreshed in place once per rollout, one KV
+storage for every row bucket, and a compiled decoding step that never recompiles after warm-up and says so
+when it falls back.
 
-The FSDP2 test runs this file as a script (`python tests/test_static_rollout.py '<json>'`), which spawns
-two gloo ranks.
+The engine inside `GRPOModule` is tested in tests/test_static_module.py, under FSDP2 in
+tests/test_static_fsdp2.py; both use this file's tiny models, prompts and engines.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import json
-import os
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
+from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
 from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, static_unsupported
-from grpo_lightning.io.distributed import (
-    call_in_root_forward,
-    close_process_group,
-    full_weights_by_unit,
-    gathered_for_generation,
-    shard_model,
-)
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.offline.tiny import build_model
-from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.module import GRPOModule
-from tests.helpers import digit_reward, quiet_trainer
+from tests.helpers import sliding_window_model
 
 VOCAB, EOS, PAD = 300, 2, 0
 SAMPLING = {
@@ -342,336 +322,12 @@ def test_fast_path_degradations_are_counted_and_warned_once(recwarn):
     assert "TORCH_LOGS=recompiles" in messages[0]
 
 
-# ----------------------------------------------------------------------------------------- the module
-def sliding_window_model(vocab: int = VOCAB) -> torch.nn.Module:
-    """A Qwen2 whose second layer attends over a sliding window of 4 tokens."""
-    layers = ["full_attention", "sliding_attention"]
-    window = {"use_sliding_window": True, "sliding_window": 4, "layer_types": layers}
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_hidden_layers=2, **sizes, **window))
-
-
+# ----------------------------------------------------------------------------------------- unsupported models
 def test_unsupported_models_say_why():
     assert static_unsupported(tiny()) is None
     assert static_unsupported(apply_lora(tiny(), LoraOptions(r=4))) is None
-    assert "not all full attention" in static_unsupported(sliding_window_model())
+    assert "not all full attention" in static_unsupported(sliding_window_model(VOCAB))
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(tiny(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     assert static_unsupported(dora) == "DoRA adapters are not served by the inference copy (LoRA only)"
-
-
-def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
-    auto = GRPOModule(tiny_model_dir)
-    auto.configure_model()
-    assert isinstance(auto.rollouts.build_engine(), EagerEngine), (
-        "auto is eager on CPU: the default is unchanged"
-    )
-    static = GRPOModule(tiny_model_dir, grpo=GRPOConfig(generation_backend="static"))
-    static.configure_model()
-    engine = static.rollouts.build_engine()
-    assert isinstance(engine, StaticEngine)
-    assert not engine.compile, "no compile on CPU"
-    tokenizer = static.tokenizer
-    recwarn.clear()
-    fallback = GRPOModule(
-        sliding_window_model(len(tokenizer)),
-        tokenizer,
-        grpo=GRPOConfig(generation_backend="static", share_prompt=False),
-    )
-    fallback.rollouts.sample(["1 + 1 ="], 2)
-    fallback.rollouts.sample(["2 + 2 ="], 2)
-    messages = [str(w.message) for w in recwarn if "generation_backend" in str(w.message)]
-    assert messages == [
-        "grpo.generation_backend='static': its attention layers are not all full attention "
-        "(['full_attention', 'sliding_attention']); rollouts use eager decoding"
-    ]
-    assert isinstance(fallback.rollouts.engine, EagerEngine)
-
-
-def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
-    """Validation first (inference mode, greedy), dynamic sampling, a KL reference: after training the
-    copy holds the trained weights, and greedy validation rollouts are the policy's own."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=6,
-        generation_backend="static",
-        dynamic_sampling=True,
-        dynamic_sampling_metric=None,
-        beta=0.04,
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=40, batch_size=2, val_size=2
-    )
-
-    trainer = quiet_trainer(max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2)
-    trainer.fit(module, data)
-    engine_ = module.rollouts.engine
-    assert isinstance(engine_, StaticEngine) and engine_.copy is not None
-    batch = next(iter(data.val_dataloader()))
-    ids, mask = module.rollouts.encoder.encode(batch["prompt"], "cpu")
-    static = module.rollouts.sample(batch["prompt"], 1, do_sample=False)[0]
-    assert_copy_holds(engine_, module.policy)  # refreshed after the last step, before this rollout
-    s = engine_.settings
-    expected = eager_greedy(
-        module.policy,
-        ids,
-        mask,
-        G=1,
-        max_new_tokens=s.max_new_tokens,
-        pad_token_id=s.pad_token_id,
-        eos_token_ids=list(s.eos_token_ids),
-    )
-    assert torch.equal(static.completion_ids, expected.completion_ids)
-
-
-class CheckedModule(GRPOModule):
-    """Checks, at every rollout, that the static engine's copy holds the policy's weights of that moment,
-    and counts the rollouts."""
-
-    rollouts_sampled = 0
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        sample = self.rollouts.sample
-
-        def checked_sample(prompts, num_generations, do_sample=True):
-            result = sample(prompts, num_generations, do_sample)
-            assert_copy_holds(self.rollouts.engine, self.policy)
-            self.rollouts_sampled += 1
-            return result
-
-        self.rollouts.sample = checked_sample
-
-
-def test_copy_refreshes_once_per_rollout_with_two_steps_each(tiny_model_dir):
-    """`steps_per_generation` 2: two optimizer steps per rollout, one refresh per rollout (the first
-    fill included), each rollout sampling the weights of its moment."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=4,
-        generation_backend="static",
-        steps_per_generation=2,
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    module = CheckedModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=16, batch_size=2, val_size=2
-    )
-    quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, data)  # 3 rollouts x 2 optimizer steps
-    assert module.trainer.global_step == 6 and module.rollouts_sampled == 3
-    assert module.rollouts.engine.refreshes == 3
-
-
-def test_a_checkpoint_load_is_sampled_next(tiny_model_dir):
-    """A module samples (its copy holds the initial weights), then loads trained weights: its next rollout
-    samples those, as eager decoding on them does."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=6,
-        generation_backend="static",
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    trained = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
-    )
-    quiet_trainer(max_steps=2, limit_val_batches=0).fit(trained, data)
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    module.configure_model()
-    prompts_ = ["12 + 7 =", "3 * 4 ="]
-    before = module.rollouts.sample(prompts_, 1, do_sample=False)[0].completion_ids
-    module.load_state_dict(trained.state_dict())
-    after = module.rollouts.sample(prompts_, 1, do_sample=False)[0]
-    assert_copy_holds(module.rollouts.engine, module.policy)
-    ids, mask = module.rollouts.encoder.encode(prompts_, "cpu")
-    s = module.rollouts.engine.settings
-    eager = eager_greedy(
-        module.policy,
-        ids,
-        mask,
-        G=1,
-        max_new_tokens=6,
-        pad_token_id=s.pad_token_id,
-        eos_token_ids=list(s.eos_token_ids),
-    )
-    assert torch.equal(after.completion_ids, eager.completion_ids)
-    assert not torch.equal(after.completion_ids, before), "the loaded weights write something else"
-
-
-def test_gsm8k_callback_samples_through_the_modules_engine(tiny_model_dir):
-    """The accuracy callback decodes a GRPOModule's policy with its rollout engine (here the static copy,
-    refreshed first): its greedy answers are the engine's, at the callback's own length."""
-    from grpo_lightning.io.rows import collate_rows
-    from grpo_lightning.training.evaluation import GSM8KAccuracyCallback, generate_answers
-    from tests.helpers import GSM8K_DIR
-
-    grpo = GRPOConfig(
-        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
-    )
-    module = GRPOModule(tiny_model_dir, grpo=grpo)
-    module.configure_model()
-    engine_ = module.rollouts.current_engine()
-    callback = GSM8KAccuracyCallback(source=GSM8K_DIR, split="holdout", num_problems=2, max_new_tokens=6)
-    callback.setup(None, module, "fit")
-    callback.evaluate(module)
-    assert engine_.copy is not None and engine_.refreshes == 1, "the callback built the copy and sampled"
-    batch = collate_rows(callback.data.val_rows, callback.data.hparams.system_prompt)
-    answers = functools.partial(generate_answers, module.policy, module.tokenizer, batch["prompt"])
-    through_engine = answers(max_new_tokens=6, engine=engine_)
-    assert through_engine == answers(max_new_tokens=6)  # float32: the copy is the policy, greedy agrees
-    assert through_engine != answers(max_new_tokens=4, engine=engine_), (
-        "the callback's length, not training's"
-    )
-
-
-# ----------------------------------------------------------------------------------------- FSDP2
-def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):
-    """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 (FSDP2 gathers every weight in
-    bf16, as the scorer computes with them) and, refreshed after two optimizer steps, equals the float32
-    shards gathered and cast."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=4,
-        generation_backend="static",
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
-    )
-    strategy = ModelParallelStrategy(
-        data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo"
-    )
-    trainer = quiet_trainer(
-        max_steps=2, strategy=strategy, devices=1, precision="bf16-mixed", limit_val_batches=0
-    )
-    try:
-        trainer.fit(module, data)
-        module.rollouts.engine.refresh(module.policy, torch.device("cpu"))  # the last step's weights
-        weights = {n: v.full_tensor() for n, v in module.policy.named_parameters()}
-    finally:
-        close_process_group()
-    copy = dict(module.rollouts.engine.copy.model.named_parameters())
-    assert set(copy) == set(weights)
-    for name, value in weights.items():
-        assert copy[name].dtype == torch.bfloat16
-        assert torch.equal(copy[name], value.to(torch.bfloat16)), name
-
-
-def fsdp_rank(rank: int, cfg: dict) -> None:
-    """One of two gloo ranks: a sharded tiny policy (bf16 all-gathers, as `bf16-mixed`), without and with
-    LoRA, two optimizer steps on rank-specific data each, the copy refreshed unit by unit after each."""
-    dist.init_process_group("gloo", init_method=f"file://{cfg['out']}/store", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    records = {}
-    for lora in (False, True):
-        model = tiny()
-        if lora:
-            model = apply_lora(model, LoraOptions(r=4, alpha=8))
-        shard_model(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        records["lora" if lora else "full"] = fsdp_steps(model, rank)
-    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(records, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
-    """Rollouts on the copy, each followed by an optimizer step; the copy refreshed from the weights one
-    FSDP2 unit gathered at a time, counting the weights unsharded at once while it does."""
-    rollouts = engine(weights=UnitCounter(full_weights_by_unit))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    ids, mask = prompts(2, seed=rank)
-    record = {"max_difference": [], "moved": [], "most_gathered": 0}
-    for _ in range(2):
-        rollout = rollouts.generate(model, ids, mask, num_generations=2)  # no gathering around it
-        T = rollout.completion_ids.size(1)
-        logprobs, _ = call_in_root_forward(
-            model, completion_logprobs, model, rollout.input_ids, rollout.attention_mask, T
-        )
-        (-(logprobs * rollout.completion_mask).sum()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        rollouts.weights_changed()
-        before = {n: p.clone() for n, p in rollouts.copy.model.named_parameters()}
-        rollouts.refresh(model, torch.device("cpu"))
-        copy = dict(rollouts.copy.model.named_parameters())
-        with torch.no_grad(), gathered_for_generation(model):
-            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-            gathered = dict(inner.named_parameters())
-            assert not any(isinstance(v, DTensor) for v in gathered.values())
-            difference = max(
-                (copy[n].float() - v.to(copy[n].dtype).float()).abs().max() for n, v in gathered.items()
-            )
-            record["max_difference"].append(difference.item())
-        record["moved"].append(sum(not torch.equal(before[n], copy[n]) for n in copy) / len(copy))
-        record["dtype"] = str(next(iter(copy.values())).dtype)
-    record["most_gathered"] = rollouts.weights.most
-    record["largest_unit"] = largest_unit(model)
-    record["all"] = sum(p.numel() for p in model.parameters())
-    return record
-
-
-class UnitCounter:
-    """A weight source that records the most weight elements unsharded at any one time while it runs."""
-
-    def __init__(self, source) -> None:
-        self.source, self.most = source, 0
-
-    def __call__(self, model):
-        for name, value in self.source(model):
-            unsharded = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
-            self.most = max(self.most, unsharded)
-            yield name, value
-
-
-def largest_unit(model) -> int:
-    layers = model.get_decoder().layers
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    return max(sum(p.numel() for p in model.parameters()) - sum(per_layer), *per_layer)
-
-
-def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
-    from tests.test_distributed import launch
-
-    launch({"out": str(tmp_path), "strategy": "fsdp2 static rollout"}, timeout=180, script=__file__)
-    for rank in range(2):
-        records = json.load(open(tmp_path / f"rank{rank}.json"))
-        for variant, moving in (("full", 0.9), ("lora", 0.3)):  # LoRA: its B (and A) tensors only
-            record = records[variant]
-            assert record["dtype"] == "torch.bfloat16"
-            assert record["max_difference"] == [0.0, 0.0], (rank, variant, record)
-            assert all(share > moving for share in record["moved"]), (rank, variant, record)
-            # Refreshing never gathers more than one unit: no second full model beside the copy.
-            assert 0 < record["most_gathered"] <= record["largest_unit"] < record["all"], record
-
-
-if __name__ == "__main__":
-    torch.multiprocessing.spawn(fsdp_rank, args=(json.loads(sys.argv[1]),), nprocs=2)
-
-
-def test_an_engine_built_before_fit_follows_the_trainers_precision(tiny_model_dir):
-    """Sampling before `fit` (an evaluation before training) builds the static engine without a trainer:
-    a float32 inference copy. Under `bf16-mixed` training must generate from a bf16 copy, as the scorer's
-    autocast sees the weights; the demo's seed 0 once trained from the float32 one."""
-    grpo = GRPOConfig(
-        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
-    )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    module.configure_model()
-    module.rollouts.sample(["1 + 1 ="], 1, do_sample=False)
-    linear = "model.layers.0.mlp.up_proj.weight"
-    assert dict(module.rollouts.engine.copy.model.named_parameters())[linear].dtype == torch.float32
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
-    )
-    quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, data)
-    copy = dict(module.rollouts.engine.copy.model.named_parameters())
-    assert copy[linear].dtype == torch.bfloat16 and copy["model.embed_tokens.weight"].dtype == torch.float32

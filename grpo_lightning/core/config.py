@@ -111,7 +111,7 @@ class GRPOConfig:
     """Correct for the rollout engine's sampler not being the policy the loss scores: weight each token's
     policy term by min(pi_old / pi_sampler, importance_sampling_cap), detached (truncated importance
     sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"; `grpo_lightning.core.algorithm.sampler_correction`). pi_sampler is the log-prob each token
+    training"; `core.algorithm.loss.truncated_importance_weights`). pi_sampler is the log-prob each token
     was drawn with (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
     update; with one optimizer step per rollout it costs nothing more. Where they are equal the loss and
     gradients are unchanged. Every step logs the gap either way (`rollout/logp_gap_mean`, `_max`,

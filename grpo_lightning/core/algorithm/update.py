@@ -11,7 +11,7 @@
    as index tensors, each taken out and trimmed to its own longest row (`Rollout.select`).
 4. The loss of each micro-batch (`loss.grpo_loss`) with the whole mini-batch's denominators, so that the
    micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), and
-   the sampler/scorer gap of its tokens (truncated importance weights where asked, `sampler_correction`);
+   the sampler/scorer gap of its tokens (truncated importance weights where asked, `loss.logprob_gap_stats`);
    their statistics weighted by token share (`MicroBatchSums`).
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
@@ -33,8 +33,13 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss, kl_in_reward
-from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.loss import (
+    group_advantages,
+    grpo_loss,
+    kl_in_reward,
+    logprob_gap_stats,
+    truncated_importance_weights,
+)
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
@@ -116,7 +121,7 @@ def build_trajectory(
     `old_logprobs` and `ref_logprobs`), group advantages (over all `ranks` when given) and step credit
     (`credit.step_credit_penalties`, needs the `tokenizer`). `stats` are earlier metrics of the step
     (dynamic sampling's), extended with those of the options used here, and with `old_logprobs` and the
-    sampler's, the gap between them over the whole rollout (`sampler_correction.logprob_gap_stats`; one
+    sampler's, the gap between them over the whole rollout (`loss.logprob_gap_stats`; one
     update per rollout measures it in the loss instead, which then has the scorer's log-probs)."""
     rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
     stats = dict(stats or {})

@@ -1,0 +1,96 @@
+"""grpo_loss against TRL 1.16's own `GRPOTrainer._compute_loss` on the same tensors: every loss type,
+importance-sampling level, KL weight and two-sided clip."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
+
+
+def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
+    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation)."""
+    trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    logprobs, mask = data["logprobs"], data["mask"].to(data["logprobs"].dtype)
+    batch, length = logprobs.shape
+    epsilon = options.get("epsilon", 0.2)
+    entropy_coef = options.get("entropy_coef", 0.0)
+    trainer = SimpleNamespace(
+        loss_type=options["loss_type"],
+        beta=options.get("beta", 0.0),
+        epsilon_low=epsilon,
+        epsilon_high=options.get("epsilon_high", epsilon),
+        importance_sampling_level=options.get("importance_sampling_level", "token"),
+        max_completion_length=options.get("max_completion_length"),
+        args=SimpleNamespace(
+            delta=options.get("delta"), use_bias_correction_kl=False, steps_per_generation=1
+        ),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=entropy_coef != 0.0,
+        entropy_coef=entropy_coef,
+        use_adaptive_entropy=False,
+        current_gradient_accumulation_steps=1,
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(
+            num_processes=1,
+            sync_gradients=True,
+            reduce=lambda tensor, reduction: tensor,
+            gather=lambda tensor: tensor,
+        ),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logprobs, data["entropies"], None),
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(batch, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(batch, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(batch, length, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": data["advantages"],
+        "old_per_token_logps": data["old_logprobs"],
+        "ref_per_token_logps": data["ref_logprobs"],
+        "num_items_in_batch": mask.sum(),
+    }
+    loss = trainer_cls._compute_loss(trainer, None, inputs)
+    return loss, trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("delta", [None, 1.3])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | None) -> None:
+    data = random_batch(7, batch=6, length=7)
+    options = loss_options(
+        loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        delta=delta,
+        epsilon_high=1.1 if loss_type == "cispo" else 0.28,
+        entropy_coef=0.02 if beta else 0.0,
+    )
+
+    logprobs = data["logprobs"].clone().requires_grad_()
+    loss, stats = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+    trl_logprobs = data["logprobs"].clone().requires_grad_()
+    trl_loss, metrics = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
+
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+    loss.backward()
+    trl_loss.backward()
+    torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
+    assert stats["entropy"].item() == pytest.approx(metrics["entropy"][0], abs=1e-6)
+    if beta:
+        assert stats["kl"].item() == pytest.approx(metrics["kl"][0], abs=1e-6)
+        assert stats["policy_loss"].item() == pytest.approx(metrics["policy_loss"][0], abs=1e-6)
+    if loss_type == "cispo":
+        assert stats["clip_ratio/high_mean"].item() == pytest.approx(metrics["cispo_clip_ratio"][0], abs=1e-6)
+    else:
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            assert stats[key].item() == pytest.approx(metrics[key][0], abs=1e-6)
+    assert stats["clip_ratio/region_mean"] > 0 or level == "sequence"
