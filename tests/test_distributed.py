@@ -1,15 +1,14 @@
 """DDP and FSDP2 on CPU with 2 processes (gloo): no hang, global loss normalisation, sharded checkpoints.
 Per-rank data and exact resume on the real data module: `tests/test_distributed_resume.py`.
 
-Each launch is this file executed as a script (`python tests/test_distributed.py '<json>'`), which
-Lightning re-launches once per rank; one launch may hold several runs, one after the other in the same
-processes. The test starts it in its own process group and kills the whole group on a
-timeout, so that a hung rank-1 child never outlives the test.
+The 2-process runs are made with the other distributed test files' in one launch (`two_rank_jobs` below;
+`launch` and tests/two_ranks.py): a script that Lightning re-launches once per rank, started in its own
+process group, the whole group killed on a timeout, so that a hung rank-1 child never outlives the test.
 
-`worker` compares updates with one process: its first training step uses fixed rollouts (completions and
-rewards a function of the prompt only) on a hand-sharded loader, so a 1-process run over 4 prompts and a
-2-process run over 2 + 2 prompts see the same global batch and must make the same update. Later steps
-sample for real, with a different completion length on each rank.
+`fit_and_record` compares updates with one process: its first training step uses fixed rollouts
+(completions and rewards a function of the prompt only) on a hand-sharded loader, so a 1-process run over 4
+prompts and a 2-process run over 2 + 2 prompts see the same global batch and must make the same update.
+Later steps sample for real, with a different completion length on each rank.
 """
 
 from __future__ import annotations
@@ -84,13 +83,6 @@ def strategy_for(cfg: dict):
             data_parallel_size=devices, tensor_parallel_size=1, process_group_backend="gloo"
         ),
     }[cfg["strategy"]]
-
-
-def worker(cfg: dict) -> None:
-    """Each of `cfg["runs"]` (or `cfg` itself) in turn, in the same processes: one launch, several runs."""
-    for run in cfg.get("runs", [cfg]):
-        fit_and_record(run)
-    close_process_group()
 
 
 def fit_and_record(cfg: dict) -> None:
@@ -323,16 +315,10 @@ def records(out: str, devices: int = 2) -> list[dict]:
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(devices)]
 
 
-def run_ranks(*runs: dict) -> list[list[dict]]:
-    """Launch `worker` once for `runs`, in turn in the same processes; what each wrote, per rank."""
-    launch({**runs[0], "runs": list(runs)}, timeout=120 * len(runs))
-    return [records(run["out"], run["devices"]) for run in runs]
-
-
 @pytest.fixture(scope="module")
 def single_run(tiny_model_dir, tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("single"))
-    worker(
+    fit_and_record(
         {
             "strategy": "single",
             "devices": 1,
@@ -373,44 +359,48 @@ def two_ranks(strategy: str, model: str, out: str, **extra) -> dict:
     return {**base, "model": model, "out": out, **extra}
 
 
-@pytest.fixture(scope="module")
-def ddp_runs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    """One 2-process DDP launch for both DDP tests: micro-batches of fixed rows, then by token budget."""
-    out = tmp_path_factory.mktemp("ddp")
-    runs = {
-        "rows": two_ranks("ddp", tiny_model_dir, str(out / "rows")),
-        "budget": two_ranks("ddp", tiny_model_dir, str(out / "budget"), max_tokens=80),
-    }
-    run_ranks(*runs.values())
-    return {name: run["out"] for name, run in runs.items()}
+def two_rank_jobs(model: str, out: str) -> list[dict]:
+    """This file's runs in the launch of tests/two_ranks.py, into `out`: DDP with micro-batches of fixed
+    rows, then by token budget; FSDP2 for 2 steps and a checkpoint, then a fresh module resumed from it."""
+    ckpt = os.path.join(out, "fsdp.ckpt")
+    runs = [
+        two_ranks("ddp", model, os.path.join(out, "ddp_rows")),
+        two_ranks("ddp", model, os.path.join(out, "ddp_budget"), max_tokens=80),
+        two_ranks("fsdp", model, os.path.join(out, "fsdp"), checkpoint=ckpt),
+        two_ranks("fsdp", model, os.path.join(out, "fsdp_resumed"), steps=3, resume=ckpt),
+    ]
+    return [{"call": "tests.test_distributed:fit_and_record", "cfg": run} for run in runs]
 
 
-def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, ddp_runs):
-    out = ddp_runs["rows"]
+@pytest.fixture
+def runs(two_rank_runs) -> str:
+    """Where this file's 2-process runs wrote."""
+    return os.path.join(two_rank_runs, "test_distributed")
+
+
+def test_ddp_matches_single_process_and_survives_unequal_lengths(single_run, runs):
+    out = os.path.join(runs, "ddp_rows")
     ranks = records(out)
     assert len(ranks[0]["losses"]) == len(ranks[1]["losses"]) == 2
     assert_ranks_differ(ranks)
     assert_same_update(single_run, out)
 
 
-def test_ddp_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(single_run, ddp_runs):
+def test_ddp_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(single_run, runs):
     """The ranks' rollouts differ in length, so a token budget cuts them into different numbers of
     micro-batches; every forward/backward synchronises the ranks, so each runs as many as the busiest
     (else the run hangs). The update is the single process's."""
-    out = ddp_runs["budget"]
+    out = os.path.join(runs, "ddp_budget")
     counts = [record["micro_batches"] for record in records(out)]  # per pass: [own, run]
     assert all(a[1] == b[1] for a, b in zip(*counts, strict=True))
     assert any(a[0] != b[0] for a, b in zip(*counts, strict=True)), counts
     assert_same_update(single_run, out)
 
 
-def test_fsdp_matches_single_process_resumes_and_exports(single_run, tiny_model_dir, tmp_path):
-    out, ckpt, resumed_out = str(tmp_path / "run"), str(tmp_path / "fsdp.ckpt"), str(tmp_path / "resumed")
-    # One launch: 2 steps and a checkpoint, then a fresh module resumed from it in the same processes.
-    first, resumed = run_ranks(
-        two_ranks("fsdp", tiny_model_dir, out, checkpoint=ckpt),
-        two_ranks("fsdp", tiny_model_dir, resumed_out, steps=3, resume=ckpt),
-    )
+def test_fsdp_matches_single_process_resumes_and_exports(single_run, runs, tiny_model_dir, tmp_path):
+    # 2 steps and a checkpoint, then a fresh module resumed from it in the same processes.
+    out, ckpt, resumed_out = (os.path.join(runs, name) for name in ("fsdp", "fsdp.ckpt", "fsdp_resumed"))
+    first, resumed = records(out), records(resumed_out)
     assert len(first[0]["losses"]) == 2
     assert_ranks_differ(first)
     assert_same_update(single_run, out)
@@ -444,7 +434,8 @@ def test_gpu_check_script_runs_on_cpu():
     """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish, and the
     rollout comparison's engines each write the workload's tokens."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
-    env = {**os.environ, "PYTHON": sys.executable}  # this interpreter, whatever the checkout's venv
+    # This interpreter, whatever the checkout's venv; a rendezvous of its own, as in `launch`.
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV} | {"PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", script, "--cpu", "--tiny"], capture_output=True, text=True, timeout=300, env=env
     )
@@ -469,7 +460,3 @@ def test_gpu_check_script_runs_on_cpu():
     ]
     for _, _, warmup, tokens_per_s, _, _, tokens, recompiles, *_ in table:
         assert float(warmup) > 0 and float(tokens_per_s) > 0 and int(tokens) == 32 and int(recompiles) == 0
-
-
-if __name__ == "__main__":
-    worker(json.loads(sys.argv[1]))

@@ -2,14 +2,14 @@
 on `GSM8KDataModule` with Lightning's default distributed sampling. A run stopped and resumed (under another
 seed) is compared with one that went straight through, on every rank.
 
-Each run is this file executed as a script, through `tests.test_distributed.launch`.
+The runs are made in the distributed tests' one launch of 2 processes (`two_rank_jobs` below and
+tests/two_ranks.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import lightning as L
 import pytest
@@ -18,11 +18,10 @@ import torch
 from grpo_lightning.core.algorithm.loss import group_advantages
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
-from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.training.module import GRPOModule
-from tests.test_distributed import fixed_reward, full_weights, launch, strategy_for, two_ranks
+from tests.test_distributed import fixed_reward, full_weights, strategy_for, two_ranks
 
 TRAIN_ROWS = 9  # 4 per rank and one that sits each epoch out: 2 batches of 2 per rank and epoch
 
@@ -75,19 +74,13 @@ class SaveAndStop(L.Callback):
             trainer.should_stop = True
 
 
-def data_worker(cfg: dict) -> None:
-    """Each scenario ("plain", or "dynamic" for dynamic sampling) three times over in the same 2 processes,
-    on `GSM8KDataModule`'s arithmetic task: straight through `steps` steps; stopped with a checkpoint after
-    `stop_after` batches; resumed from it under another seed. Writes each run's batches per rank
-    (`<scenario>/<run>.rank<r>.json`) and its final weights (`<scenario>/<run>.pt`)."""
-    for scenario in cfg["scenarios"]:
-        out = os.path.join(cfg["out"], scenario)
-        os.makedirs(out, exist_ok=True)
-        data_scenario(cfg, out, dynamic=scenario == "dynamic")
-    close_process_group()
-
-
-def data_scenario(cfg: dict, out: str, dynamic: bool) -> None:
+def data_scenario(cfg: dict) -> None:
+    """A scenario (`cfg["dynamic"]`: with dynamic sampling or without) three times over in the same 2
+    processes, on `GSM8KDataModule`'s arithmetic task: straight through `steps` steps; stopped with a
+    checkpoint after `stop_after` batches; resumed from it under another seed. Writes each run's batches per
+    rank (`<out>/<run>.rank<r>.json`) and its final weights (`<out>/<run>.pt`)."""
+    out, dynamic = cfg["out"], cfg["dynamic"]
+    os.makedirs(out, exist_ok=True)
     ckpt = os.path.join(out, "stopped.ckpt")
 
     def run(name: str, seed: int, ckpt_path: str | None = None, callbacks: tuple = ()) -> None:
@@ -188,19 +181,29 @@ def assert_ranks_share_no_prompt_and_epochs_differ(batches_per_rank: list[list[d
         assert epochs[rank][1] != epochs[rank][0], f"rank {rank}: the second epoch repeated the first's order"
 
 
-def data_config(strategy: str, model: str, out: str, scenarios: list[str], **extra) -> dict:
-    """The 2-process config, for `data_worker`: 4 steps (2 epochs) straight, stopped after one batch."""
-    return two_ranks(strategy, model, out, scenarios=scenarios, steps=4, stop_after=1, **extra)
+def two_rank_jobs(model: str, out: str) -> list[dict]:
+    """This file's runs in the launch of tests/two_ranks.py, into `<out>/<strategy>_<scenario>`: 4 steps
+    (2 epochs) straight, stopped after one batch, resumed; under DDP without and with dynamic sampling, under
+    FSDP2 without, evaluating with `GSM8KAccuracyCallback` in the straight run."""
+    jobs = []
+    for strategy, dynamic in (("ddp", False), ("ddp", True), ("fsdp", False)):
+        name = f"{strategy}_{'dynamic' if dynamic else 'plain'}"
+        cfg = two_ranks(strategy, model, os.path.join(out, name), dynamic=dynamic, steps=4, stop_after=1)
+        cfg["evaluate"] = strategy == "fsdp"
+        jobs.append({"call": "tests.test_distributed_resume:data_scenario", "cfg": cfg})
+    return jobs
 
 
-def test_ddp_resume_continues_every_rank_exactly(tiny_model_dir, tmp_path):
+@pytest.fixture
+def runs(two_rank_runs) -> str:
+    """Where this file's 2-process runs wrote."""
+    return os.path.join(two_rank_runs, "test_distributed_resume")
+
+
+def test_ddp_resume_continues_every_rank_exactly(runs):
     """Also: disjoint shares, a new order per epoch, the batch std over both ranks, and dynamic sampling
     resumed with groups waiting."""
-    launch(
-        data_config("ddp", tiny_model_dir, str(tmp_path), ["plain", "dynamic"]), timeout=300, script=__file__
-    )
-    runs = assert_resume_continues_the_straight_run(str(tmp_path / "plain"))
-    straight = runs["straight"]
+    straight = assert_resume_continues_the_straight_run(os.path.join(runs, "ddp_plain"))["straight"]
     assert_ranks_share_no_prompt_and_epochs_differ(straight)
 
     # scale_rewards="batch": advantages over the whole batch of both ranks, as TRL computes them.
@@ -213,28 +216,23 @@ def test_ddp_resume_continues_every_rank_exactly(tiny_model_dir, tmp_path):
         local_std_differs |= own != pytest.approx(batch0["advantages"], rel=1e-5, abs=1e-6)
     assert local_std_differs, "the two ranks' reward spreads never differed: the check would be empty"
 
-    dynamic = str(tmp_path / "dynamic")
+    dynamic = os.path.join(runs, "ddp_dynamic")
     saved = torch.load(os.path.join(dynamic, "stopped.ckpt"), weights_only=True)
     per_rank = saved["grpo_state"]["per_rank"]
     assert [own["group_buffer"]["rounds"] > 0 for own in per_rank] == [True, True], "groups waiting"
     kept = [own["group_buffer"]["kept"] for own in per_rank]  # plain dicts, as weights_only reads them
     prompts = [{p[-1]["content"] for g in groups for p in g["prompts"]} for groups in kept]
     assert not prompts[0] & prompts[1], "each rank's own waiting groups"
-    runs = assert_resume_continues_the_straight_run(dynamic)
-    assert runs["stopped"][0][-1]["waiting"] and not runs["resumed"][0][-1]["waiting"]
+    resumed = assert_resume_continues_the_straight_run(dynamic)
+    assert resumed["stopped"][0][-1]["waiting"] and not resumed["resumed"][0][-1]["waiting"]
 
 
-def test_fsdp_resume_continues_every_rank_exactly_and_evaluates_sharded(tiny_model_dir, tmp_path):
+def test_fsdp_resume_continues_every_rank_exactly_and_evaluates_sharded(runs):
     """A sharded checkpoint folder; the straight run also evaluates with `GSM8KAccuracyCallback`, on 2
     problems on rank 0 and 1 on rank 1, which hangs unless generation runs on gathered weights."""
-    out = str(tmp_path)
-    launch(data_config("fsdp", tiny_model_dir, out, ["plain"], evaluate=True), timeout=300, script=__file__)
-    assert os.path.isdir(os.path.join(out, "plain", "stopped.ckpt")), "a sharded checkpoint folder"
-    evaluated = json.load(open(os.path.join(out, "plain", "straight.evaluated.json")))
+    out = os.path.join(runs, "fsdp_plain")
+    assert os.path.isdir(os.path.join(out, "stopped.ckpt")), "a sharded checkpoint folder"
+    evaluated = json.load(open(os.path.join(out, "straight.evaluated.json")))
     assert 0 <= evaluated["gsm8k/accuracy"] <= 1
-    runs = assert_resume_continues_the_straight_run(os.path.join(out, "plain"))
-    assert_ranks_share_no_prompt_and_epochs_differ(runs["straight"])
-
-
-if __name__ == "__main__":
-    data_worker(json.loads(sys.argv[1]))
+    fsdp = assert_resume_continues_the_straight_run(out)
+    assert_ranks_share_no_prompt_and_epochs_differ(fsdp["straight"])

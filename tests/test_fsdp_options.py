@@ -1,11 +1,10 @@
 """FSDP2 with 2 gloo processes on CPU: reference sync mixes the local shards into exactly the closed-form
 mixture, CPU offload (FSDP2's CPUOffloadPolicy; on CPU without pinned memory) trains the same weights as
-without it, and each rank holds the shard sizes the memory estimate gives. Both runs are one launch of
-this file as a script, one after the other in the same processes, as in tests/test_distributed.py."""
+without it, and each rank holds the shard sizes the memory estimate gives. Both runs are made in the
+distributed tests' one launch of 2 processes (`two_rank_jobs` below and tests/two_ranks.py)."""
 
 import json
 import os
-import sys
 
 import lightning as L
 import pytest
@@ -15,10 +14,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.memory import estimate_memory, footprint
-from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.test_distributed import full_weights, launch
+from tests.test_distributed import full_weights
 from tests.test_reference_sync import ALPHA, syncing_config
 from tests.test_resume import length_reward
 
@@ -34,13 +32,6 @@ def local_bytes(tensors) -> int:
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
         for t in tensors
     )
-
-
-def worker(cfg: dict) -> None:
-    """Each of `cfg["runs"]` in turn, in the same 2 processes."""
-    for run in cfg["runs"]:
-        fit_and_record(run)
-    close_process_group()
 
 
 def fit_and_record(cfg: dict) -> None:
@@ -112,29 +103,36 @@ def fit_and_record(cfg: dict) -> None:
         json.dump(record, f)
 
 
-def run(model_dir: str, out: str) -> tuple[list[dict], list[dict]]:
-    """One launch: the run with CPU offload, then the one without, in the same processes; each one's
-    records per rank."""
-    runs = [
-        {"model": model_dir, "out": os.path.join(out, name), "offload": name == "offload"}
+def two_rank_jobs(model: str, out: str) -> list[dict]:
+    """This file's runs in the launch of tests/two_ranks.py: with CPU offload, then without."""
+    return [
+        {
+            "call": "tests.test_fsdp_options:fit_and_record",
+            "cfg": {
+                "strategy": "fsdp",
+                "model": model,
+                "out": os.path.join(out, name),
+                "offload": name == "offload",
+            },
+        }
         for name in ("offload", "plain")
     ]
-    launch({"strategy": "fsdp", "out": out, "runs": runs}, timeout=360, script=__file__)
-    return tuple(
-        [json.load(open(os.path.join(r["out"], f"rank{rank}.json"))) for rank in range(2)] for r in runs
+
+
+def test_sync_offload_and_shard_sizes_under_fsdp2(tiny_model_dir, two_rank_runs):
+    out = os.path.join(two_rank_runs, "test_fsdp_options")
+    offloaded, plain = (
+        [json.load(open(os.path.join(out, name, f"rank{rank}.json"))) for rank in range(2)]
+        for name in ("offload", "plain")
     )
-
-
-def test_sync_offload_and_shard_sizes_under_fsdp2(tiny_model_dir, tmp_path):
-    offloaded, plain = run(tiny_model_dir, str(tmp_path))
     assert [r["offloaded"] for r in offloaded] == [True, True] and not plain[0]["offloaded"]
     for record in offloaded + plain:
         assert record["syncs"] == STEPS - 1  # the last step's sync waits for a rollout that never comes
         assert record["moved"] > 1e-3, "the reference never moved: the comparison would be empty"
         assert record["worst"] < 1e-6  # local shards mixed == the whole tensors mixed
     # Offloading changes where the states live, not the numbers.
-    expected = torch.load(os.path.join(tmp_path / "plain", "final.pt"))
-    for name, value in torch.load(os.path.join(tmp_path / "offload", "final.pt")).items():
+    expected = torch.load(os.path.join(out, "plain", "final.pt"))
+    for name, value in torch.load(os.path.join(out, "offload", "final.pt")).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
     # Each rank holds about half of every state, and the two halves are the whole.
     for key in ("weights", "gradients", "optimizer", "reference"):
@@ -149,10 +147,6 @@ def footprint_weight_bytes(model_dir: str) -> int:
     from transformers import AutoModelForCausalLM
 
     return footprint(AutoModelForCausalLM.from_pretrained(model_dir)).weight_bytes
-
-
-if __name__ == "__main__":
-    worker(json.loads(sys.argv[1]))
 
 
 def test_offload_without_fsdp2_is_refused_before_weights_load(tiny_model_dir, monkeypatch):

@@ -263,6 +263,7 @@ def test_a_full_disk_leaves_no_partial_checkpoint(tiny_model_dir, tmp_path, full
             )
     assert error.value.errno == errno.ENOSPC
     assert full_disk in str(error.value)  # names the checkpoint it could not write
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the user's again
     assert os.listdir(full_disk) == []  # no truncated .ckpt, no 0-byte interrupted.ckpt, no temporary file
 
 

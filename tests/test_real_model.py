@@ -1,23 +1,14 @@
 """One GRPO step of the real SmolLM2-135M-Instruct (from the PyPI package, no hub) on a GSM8K prompt."""
 
 import math
-import os
 
 import pytest
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.offline.smollm2 import DEFAULT_DIR, export_smollm2
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, quiet_trainer
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> str:
-    return export_smollm2(os.path.join(ROOT, DEFAULT_DIR))
 
 
 def test_chat_template_prompt(smollm2_dir):

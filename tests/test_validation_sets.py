@@ -1,10 +1,11 @@
 """Several validation sets: per-set checkers, sample counts and metric names, monitoring one set's metric,
 and under DDP (2 gloo processes, an odd number of rows) exactly the one-process metrics: no row counts
-twice. The DDP run is this file executed as a script, as in tests/test_distributed.py."""
+twice. The DDP run is made in the distributed tests' one launch of 2 processes (`two_rank_jobs` below and
+tests/two_ranks.py)."""
 
 import json
 import os
-import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,7 +19,6 @@ from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.validation_sets import COUNTED, SetScores, ValidationSet, rank_share
 from tests.helpers import GSM8K_DIR, gsm8k_rows
-from tests.test_distributed import launch
 
 MARKS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]  # 7 rows: 3/7 right; Lightning's padding would count row 0 twice
 
@@ -157,7 +157,7 @@ def test_cli_monitors_one_sets_metric(tiny_model_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- DDP
-def worker(cfg: dict) -> None:
+def validate_and_record(cfg: dict) -> None:
     module, data = module_and_data(cfg["model"], cfg["math"], val_size=7)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -171,28 +171,22 @@ def worker(cfg: dict) -> None:
     if trainer.global_rank == 0:
         with open(os.path.join(cfg["out"], "results.json"), "w") as f:
             json.dump({key: float(value) for key, value in trainer.callback_metrics.items()}, f)
-    from grpo_lightning.io.distributed import close_process_group
-
-    close_process_group()
 
 
-def test_ddp_counts_every_row_once(tiny_model_dir, tmp_path):
+def two_rank_jobs(model: str, out: str) -> list[dict]:
+    """This file's run in the launch of tests/two_ranks.py: the validation sets under DDP."""
+    cfg = {"strategy": "ddp", "devices": 2, "model": model, "math": write_math_file(Path(out) / "math.jsonl")}
+    return [{"call": "tests.test_validation_sets:validate_and_record", "cfg": {**cfg, "out": out}}]
+
+
+def test_ddp_counts_every_row_once(tiny_model_dir, two_rank_runs, tmp_path):
     math_file = write_math_file(tmp_path / "math.jsonl")
-    results = {}
-    for devices in (1, 2):
-        out = str(tmp_path / f"devices{devices}")
-        cfg = {"strategy": "ddp", "devices": devices, "model": tiny_model_dir, "math": math_file, "out": out}
-        if devices == 1:  # one process: this one, no launch needed
-            os.makedirs(out)
-            worker(cfg)
-        else:
-            launch(cfg, script=__file__)
-        results[devices] = json.load(open(os.path.join(out, "results.json")))
+    validate_and_record({"devices": 1, "model": tiny_model_dir, "math": math_file, "out": str(tmp_path)})
+    results = {
+        devices: json.load(open(os.path.join(out, "results.json")))
+        for devices, out in ((1, tmp_path), (2, os.path.join(two_rank_runs, "test_validation_sets")))
+    }
     assert results[2]["val/math/accuracy"] == results[1]["val/math/accuracy"] == pytest.approx(3 / 7)
     # Row-determined too (the tiny model answers nothing right): any repeat would still change no value.
     for key in ("val/accuracy", "val/gsm8k_test/accuracy", "val/math/pass@k"):
         assert results[2][key] == results[1][key], key
-
-
-if __name__ == "__main__":
-    worker(json.loads(sys.argv[1]))

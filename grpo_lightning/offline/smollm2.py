@@ -46,7 +46,11 @@ def export_smollm2(path: str = DEFAULT_DIR) -> str:
     try:
         tokenizer.save_pretrained(partial)
         model.save_pretrained(partial)
-        os.replace(partial, path)
+        try:
+            os.replace(partial, path)
+        except OSError:  # a folder there now: another process (a job, a test worker) exported it first
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return path

@@ -163,6 +163,11 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here, not in `on_fit_start`: Lightning notes every signal's handler after `on_fit_start` and puts
+        # them back when the run ends, after an error too, once this callback has restored Ctrl-C's; a
+        # handler of ours noted there would be put back, and take the user's later Ctrl-C.
         current = signal.getsignal(signal.SIGINT)
         # Only outside another program's handler; one left behind by an earlier fit that never reached its
         # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
@@ -219,7 +224,7 @@ class InterruptCheckpoint(L.Callback):
             except Exception as err:  # never hide the error that stopped the run behind this one
                 rank_zero_warn(f"could not write a checkpoint after the error: {err}")
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
 
 
