@@ -239,10 +239,13 @@ def generate_completions(
     eos = torch.tensor(eos_token_ids, device=prompt_ids.device)  # [E]
     B, budget = prompt_ids.size(0), settings.max_new_tokens
     tokens = prompt_ids.new_full((B, budget), pad_token_id)  # [B, T_max] each row's tokens, by column
-    drawn_logprobs = torch.zeros(B, budget, device=prompt_ids.device)  # [B, T_max]
+    drawn_logprobs = torch.zeros(B, budget, dtype=torch.float32, device=prompt_ids.device)  # [B, T_max]
     all_drawn = do_sample  # every column has its draws' log-probs
-    compacting = compact_above_rows is not None and not model.config.is_encoder_decoder
-    compacting = compacting and not_full_attention(model) is None  # a cache of keys and values per row
+    # Rows are dropped from a decoder's cache of keys and values per row: a model without a transformers
+    # config (a scripted or wrapped LM) decodes in one call.
+    config = getattr(model, "config", None)
+    compacting = compact_above_rows is not None and config is not None and not config.is_encoder_decoder
+    compacting = compacting and not_full_attention(model) is None
     rows = torch.arange(B, device=prompt_ids.device)  # [b] the row of each row of this round's batch
     ids, mask, cache = prompt_ids, prompt_mask, prompt_cache or {}  # [b, L] the batch's sequences so far
     decoded = 0  # columns decoded so far
@@ -280,7 +283,9 @@ def generate_completions(
                     synced_gpus=False,
                     **cache,
                 )
-                new = output.sequences[:, ids.size(1) :]  # [b, k]
+                # A stand-in LM's `generate` may return the sequences alone (no dict).
+                sequences = getattr(output, "sequences", output)  # [b, L + k]
+                new = sequences[:, ids.size(1) :]  # [b, k]
                 k = new.size(1)
                 tokens[rows, decoded : decoded + k] = new
                 all_drawn = all_drawn and len(drawn) >= k  # one draw per generated column, in order
@@ -293,7 +298,7 @@ def generate_completions(
                 keep = live.nonzero().squeeze(1)  # [b']
                 cache_name, returned = _returned_cache(output)
                 cache = {cache_name: keep_cache_rows(returned, keep)}
-                rows, ids = rows[keep], output.sequences[keep]  # [b'], [b', L + k]
+                rows, ids = rows[keep], sequences[keep]  # [b'], [b', L + k]
                 mask = torch.cat([mask[keep], mask.new_ones(keep.size(0), k)], dim=1)  # [b', L + k]
     finally:
         model.train(was_training)
