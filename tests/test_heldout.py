@@ -136,7 +136,7 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     assert all(r["steps"] == 2 and r["heldout_problems"] == 4 and r["train_cpu_seconds"] > 0 for r in runs)
     limits = config["trainer"]["callbacks"][0]["init_args"]
     assert all(r["cpu_budget_seconds"] == limits["max_cpu_seconds"] for r in runs)
-    assert all(r["wall_budget_seconds"] == limits["max_wall_seconds"] == 600 for r in runs)
+    assert all(r["wall_budget_seconds"] == limits["max_wall_seconds"] == 420 for r in runs)
     gains = [100 * r["gain"] for r in runs]
     assert summary["mean_gain_points"]["mean"] == pytest.approx(sum(gains) / 2, abs=1e-9)
     for r in runs:
