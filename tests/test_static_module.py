@@ -128,6 +128,7 @@ def test_copy_refreshes_once_per_rollout_with_two_steps_each(tiny_model_dir):
 def test_a_checkpoint_load_is_sampled_next(tiny_model_dir):
     """A module samples (its copy holds the initial weights), then loads trained weights: its next rollout
     samples those, as eager decoding on them does."""
+    torch.manual_seed(0)  # the training rollouts (and so whether the weights move) whatever ran before
     grpo = GRPOConfig(
         num_generations=2,
         max_completion_length=6,
