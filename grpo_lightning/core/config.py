@@ -280,9 +280,9 @@ class GRPOConfig:
     --model models/smollm2-135m-instruct --threads 2 --calls 2 --generations 1,4,8`, 2026-12-01, quiet):
     compiling took 27-32 s per batch shape and then decoded no faster (70-106 ms per step against eager's
     72-102), and the uncompiled static path was 5-10% slower than eager for 2 to 8 rows, 13% faster for 16;
-    on the demo's rollouts, rows ending at EOS and finished rows dropped (`--natural`), the two were within
-    7% of each other, either way between runs (one thread, a loaded machine: indicative). Not enough to hold
-    a second copy of the weights by default: on CPU, ask for "static" (as the demo's config does). A model
+    on the demo's rollouts, rows ending at EOS and finished rows dropped (`--natural`), static was 1-3%
+    ahead. Not enough to hold a second copy of the weights by default: on CPU, ask for "static" (as the
+    demo's config does). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
     back to "eager" with one warning.
     """
