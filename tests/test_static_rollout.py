@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from grpo_lightning.core.generation.engines import SamplingSettings
+from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.sampling import completion_logprobs, generate_completions
-from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, static_unsupported
+from grpo_lightning.core.generation.static_engine import StaticEngine, static_unsupported
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.offline.tiny import build_model
 from tests.helpers import sliding_window_model

@@ -12,7 +12,7 @@ full fine-tuning):
 - rollouts with the eager engine: under FSDP2 the whole policy gathered once per rollout, in the compute
   dtype (`distributed.gathered_for_generation`: "generate gather");
 - rollouts with the static engine: its inference copy, unsharded on every rank, in the dtypes it computes
-  in (`static_engine.inference_copy_nbytes`: linear weights in the compute dtype, embeddings and norms as
+  in (`inference_copy.inference_copy_nbytes`: linear weights in the compute dtype, embeddings and norms as
   the policy holds them); under FSDP2 the largest unit gathered while the copy refreshes ("refresh
   gather": a decoder layer, or the root's embeddings and head), never a second full model;
 - KV cache: 2 (keys, values) x layers x KV heads x head size x compute-dtype bytes, per token of each

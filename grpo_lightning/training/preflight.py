@@ -29,7 +29,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from grpo_lightning.core.generation.static_engine import StaticEngine, inference_copy_nbytes
+from grpo_lightning.core.generation.inference_copy import inference_copy_nbytes
+from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.memory import MemoryEstimate, compute_bytes, estimate_memory, footprint
 from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 from grpo_lightning.core.rng import preserved_rng

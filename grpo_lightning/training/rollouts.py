@@ -26,10 +26,11 @@ from grpo_lightning.core.generation.engines import (
     SamplingSettings,
     warn_if_unteachable,
 )
+from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.static_engine import StaticEngine, copy_precision, resolve_backend
+from grpo_lightning.core.generation.static_engine import StaticEngine, resolve_backend
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
