@@ -16,17 +16,17 @@ from transformers import (
 )
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.engines import rows_share_prompts
 from grpo_lightning.core.generation.sampling import (
     Rollout,
     SamplingSettings,
     completion_logprobs,
     generate_completions,
     position_ids,
+    prefill_groups,
 )
 from grpo_lightning.core.generation.shared_prompt import (
     group_completion_logprobs,
-    prefill_groups,
-    rows_share_prompts,
     shared_prompt_hidden,
     sharing_unsupported,
 )

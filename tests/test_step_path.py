@@ -24,10 +24,10 @@ from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer, tiny_module
 
 ROOT = Path(__file__).resolve().parents[1]
-# The target is 10 files. The step walks 11: the module, its rollouts and monitoring (training/), the update
-# and the loss (core/algorithm/), the reward call and the default rewards (core/rewards/), and four files of
-# core/generation/: the engine seam, sampling, the shared prompt's prefill and the packed log-prob pass.
-MAX_STEP_FILES = 11
+# The step walks 10: the module, its rollouts and monitoring (training/), the update and the loss
+# (core/algorithm/), the reward call and the default rewards (core/rewards/), and three files of
+# core/generation/: the engine seam, sampling (with each group's prefill) and the packed log-prob pass.
+MAX_STEP_FILES = 10
 MAX_LOGPROB_HOPS = 3
 
 

@@ -36,12 +36,9 @@ from grpo_lightning.core.generation.sampling import (
     SamplingSettings,
     completion_logprobs,
     generate_completions,
-)
-from grpo_lightning.core.generation.shared_prompt import (
-    group_completion_logprobs,
     prefill_groups,
-    rows_share_prompts,
 )
+from grpo_lightning.core.generation.shared_prompt import group_completion_logprobs
 from grpo_lightning.core.types import Rollout
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
@@ -104,7 +101,7 @@ class EagerEngine(RolloutEngine):
 
     Samples the raw policy (`sampling.generate_completions`) under the caller's autocast; with
     `settings.share_prompt` each distinct prompt is prefilled once and its cache repeated to the group
-    (`shared_prompt.prefill_groups`). `compact_above_rows`: a call of more rows than this stops decoding its
+    (`sampling.prefill_groups`). `compact_above_rows`: a call of more rows than this stops decoding its
     finished rows once half have ended (`sampling.generate_completions`); None decodes every row until the
     longest ends.
     """
@@ -245,6 +242,15 @@ class PromptSampler:
             model, ids, mask, num_generations=num_generations, do_sample=do_sample, settings=self.settings
         )
         return rollout, self.encoder.decode(rollout)
+
+
+def rows_share_prompts(rollout: Rollout, num_generations: int) -> bool:
+    """Whether every run of `num_generations` rows of `rollout` holds one prompt, as sampled groups do."""
+    ids, G = rollout.prompt_ids, num_generations  # [B, P]
+    if ids.size(0) % G:
+        return False
+    groups = ids.view(-1, G, ids.size(1))  # [N, G, P]
+    return torch.equal(groups, groups[:, :1].expand_as(groups))
 
 
 @dataclass

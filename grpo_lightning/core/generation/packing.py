@@ -37,9 +37,8 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.generation.engines import LogProbScorer, rows_share_prompts
 from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention
-from grpo_lightning.core.generation.shared_prompt import rows_share_prompts
 from grpo_lightning.core.types import Rollout
 
 PACKED_ATTENTION = ("sdpa", "eager")  # the attention implementations that take a 4-D mask

@@ -5,17 +5,19 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import (
     Cache,
     CompileConfig,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -198,6 +200,43 @@ def _returned_cache(output) -> tuple[str, Cache]:
     return name, output[name]
 
 
+def cache_argument(model: nn.Module) -> str | None:
+    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in recent transformers,
+    `past_key_values` before; None if its forward takes neither."""
+    parameters = inspect.signature(model.get_decoder().forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+@torch.no_grad()
+def prefill_groups(
+    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int
+) -> dict[str, Cache] | None:
+    """`generate`'s cache keyword argument for the prompts `[N, P]` repeated `num_generations` times each:
+    the keys and values of every prompt but its last token, computed once per prompt and then repeated.
+
+    `generate` runs the last prompt token itself (it needs at least one uncached token) and samples on
+    from there, the same logits as from a prefill of every row. None when the prompts are one token long.
+    """
+    if prompt_ids.size(1) < 2:
+        return None
+    cache = DynamicCache(config=model.config)
+    was_training = model.training
+    model.eval()  # as generate_completions: no dropout
+    try:
+        model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=position_ids(prompt_mask[:, :-1]),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument(model): cache},
+        )
+    finally:
+        model.train(was_training)
+    cache.batch_repeat_interleave(num_generations)
+    return {cache_argument(model): cache}
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -228,7 +267,7 @@ def generate_completions(
     to their rows. None: one `generate` call, every row decoded until the longest ends.
 
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
-    token's, computed once per distinct prompt (`shared_prompt.prefill_groups`), so that `generate` decodes;
+    token's, computed once per distinct prompt (`prefill_groups`), so that `generate` decodes;
     or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
     step over a static cache; None never compiles. Sampled rollouts carry `sampler_logprobs`, each drawn
     token's log-prob under the distribution it was drawn from; greedy ones None.

@@ -9,8 +9,9 @@ and the completions run on top of them as a KV cache:
   repeat is an index into the prompt tensors, so backward sums the G rows' gradients into the one prompt
   pass, which is exactly the gradient of G separate prompt passes. The log-probs equal
   `sampling.completion_logprobs` on the concatenated rows up to rounding.
-- generation (`prefill_groups`): one forward of the distinct prompts but their last token into a
-  `DynamicCache`, repeated to G rows; `generate` continues from it (vLLM's prefix caching does the same).
+- generation (`sampling.prefill_groups`, beside the decoding it feeds): one forward of the distinct
+  prompts but their last token into a `DynamicCache`, repeated to G rows; `generate` continues from it
+  (vLLM's prefix caching does the same).
 
 `sharing_unsupported` says when a model cannot share this way; the module then keeps the unshared path.
 No Lightning here.
@@ -18,17 +19,21 @@ No Lightning here.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention, position_ids
+from grpo_lightning.core.generation.sampling import (
+    cache_argument,
+    head_logprobs,
+    not_full_attention,
+    position_ids,
+)
 from grpo_lightning.core.types import Rollout
 
 
@@ -56,13 +61,6 @@ class _SharedPrefix(DynamicLayer):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.read = True
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-
-def cache_argument(model: nn.Module) -> str | None:
-    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in recent transformers,
-    `past_key_values` before; None if its forward takes neither."""
-    parameters = inspect.signature(model.get_decoder().forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def sharing_unsupported(model: nn.Module) -> str | None:
@@ -149,15 +147,6 @@ def shared_prompt_hidden(
     return torch.cat([hidden, completion_hidden], dim=1)  # [b, T, H]
 
 
-def rows_share_prompts(rollout: Rollout, num_generations: int) -> bool:
-    """Whether every run of `num_generations` rows of `rollout` holds one prompt, as sampled groups do."""
-    ids, G = rollout.prompt_ids, num_generations  # [B, P]
-    if ids.size(0) % G:
-        return False
-    groups = ids.view(-1, G, ids.size(1))  # [N, G, P]
-    return torch.equal(groups, groups[:, :1].expand_as(groups))
-
-
 def group_completion_logprobs(
     model: PreTrainedModel,
     rollout: Rollout,
@@ -197,33 +186,3 @@ def group_completion_logprobs(
         entropy_grad=entropy_grad,
         max_logits_elements=max_logits_elements,
     )
-
-
-@torch.no_grad()
-def prefill_groups(
-    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int
-) -> dict[str, Cache] | None:
-    """`generate`'s cache keyword argument for the prompts `[N, P]` repeated `num_generations` times each:
-    the keys and values of every prompt but its last token, computed once per prompt and then repeated.
-
-    `generate` runs the last prompt token itself (it needs at least one uncached token) and samples on
-    from there, the same logits as from a prefill of every row. None when the prompts are one token long.
-    """
-    if prompt_ids.size(1) < 2:
-        return None
-    cache = DynamicCache(config=model.config)
-    was_training = model.training
-    model.eval()  # as generate_completions: no dropout
-    try:
-        model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=position_ids(prompt_mask[:, :-1]),
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_argument(model): cache},
-        )
-    finally:
-        model.train(was_training)
-    cache.batch_repeat_interleave(num_generations)
-    return {cache_argument(model): cache}

@@ -21,7 +21,7 @@ to happen once per run and keep holding, and reports when it does not (`compile_
   second full model is alive while it refreshes.
 - sampling is the eager path's (`sampling.generate_completions`: the same processors, the checkpoint's
   generation config ignored, `min_new_tokens`, EOS handling), run with the static cache passed in; with
-  `share_prompt` each prompt's prefill runs once (`shared_prompt.prefill_groups`) and is copied into its
+  `share_prompt` each prompt's prefill runs once (`sampling.prefill_groups`) and is copied into its
   G rows of the static cache. Every sampled rollout carries the log-prob of each token under the
   distribution it was drawn from (`Rollout.sampler_logprobs`), which the trainer compares with the loss's.
 - uncompiled, finished rows stop costing as on the eager path: once half of a call's rows have ended, the
@@ -66,10 +66,11 @@ from grpo_lightning.core.generation.inference_copy import (
 )
 from grpo_lightning.core.generation.sampling import (
     COMPACT_ABOVE_ROWS,
+    cache_argument,
     generate_completions,
     not_full_attention,
+    prefill_groups,
 )
-from grpo_lightning.core.generation.shared_prompt import cache_argument, prefill_groups
 from grpo_lightning.core.types import Rollout
 
 
