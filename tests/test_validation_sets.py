@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.validation_sets import COUNTED, SetScores, ValidationSet, rank_share
@@ -26,6 +27,11 @@ MARKS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]  # 7 rows: 3/7 right; Lightning's pa
 def mark_reward(completions, mark, **kwargs) -> list[float]:
     """Full marks where the row says so, whatever the completion: the set's accuracy is known exactly."""
     return list(mark)
+
+
+def even_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """Full marks where the GSM8K row's answer is even, whatever the completion: known exactly, as above."""
+    return [float(int(reference_answer(a)) % 2 == 0) for a in answer]
 
 
 def write_math_file(path) -> str:
@@ -70,10 +76,15 @@ def test_a_set_with_latex_answers_needs_a_reward(tmp_path):
         GSM8KDataModule(source="arithmetic", val_sets=[ValidationSet("a", path)] * 2).setup()
 
 
-def validation_sets(math_file: str) -> list[ValidationSet]:
+def validation_sets(math_file: str, gsm8k_reward=None) -> list[ValidationSet]:
     return [
         ValidationSet(
-            name="gsm8k_test", source=GSM8K_DIR, question_field="question", size=5, num_generations=2
+            name="gsm8k_test",
+            source=GSM8K_DIR,
+            question_field="question",
+            size=5,
+            num_generations=2,
+            reward=gsm8k_reward,
         ),
         ValidationSet(
             name="math", source=math_file, question_field="problem", reward=mark_reward, batch_size=2
@@ -81,7 +92,7 @@ def validation_sets(math_file: str) -> list[ValidationSet]:
     ]
 
 
-def module_and_data(model_dir: str, math_file: str, val_size: int = 3):
+def module_and_data(model_dir: str, math_file: str, val_size: int = 3, gsm8k_reward=None):
     grpo = GRPOConfig(num_generations=2, max_completion_length=4, preflight=False)
     module = GRPOModule(model_dir, grpo=grpo, num_generations_eval=1)
     data = GSM8KDataModule(
@@ -89,7 +100,7 @@ def module_and_data(model_dir: str, math_file: str, val_size: int = 3):
         arithmetic_size=20,
         val_size=val_size,
         val_batch_size=2,
-        val_sets=validation_sets(math_file),
+        val_sets=validation_sets(math_file, gsm8k_reward),
     )
     return module, data
 
@@ -158,7 +169,9 @@ def test_cli_monitors_one_sets_metric(tiny_model_dir, tmp_path):
 
 # ----------------------------------------------------------------------------------------- DDP
 def validate_and_record(cfg: dict) -> None:
-    module, data = module_and_data(cfg["model"], cfg["math"], val_size=7)
+    # GSM8K's set scored by its rows, not by sampled text: each rank samples with its own random stream, so
+    # a sampled completion that happens to hold the answer would count on one world size and not the other.
+    module, data = module_and_data(cfg["model"], cfg["math"], val_size=7, gsm8k_reward=even_answer_reward)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg["devices"],
@@ -187,6 +200,10 @@ def test_ddp_counts_every_row_once(tiny_model_dir, two_rank_runs, tmp_path):
         for devices, out in ((1, tmp_path), (2, os.path.join(two_rank_runs, "test_validation_sets")))
     }
     assert results[2]["val/math/accuracy"] == results[1]["val/math/accuracy"] == pytest.approx(3 / 7)
-    # Row-determined too (the tiny model answers nothing right): any repeat would still change no value.
-    for key in ("val/accuracy", "val/gsm8k_test/accuracy", "val/math/pass@k"):
+    even = [int(reference_answer(r["answer"])) % 2 == 0 for r in gsm8k_rows("test", 5)]
+    assert 0 < sum(even) < 5  # a repeated row would move the share
+    for key in ("val/gsm8k_test/accuracy", "val/gsm8k_test/pass@k"):
+        assert results[2][key] == results[1][key] == pytest.approx(sum(even) / 5), key
+    # Greedy on the arithmetic rows (the tiny model answers none right): equal on both world sizes.
+    for key in ("val/accuracy", "val/math/pass@k"):
         assert results[2][key] == results[1][key], key
