@@ -76,10 +76,27 @@ def budget_of(trainer) -> CPUTimeBudget:
     return trainer.callbacks[0]
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (x86 avx512_bf16 or AMX), on which bf16-mixed halved the
+    demo's CPU seconds per step. Elsewhere bf16 matmuls are emulated; not measured, so the demo trains in the
+    float32 it was also measured in."""
+    checks = (
+        getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
+    return any(check is not None and check() for check in checks)
+
+
 def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict]:
     """One fine-tuning run: its summary, the before-training results (measured if `before` is None), the
     run's root folder and its curves (`write_curves`)."""
     cli = build_cli(cli_args, run=False)
+    on_cpu = cli.trainer.strategy.root_device.type == "cpu"
+    if on_cpu and str(cli.trainer.precision).startswith("bf16") and not cpu_multiplies_bf16():
+        # The time budget would buy fewer, slower steps than float32's: train as the float32 runs measured.
+        print(
+            f"no bf16 matrix instructions on this CPU: trainer.precision=32-true, not {cli.trainer.precision}"
+        )
+        cli = build_cli([*cli_args, "--trainer.precision=32-true"], run=False)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     # Before and after training the same rollout engine decodes, in the trainer's precision (under bf16-mixed
     # the static path's bf16 copy): without it the evaluation before would run in float32.
@@ -108,6 +125,7 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
         "format_after": share(after["formatted"]),
         "completion_length_before": share(before["lengths"]),
         "completion_length_after": share(after["lengths"]),
+        "precision": str(trainer.precision),
         "steps": trainer.global_step,
         "train_seconds": round(budget.wall_seconds, 1),
         "train_cpu_seconds": round(budget.cpu_seconds, 1),
@@ -126,7 +144,8 @@ def describe(s: dict) -> str:
         f"seed {s['seed']}: strict accuracy {s['accuracy_before']:.1%} ± {s['accuracy_before_se']:.1%} -> "
         f"{s['accuracy_after']:.1%} ± {s['accuracy_after_se']:.1%}, gain {100 * s['gain']:+.1f} ± "
         f"{100 * s['gain_se']:.1f} points (paired SE, {s['heldout_problems']} held-out problems); "
-        f"{s['steps']} steps in {s['train_cpu_seconds']:.0f} CPU s ({s['threads']} threads) / "
+        f"{s['steps']} steps in {s['train_cpu_seconds']:.0f} CPU s ({s['threads']} threads, "
+        f"{s['precision']}) / "
         f"{s['train_seconds']:.0f} s wall of training"
     )
 

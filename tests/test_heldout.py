@@ -102,9 +102,10 @@ def test_wall_budget_stops_on_wall_clock_while_the_cpu_budget_is_far():
         CPUTimeBudget(max_wall_seconds=-1)
 
 
-def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
-    """`scripts/demo.py --seeds 2` on a tiny model and the demo config: two runs from the same measured
-    `before`, each under the config's CPU and wall-clock budget, and the mean of their gains."""
+def tiny_demo(tiny_model_dir, tmp_path) -> tuple:
+    """scripts/demo.py, and the demo config on the tiny model (2 optimizer steps of one rollout, 4 held-out
+    rows) in bf16-mixed, written to `tmp_path`; with a list that records the precision of the engine each
+    evaluation decoded with, once `heldout_correct` is patched with the function returned last."""
     with open(os.path.join(REPO, "configs", "demo_arithmetic.yaml"), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     # bf16-mixed: the evaluations must decode in the trainer's precision, not the float32 of no trainer
@@ -116,16 +117,25 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     config["model"]["grpo"]["steps_per_generation"] = 2  # one rollout, 2 optimizer steps of one prompt
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
-    demo = load_script("demo", "scripts/demo.py")
-    precisions = []  # the precision of the engine each evaluation decoded with
+    precisions = []
 
     def recorded(module, *args):
         results = heldout_correct(module, *args)
         precisions.append(module.rollouts.engine_precision)
         return results
 
-    with mock.patch.object(demo, "heldout_correct", recorded):
-        demo.main(["--config", str(path), "--seeds", "2", "--threads", str(torch.get_num_threads())])
+    return load_script("demo", "scripts/demo.py"), str(path), config, precisions, recorded
+
+
+def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
+    """`scripts/demo.py --seeds 2` on a tiny model and the demo config: two runs from the same measured
+    `before`, each under the config's CPU and wall-clock budget, and the mean of their gains."""
+    demo, path, config, precisions, recorded = tiny_demo(tiny_model_dir, tmp_path)
+    with (
+        mock.patch.object(demo, "heldout_correct", recorded),
+        mock.patch.object(demo, "cpu_multiplies_bf16", lambda: True),
+    ):
+        demo.main(["--config", path, "--seeds", "2", "--threads", str(torch.get_num_threads())])
     # before (once), after seed 0, after seed 1: all in the config's precision, as training sampled
     assert precisions == ["bf16-mixed"] * 3
 
@@ -134,6 +144,7 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     assert [r["seed"] for r in runs] == [0, 1]
     assert runs[0]["accuracy_before"] == runs[1]["accuracy_before"]
     assert all(r["steps"] == 2 and r["heldout_problems"] == 4 and r["train_cpu_seconds"] > 0 for r in runs)
+    assert all(r["precision"] == "bf16-mixed" for r in runs)
     limits = config["trainer"]["callbacks"][0]["init_args"]
     assert all(r["cpu_budget_seconds"] == limits["max_cpu_seconds"] for r in runs)
     assert all(r["wall_budget_seconds"] == limits["max_wall_seconds"] == 420 for r in runs)
@@ -142,6 +153,19 @@ def test_demo_with_seeds_reports_the_mean_gain(tiny_model_dir, tmp_path):
     for r in runs:
         assert r["gain"] == pytest.approx(r["accuracy_after"] - r["accuracy_before"], abs=1e-12)
     check_curves(tmp_path, runs)
+
+
+def test_demo_trains_in_float32_on_a_cpu_without_bf16_matrix_instructions(tiny_model_dir, tmp_path, capsys):
+    demo, path, _, precisions, recorded = tiny_demo(tiny_model_dir, tmp_path)
+    with (
+        mock.patch.object(demo, "heldout_correct", recorded),
+        mock.patch.object(demo, "cpu_multiplies_bf16", lambda: False),
+    ):
+        demo.main(["--config", path, "--threads", str(torch.get_num_threads())])
+    assert precisions == ["32-true"] * 2  # before and after, as training
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["precision"] == "32-true" and summary["steps"] == 2
+    assert "trainer.precision=32-true, not bf16-mixed" in capsys.readouterr().out
 
 
 def check_curves(folder, runs: list[dict]) -> None:

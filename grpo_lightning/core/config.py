@@ -118,9 +118,11 @@ class GRPOConfig:
     `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: measured
     on CPU (BENCHMARKS.md), the gap is rounding, 3e-5 nats per token in float32, and under bf16-mixed
     2-3e-2 for eager decoding and the static copy alike (decoding token by token rounds otherwise than
-    scoring the whole sequence), while what the correction does to learning is not measured yet. Turn it
-    on where `rollout/logp_gap_frac_above` is material, or with top_p/top_k/min_completion_length, whose
-    truncation is a gap by design. TRL: `vllm_importance_sampling_correction` (on with vLLM) with
+    scoring the whole sequence). On the bf16-mixed demo (gap 0.013 nats per token, 4.7% of tokens above
+    0.1) its weights averaged 1.00 with 0.01% capped, and 3 seeds gained +25.7 points against +30.0
+    without it: no better, within the spread of seeds. Turn it on where `rollout/logp_gap_frac_above` is
+    material, or with top_p/top_k/min_completion_length, whose truncation is a gap by design. TRL:
+    `vllm_importance_sampling_correction` (on with vLLM) with
     `vllm_importance_sampling_mode="token_truncate"`; verl: `algorithm.rollout_is` with
     `rollout_is_level: token`, `rollout_is_mode: truncate`.
     """
