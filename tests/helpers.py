@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from grpo_lightning.cli import main
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 
 # GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.
@@ -58,6 +59,20 @@ def tiny_module(
     grpo_config = GRPOConfig(**{**options, **grpo})
     funcs = None if reward_funcs is None else list(reward_funcs)
     return cls(path, reward_funcs=funcs, grpo=grpo_config, **(module_options or {}))
+
+
+def static_module(path: str, cls: type[GRPOModule] = GRPOModule, **grpo) -> GRPOModule:
+    """A `cls` sampling through the static engine, with `digit_reward`, groups of 2, a learning rate of 1e-2
+    (the weights move in one step) and no pre-flight, unless `grpo` says otherwise."""
+    options = dict(num_generations=2, generation_backend="static", learning_rate=1e-2, preflight=False)
+    return cls(path, reward_funcs=[digit_reward], grpo=GRPOConfig(**{**options, **grpo}))
+
+
+def arithmetic_data(size: int) -> GSM8KDataModule:
+    """`size` built-in arithmetic problems without a system prompt, 2 per step, 2 held out."""
+    return GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=size, batch_size=2, val_size=2
+    )
 
 
 def sliding_window_model(vocab: int) -> PreTrainedModel:

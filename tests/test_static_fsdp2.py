@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.sampling import completion_logprobs
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -29,9 +28,7 @@ from grpo_lightning.io.distributed import (
     shard_model,
 )
 from grpo_lightning.io.models import LoraOptions, apply_lora
-from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.module import GRPOModule
-from tests.helpers import digit_reward, quiet_trainer
+from tests.helpers import arithmetic_data, quiet_trainer, static_module
 from tests.test_static_rollout import engine, prompts, tiny
 
 
@@ -39,17 +36,8 @@ def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir)
     """The module under FSDP2 (one gloo rank) and bf16-mixed: the copy is bf16 (FSDP2 gathers every weight in
     bf16, as the scorer computes with them) and, refreshed after two optimizer steps, equals the float32
     shards gathered and cast."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=4,
-        generation_backend="static",
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, val_size=2
-    )
+    module = static_module(tiny_model_dir, max_completion_length=4)
+    data = arithmetic_data(20)
     strategy = ModelParallelStrategy(
         data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo"
     )

@@ -13,9 +13,8 @@ import torch
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.static_engine import StaticEngine
-from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.helpers import digit_reward, quiet_trainer, sliding_window_model
+from tests.helpers import arithmetic_data, quiet_trainer, sliding_window_model, static_module
 from tests.test_static_rollout import assert_copy_holds, eager_greedy
 
 
@@ -50,20 +49,14 @@ def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
 def test_training_refreshes_the_copy_and_validation_shares_it(tiny_model_dir):
     """Validation first (inference mode, greedy), dynamic sampling, a KL reference: after training the
     copy holds the trained weights, and greedy validation rollouts are the policy's own."""
-    grpo = GRPOConfig(
-        num_generations=2,
+    module = static_module(
+        tiny_model_dir,
         max_completion_length=6,
-        generation_backend="static",
         dynamic_sampling=True,
         dynamic_sampling_metric=None,
         beta=0.04,
-        learning_rate=1e-2,
-        preflight=False,
     )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=40, batch_size=2, val_size=2
-    )
+    data = arithmetic_data(40)
 
     trainer = quiet_trainer(max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2)
     trainer.fit(module, data)
@@ -108,18 +101,8 @@ class CheckedModule(GRPOModule):
 def test_copy_refreshes_once_per_rollout_with_two_steps_each(tiny_model_dir):
     """`steps_per_generation` 2: two optimizer steps per rollout, one refresh per rollout (the first
     fill included), each rollout sampling the weights of its moment."""
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=4,
-        generation_backend="static",
-        steps_per_generation=2,
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    module = CheckedModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=16, batch_size=2, val_size=2
-    )
+    module = static_module(tiny_model_dir, CheckedModule, max_completion_length=4, steps_per_generation=2)
+    data = arithmetic_data(16)
     quiet_trainer(max_steps=6, limit_val_batches=0).fit(module, data)  # 3 rollouts x 2 optimizer steps
     assert module.trainer.global_step == 6 and module.rollouts_sampled == 3
     assert module.rollouts.engine.refreshes == 3
@@ -129,19 +112,9 @@ def test_a_checkpoint_load_is_sampled_next(tiny_model_dir):
     """A module samples (its copy holds the initial weights), then loads trained weights: its next rollout
     samples those, as eager decoding on them does."""
     torch.manual_seed(0)  # the training rollouts (and so whether the weights move) whatever ran before
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_completion_length=6,
-        generation_backend="static",
-        learning_rate=1e-2,
-        preflight=False,
-    )
-    trained = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
-    )
-    quiet_trainer(max_steps=2, limit_val_batches=0).fit(trained, data)
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    trained = static_module(tiny_model_dir, max_completion_length=6)
+    quiet_trainer(max_steps=2, limit_val_batches=0).fit(trained, arithmetic_data(8))
+    module = static_module(tiny_model_dir, max_completion_length=6)
     module.configure_model()
     prompts_ = ["12 + 7 =", "3 * 4 ="]
     before = module.rollouts.sample(prompts_, 1, do_sample=False)[0].completion_ids
@@ -193,17 +166,11 @@ def test_an_engine_built_before_fit_follows_the_trainers_precision(tiny_model_di
     """Sampling before `fit` (an evaluation before training) builds the static engine without a trainer:
     a float32 inference copy. Under `bf16-mixed` training must generate from a bf16 copy, as the scorer's
     autocast sees the weights; the demo's seed 0 once trained from the float32 one."""
-    grpo = GRPOConfig(
-        num_generations=2, max_completion_length=4, generation_backend="static", preflight=False
-    )
-    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo)
+    module = static_module(tiny_model_dir, max_completion_length=4)
     module.configure_model()
     module.rollouts.sample(["1 + 1 ="], 1, do_sample=False)
     linear = "model.layers.0.mlp.up_proj.weight"
     assert dict(module.rollouts.engine.copy.model.named_parameters())[linear].dtype == torch.float32
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, arithmetic_size=8, batch_size=2, val_size=2
-    )
-    quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, data)
+    quiet_trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(module, arithmetic_data(8))
     copy = dict(module.rollouts.engine.copy.model.named_parameters())
     assert copy[linear].dtype == torch.bfloat16 and copy["model.embed_tokens.weight"].dtype == torch.float32
