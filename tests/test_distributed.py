@@ -22,7 +22,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,6 +49,7 @@ from grpo_lightning.io.export import ExportBestCallback, export_policy
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.io.rows import collate_rows
 from grpo_lightning.training.module import GRPOModule
+from tests.helpers import quiet_trainer
 
 NUM_ROWS = 8
 NUM_GENERATIONS = 3
@@ -189,16 +189,11 @@ def fit_and_record(cfg: dict) -> None:
         ),
     )
     module.record = {}
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=cfg["devices"],
         strategy=strategy_for(cfg),
         precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
