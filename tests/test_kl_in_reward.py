@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grpo_lightning.core.algorithm.update
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.training.module import GRPOModule
 from tests.test_dynamic_sampling import G, StepSpy, fit_on_rows, rows
 

@@ -18,13 +18,13 @@ from grpo_lightning.core.algorithm.update import (
     mini_batch_denominators,
 )
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.packing import (
     PackedLogProbScorer,
     pack_rows,
     packed_completion_logprobs,
     packing_unsupported,
 )
-from grpo_lightning.core.generation.sampling import completion_logprobs
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, sliding_window_model, tiny_module

@@ -5,7 +5,7 @@ A rollout is a padded tensor: prompts left-padded to the longest prompt, complet
 longest completion. Its decoder passes (reference, old policy, policy) compute every padding position as if
 it were a token. Here each row's real tokens (its prompt, then its completion but the last token, which
 predicts nothing that is scored) go end to end into lines, and one attention mask keeps the rows apart;
-position ids restart at each row's prompt, as `sampling.position_ids` numbers the padded row. Every real
+position ids restart at each row's prompt, as `logprobs.position_ids` numbers the padded row. Every real
 token then sees exactly the tokens, at exactly the positions, it sees in its padded row, so its log-prob is
 the same up to rounding (tests/test_packing.py checks this in float64).
 
@@ -20,7 +20,7 @@ width squared: lines are as wide as the longest row, twice that, or (shared) a w
 computes the fewest FLOPs (`pack_rows`, `scores_per_position`). Wider lines waste less room at their ends
 and copy a group's prompt fewer times, but every token attends over the whole line.
 
-The LM head then runs on the scored tokens only (`sampling.head_logprobs`), not on the padding after each
+The LM head then runs on the scored tokens only (`logprobs.head_logprobs`), not on the padding after each
 row's end. The mask is a 4-D tensor in the format of the model's attention implementation (boolean for
 sdpa, additive for eager); flash attention takes no such mask, so `packing_unsupported` sends those models
 (and models with sliding-window layers, whose masks differ per layer) to the padded passes.
@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.engines import LogProbScorer, rows_share_prompts
-from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention
+from grpo_lightning.core.generation.logprobs import head_logprobs
+from grpo_lightning.core.generation.sampling import not_full_attention
 from grpo_lightning.core.types import Rollout
 
 PACKED_ATTENTION = ("sdpa", "eager")  # the attention implementations that take a 4-D mask
@@ -233,7 +234,7 @@ def packed_completion_logprobs(
     entropy_grad: bool = False,
     max_logits_elements: int = 2**26,
 ) -> tuple[Tensor, Tensor]:
-    """`sampling.completion_logprobs` of `rollout`'s `rows`, packed (`pack_rows`; `group_size`: each
+    """`logprobs.completion_logprobs` of `rollout`'s `rows`, packed (`pack_rows`; `group_size`: each
     group's prompt shared by its completions). Returns `(logprobs, entropies)`, each `[b, T]` float32,
     0 after each row's end."""
     packed = pack_rows(rollout, rows, group_size, scores_per_position(model))

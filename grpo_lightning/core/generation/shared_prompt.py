@@ -8,7 +8,7 @@ and the completions run on top of them as a KV cache:
   captures every layer's keys and values, then a forward of the completions that attends to them. The
   repeat is an index into the prompt tensors, so backward sums the G rows' gradients into the one prompt
   pass, which is exactly the gradient of G separate prompt passes. The log-probs equal
-  `sampling.completion_logprobs` on the concatenated rows up to rounding.
+  `logprobs.completion_logprobs` on the concatenated rows up to rounding.
 - generation (`sampling.prefill_groups`, beside the decoding it feeds): one forward of the distinct
   prompts but their last token into a `DynamicCache`, repeated to G rows; `generate` continues from it
   (vLLM's prefix caching does the same).
@@ -28,12 +28,8 @@ from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.sampling import (
-    cache_argument,
-    head_logprobs,
-    not_full_attention,
-    position_ids,
-)
+from grpo_lightning.core.generation.logprobs import head_logprobs, position_ids
+from grpo_lightning.core.generation.sampling import cache_argument, not_full_attention
 from grpo_lightning.core.types import Rollout
 
 
@@ -158,7 +154,7 @@ def group_completion_logprobs(
     entropy_grad: bool = False,
     max_logits_elements: int = 2**26,
 ) -> tuple[Tensor, Tensor]:
-    """`sampling.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
+    """`logprobs.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
 
     `rows` may cut groups (a micro-batch smaller than G, or not a multiple of it): every group it touches
     gets one prompt pass. Returns `(logprobs, entropies)`, each `[b, T]` float32, as `completion_logprobs`.
