@@ -56,7 +56,6 @@ from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
 )
 from grpo_lightning.core.algorithm.update import (  # noqa: E402
     MicroBatchSums,
-    OneProcess,
     build_trajectory,
     logprobs_in_micro_batches,
     micro_batch_losses,
@@ -70,6 +69,7 @@ from grpo_lightning.core.generation.packing import (  # noqa: E402
     pack_rows,
     scores_per_position,
 )
+from grpo_lightning.core.ranks import OneProcess  # noqa: E402
 from grpo_lightning.core.types import Rollout, ScoredGroups  # noqa: E402
 from grpo_lightning.offline.tiny import build_model  # noqa: E402
 

@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from grpo_lightning.core.algorithm.update import (
     MicroBatchSums,
-    OneProcess,
     logprobs_in_micro_batches,
     micro_batch_losses,
     micro_batches,
@@ -25,6 +24,7 @@ from grpo_lightning.core.generation.packing import (
     packed_completion_logprobs,
     packing_unsupported,
 )
+from grpo_lightning.core.ranks import OneProcess
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, sliding_window_model, tiny_module

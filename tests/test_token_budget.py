@@ -18,7 +18,6 @@ from grpo_lightning.core.algorithm.token_budget import (
 )
 from grpo_lightning.core.algorithm.update import (
     MicroBatchSums,
-    OneProcess,
     build_trajectory,
     logprobs_in_micro_batches,
     micro_batch_losses,
@@ -27,6 +26,7 @@ from grpo_lightning.core.algorithm.update import (
 )
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.ranks import OneProcess
 from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, tiny_module

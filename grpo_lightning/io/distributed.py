@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
-from grpo_lightning.core.algorithm.update import OneProcess
+from grpo_lightning.core.ranks import OneProcess
 
 
 def is_sharded(model: nn.Module) -> bool:

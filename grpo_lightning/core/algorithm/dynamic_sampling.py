@@ -14,8 +14,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.algorithm.update import Ranks
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import ScoredGroups
 
 __all__ = ["GroupBuffer", "informative_groups"]

@@ -16,7 +16,7 @@
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
 `RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
-and the other processes (`Ranks`: sums, maxima and gathers; `OneProcess` alone).
+and the other processes (`core.ranks.Ranks`: sums, maxima and gathers).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import fields
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -43,45 +42,12 @@ from grpo_lightning.core.algorithm.loss import (
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
 MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
 # (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
 Score = Callable[..., tuple[Tensor, Tensor]]
-
-
-class Ranks(Protocol):
-    """What an update asks of the other processes; every rank calls each method, in the same order."""
-
-    world_size: int
-    rank: int
-
-    def sum(self, value: Tensor) -> Tensor:
-        """`value` summed over the ranks."""
-        ...
-
-    def max(self, value: int) -> int:
-        """The largest of the ranks' `value`s."""
-        ...
-
-    def gather(self, values: list) -> list[list]:
-        """Every rank's `values` (lists of any length), in rank order."""
-        ...
-
-
-class OneProcess:
-    """`Ranks` of a single process: nothing to ask."""
-
-    world_size, rank = 1, 0
-
-    def sum(self, value: Tensor) -> Tensor:
-        return value
-
-    def max(self, value: int) -> int:
-        return value
-
-    def gather(self, values: list) -> list[list]:
-        return [values]
 
 
 # ------------------------------------------------------------------------------------- 1. the trajectory
