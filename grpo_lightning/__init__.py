@@ -35,7 +35,7 @@ _PUBLIC = {
     "kl_penalty": "grpo_lightning.core.algorithm.loss",
     "kl_in_reward": "grpo_lightning.core.algorithm.loss",
     "Trajectory": "grpo_lightning.core.types",
-    "build_trajectory": "grpo_lightning.core.algorithm.update",
+    "build_trajectory": "grpo_lightning.core.update",
     # rollouts
     "Rollout": "grpo_lightning.core.types",
     "RolloutEngine": "grpo_lightning.core.generation.engines",

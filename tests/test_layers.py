@@ -6,6 +6,8 @@ inside functions included), and the tables of docs/architecture.md, checked agai
 - no arrow runs up a layer (core < io < training < demo, offline < the entry points): core imports nothing
   from io or training, io nothing from training, the library layers nothing from demo or offline, and
   only the entry points import `training.module`;
+- core is a stack: its files and subpackages in one order (`CORE_ORDER`), each importing only its own unit
+  and the units below it, so no circle runs between them, at folder level either;
 - no import circle among the package's files;
 - docs/architecture.md's tables name every .py file of the package, and no file that is not there.
 """
@@ -96,6 +98,57 @@ def test_only_the_entry_points_import_the_module(module):
         return
     assert "grpo_lightning.training.module" not in imports(module)
     assert not [m for m in imports(module) if m.startswith(ENTRY_POINTS)]
+
+
+# Core's units, bottom to top: the shared types and helpers; rewards (what a completion is worth), and the
+# accuracy metrics that read their answer extraction; generation (sampling and log-probs); the algorithm's
+# maths (advantages, loss, schedules); the config, which composes the options of the units below (their
+# registries, the sampling settings); and the update of a rollout, the one core unit that reads the config.
+CORE_ORDER = (
+    "grpo_lightning.core",
+    "grpo_lightning.core.types",
+    "grpo_lightning.core.options",
+    "grpo_lightning.core.ranks",
+    "grpo_lightning.core.rng",
+    "grpo_lightning.core.memory",
+    "grpo_lightning.core.rewards",
+    "grpo_lightning.core.metrics",
+    "grpo_lightning.core.generation",
+    "grpo_lightning.core.algorithm",
+    "grpo_lightning.core.config",
+    "grpo_lightning.core.update",
+)
+
+
+def core_unit(module: str) -> str:
+    """The unit of `CORE_ORDER` that holds the core module `module` (a file, or a file of a subpackage)."""
+    units = [u for u in CORE_ORDER if module == u or module.startswith(u + ".")]
+    return max(units, key=len)
+
+
+def test_core_order_names_every_core_unit():
+    top = {".".join(m.split(".")[:3]) for m in CORE}
+    assert top | {"grpo_lightning.core"} == set(CORE_ORDER)
+    assert core_unit("grpo_lightning.core.generation.sampling") == "grpo_lightning.core.generation"
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_only_its_own_unit_and_those_below(module):
+    rank = CORE_ORDER.index(core_unit(module))
+    above = sorted(
+        m for m in own_imports(module) if layer(m) == "core" and CORE_ORDER.index(core_unit(m)) > rank
+    )
+    assert not above, f"{module} ({core_unit(module)}) imports {above} from a unit above it in CORE_ORDER"
+
+
+def test_core_units_form_no_circle():
+    graph: dict[str, set[str]] = {}
+    for module in CORE:
+        unit = core_unit(module)
+        graph.setdefault(unit, set()).update(
+            core_unit(m) for m in own_imports(module) if layer(m) == "core" and core_unit(m) != unit
+        )
+    assert circles(graph) == []
 
 
 # Each layer may import its own and those below it: core < io < training < demo, offline < the entry points.

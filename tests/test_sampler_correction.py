@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
-from grpo_lightning.core.algorithm.update import micro_batch_loss
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, Trajectory
+from grpo_lightning.core.update import micro_batch_loss
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 

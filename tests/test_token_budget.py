@@ -16,7 +16,11 @@ from grpo_lightning.core.algorithm.token_budget import (
     padding_share,
     token_budget_micro_batches,
 )
-from grpo_lightning.core.algorithm.update import (
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.ranks import OneProcess
+from grpo_lightning.core.types import ScoredGroups
+from grpo_lightning.core.update import (
     MicroBatchSums,
     build_trajectory,
     logprobs_in_micro_batches,
@@ -24,10 +28,6 @@ from grpo_lightning.core.algorithm.update import (
     micro_batches,
     mini_batch_denominators,
 )
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import LogProbScorer
-from grpo_lightning.core.ranks import OneProcess
-from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 from tests.test_share_prompt import PROMPTS, float64_norms, grads, load_tiny, make_rollout

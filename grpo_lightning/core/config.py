@@ -7,6 +7,7 @@ implements them) and its range (`Range`), which jsonargparse reads and `--help` 
 """
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
@@ -19,6 +20,7 @@ from grpo_lightning.core.algorithm.loss import (
     ScaleRewards,
 )
 from grpo_lightning.core.algorithm.schedules import ScheduleType
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.options import Range, check_fields, option_error
 
 # The ranges several options share.
@@ -309,6 +311,21 @@ class GRPOConfig:
     def optimizer_steps_per_batch(self) -> int:
         """The optimizer steps of one training step: num_iterations x steps_per_generation."""
         return self.num_iterations * self.steps_per_generation
+
+    def sampling_settings(
+        self, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
+    ) -> SamplingSettings:
+        """The settings of the training rollouts: their lengths, temperature, top-p and top-k."""
+        return SamplingSettings(
+            max_new_tokens=self.max_completion_length,
+            min_new_tokens=self.min_completion_length,
+            eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=pad_token_id,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            share_prompt=share_prompt,
+        )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -2,7 +2,7 @@
 
 1. `Rollout`: G sampled completions per prompt (the generation engines, `core/generation/`).
 2. `ScoredGroups`: a rollout with its rewards (`core/rewards/scoring.py`); dynamic sampling stacks several.
-3. `Trajectory`: a scored rollout with everything the loss reads (`core/algorithm/update.py`).
+3. `Trajectory`: a scored rollout with everything the loss reads (`core/update.py`).
 
 Pure torch: nothing here knows about Lightning.
 """

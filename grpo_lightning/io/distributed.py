@@ -208,7 +208,7 @@ def ranks_of(strategy: Any) -> StrategyRanks | OneProcess:
 
 
 class StrategyRanks:
-    """`core.algorithm.update.Ranks` over the processes of a Lightning strategy (any object with its
+    """`core.ranks.Ranks` over the processes of a Lightning strategy (any object with its
     `reduce`, `all_gather`, `world_size`, `global_rank` and `root_device`)."""
 
     def __init__(self, strategy: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,15 +29,15 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.logprobs import position_ids
 from grpo_lightning.core.types import Rollout
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-    """What every sampled completion obeys, one object from the options to the draw: `of` reads them from
-    `GRPOConfig`, `generate_completions` and `sampling_processors` apply them."""
+    """What every sampled completion obeys, one object from the options to the draw:
+    `GRPOConfig.sampling_settings` builds the training rollouts', `generate_completions` and
+    `sampling_processors` apply them."""
 
     max_new_tokens: int  # completion budget, `GRPOConfig.max_completion_length`
     min_new_tokens: int = 0  # EOS suppressed until this many new tokens
@@ -48,21 +48,6 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
 
-    @classmethod
-    def of(
-        cls, cfg: GRPOConfig, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
-    ) -> SamplingSettings:
-        """The settings of `cfg`'s rollouts: its lengths, temperature, top-p and top-k."""
-        return cls(
-            max_new_tokens=cfg.max_completion_length,
-            min_new_tokens=cfg.min_completion_length,
-            eos_token_ids=tuple(eos_token_ids),
-            pad_token_id=pad_token_id,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            share_prompt=share_prompt,
-        )
 
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
