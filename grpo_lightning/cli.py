@@ -40,9 +40,9 @@ from grpo_lightning.config_checks import check_config_files, plain_value_error, 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
-from grpo_lightning.io.checkpoints import comparable_hparams
+from grpo_lightning.io.checkpoints import check_checkpoint_folder, comparable_hparams, read_checkpoint
 from grpo_lightning.io.distributed import close_process_group
-from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing

@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import reference_answer
-from grpo_lightning.io.export import EXPORT_MARKER, ExportBestCallback, check_export_folder, export_policy
+from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint
 from tests.helpers import (

@@ -45,9 +45,10 @@ from grpo_lightning.io.distributed import (
     is_sharded,
     shard_model,
 )
-from grpo_lightning.io.export import ExportBestCallback, export_policy
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.io.rows import collate_rows
+from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 

@@ -14,6 +14,7 @@ import json
 import os
 from contextlib import nullcontext
 from dataclasses import replace
+from operator import attrgetter
 
 import lightning as L
 import torch
@@ -33,7 +34,6 @@ from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import gathered_for_generation
-from grpo_lightning.io.export import resolve_attr
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
@@ -144,8 +144,8 @@ class GSM8KAccuracyCallback(L.Callback):
 
     def evaluate(self, pl_module: L.LightningModule, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """Score this rank's shard of the subset; the returned metrics are global when DDP is running."""
-        model = resolve_attr(pl_module, self.model_attr)
-        tokenizer = resolve_attr(pl_module, self.tokenizer_attr)
+        model = attrgetter(self.model_attr)(pl_module)
+        tokenizer = attrgetter(self.tokenizer_attr)(pl_module)
         rows = self.data.val_rows[rank::world_size]
         metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
         system_prompt = self.data.hparams.system_prompt

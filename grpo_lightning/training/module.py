@@ -29,14 +29,20 @@ from grpo_lightning.core.rewards.scoring import (
     checked_reward_functions,
     score_completions,
     trainer_state,
+    weighted_groups,
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.types import ScoredGroups, Trajectory
+from grpo_lightning.core.types import Trajectory
 from grpo_lightning.core.update import MicroBatchSums, RolloutUpdate, StepGuard
-from grpo_lightning.io.checkpoints import as_options, portable_hparams, register_safe_globals, resolve_rewards
+from grpo_lightning.io.checkpoints import (
+    as_options,
+    check_fits,
+    portable_hparams,
+    register_safe_globals,
+    resolve_rewards,
+)
 from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
-from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
@@ -46,12 +52,8 @@ from grpo_lightning.io.models import (
     prepare_models,
 )
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.monitoring import (
-    CollapseMonitor,
-    CompletionsPanel,
-    RolloutRecord,
-    training_step_metrics,
-)
+from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
+from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
@@ -269,9 +271,8 @@ class GRPOModule(L.LightningModule):
         inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
-        rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
-        scored = ScoredGroups(
-            batch["prompt"], rollout, completions, rewards_per_func, rewards, cfg.num_generations
+        scored = weighted_groups(
+            batch["prompt"], rollout, completions, rewards_per_func, self.reward_weights, cfg.num_generations
         )
         logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:
