@@ -86,7 +86,9 @@ def _cache_kept_under_checkpointing(decoder: nn.Module) -> Iterator[None]:
     transformers drops any cache inside a checkpointed layer otherwise."""
     layers = _checkpointable_layers(decoder)
     for layer in layers:
-        layer._can_checkpoint_with_cache = True  # an instance attribute over the class's False
+        # transformers' private class flag, set on the instance: no public switch keeps a cache through
+        # a checkpointed layer.
+        layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
