@@ -249,7 +249,7 @@ class GRPOConfig:
     prompt, its KV cache repeated to the G rows) and in the reference, old-policy and policy passes (the G
     completions attend to one prompt pass, whose gradient sums theirs); Prefix Grouper, arXiv:2506.05433.
     Same log-probs and gradients up to rounding (tests/test_share_prompt.py). A model that cannot share
-    (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
+    (attention without a KV cache, a sliding window in any layer, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
     """
     packed_sequences: bool = True
@@ -259,8 +259,8 @@ class GRPOConfig:
     and several of its completions. The LM head runs on the completion tokens only. Same log-probs and
     gradients up to rounding (tests/test_packing.py). On MATH-like rollouts with `share_prompt` and the
     token budget the decoder computes 0.99 positions per token of the rows instead of 1.58
-    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full-attention layers: another
-    model (flash attention, sliding-window layers) keeps the padded passes, with a warning
+    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full attention in every layer:
+    another model (flash attention, a sliding window in any layer) keeps the padded passes, with a warning
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
     generation_backend: Literal["auto", "eager", "static"] = "auto"
@@ -288,7 +288,8 @@ class GRPOConfig:
     ahead. Not enough to hold a second copy of the weights by default: on CPU, ask for "static" (as the
     demo's config does). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
-    back to "eager" with one warning.
+    back to "eager" with one warning. A model with a sliding window (`sliding_window`, or `layer_types`;
+    `sampling.not_full_attention`) gets one warning for the three options it turns off.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
