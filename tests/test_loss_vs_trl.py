@@ -1,5 +1,6 @@
 """grpo_loss against TRL 1.16's own `GRPOTrainer._compute_loss` on the same tensors: every loss type,
-importance-sampling level, KL weight and two-sided clip."""
+importance-sampling level, KL weight (the KL bias-corrected or not, TRL's `use_bias_correction_kl`) and
+two-sided clip; the sampler's truncated importance weights as TRL's "token_truncate" mode computes them."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -26,7 +27,9 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
         importance_sampling_level=options.get("importance_sampling_level", "token"),
         max_completion_length=options.get("max_completion_length"),
         args=SimpleNamespace(
-            delta=options.get("delta"), use_bias_correction_kl=False, steps_per_generation=1
+            delta=options.get("delta"),
+            use_bias_correction_kl=options.get("use_bias_correction_kl", True),
+            steps_per_generation=1,
         ),
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
@@ -61,10 +64,16 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
 
 
 @pytest.mark.parametrize("delta", [None, 1.3])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize(
+    ("beta", "bias_correction"),
+    [(0.0, True), (0.04, True), (0.04, False)],
+    ids=["no-kl", "kl", "kl-uncorrected"],
+)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | None) -> None:
+def test_matches_trl(
+    loss_type: str, level: str, beta: float, bias_correction: bool, delta: float | None
+) -> None:
     data = random_batch(7, batch=6, length=7)
     options = loss_options(
         loss_type,
@@ -73,6 +82,7 @@ def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | Non
         delta=delta,
         epsilon_high=1.1 if loss_type == "cispo" else 0.28,
         entropy_coef=0.02 if beta else 0.0,
+        use_bias_correction_kl=bias_correction,
     )
 
     logprobs = data["logprobs"].clone().requires_grad_()
@@ -94,3 +104,27 @@ def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | Non
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert stats[key].item() == pytest.approx(metrics[key][0], abs=1e-6)
     assert stats["clip_ratio/region_mean"] > 0 or level == "sequence"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_bias_corrected_kl_changes_the_on_policy_gradient_as_trl(level: str) -> None:
+    """On-policy (the ratio is 1 with the gradient of log pi), beta 0.04: TRL's default
+    use_bias_correction_kl=True leaves the loss as it is and changes the gradient; ours follows it, and with
+    the option off follows TRL's off."""
+    data = random_batch(3, batch=6, length=7) | {"old_logprobs": None}
+    results = {}
+    for bias_correction in (True, False):
+        options = loss_options("dapo", importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
+        options["use_bias_correction_kl"] = bias_correction
+        logprobs = data["logprobs"].clone().requires_grad_()
+        loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+        loss.backward()
+        trl_logprobs = data["logprobs"].clone().requires_grad_()
+        trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
+        trl_loss.backward()
+        torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+        torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
+        results[bias_correction] = loss.detach(), logprobs.grad
+    (corrected, corrected_grad), (plain, plain_grad) = results[True], results[False]
+    torch.testing.assert_close(corrected, plain, atol=1e-12, rtol=0)
+    assert (corrected_grad - plain_grad).abs().max() > 1e-4  # float64: far above rounding
