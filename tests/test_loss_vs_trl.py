@@ -8,12 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
 from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 
-def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
-    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation)."""
+def _trl_compute_loss(
+    data: dict, options: dict, importance_sampling_ratio: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation);
+    with ``importance_sampling_ratio``, as TRL runs it with vLLM and its correction on."""
     trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
     logprobs, mask = data["logprobs"], data["mask"].to(data["logprobs"].dtype)
     batch, length = logprobs.shape
@@ -33,7 +36,8 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
         ),
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        use_vllm=False,
+        use_vllm=importance_sampling_ratio is not None,
+        vllm_importance_sampling_correction=True,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=entropy_coef != 0.0,
         entropy_coef=entropy_coef,
@@ -58,6 +62,7 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
         "old_per_token_logps": data["old_logprobs"],
         "ref_per_token_logps": data["ref_logprobs"],
         "num_items_in_batch": mask.sum(),
+        "importance_sampling_ratio": importance_sampling_ratio,
     }
     loss = trainer_cls._compute_loss(trainer, None, inputs)
     return loss, trainer._metrics["train"]
@@ -128,3 +133,33 @@ def test_the_bias_corrected_kl_changes_the_on_policy_gradient_as_trl(level: str)
     (corrected, corrected_grad), (plain, plain_grad) = results[True], results[False]
     torch.testing.assert_close(corrected, plain, atol=1e-12, rtol=0)
     assert (corrected_grad - plain_grad).abs().max() > 1e-4  # float64: far above rounding
+
+
+@pytest.mark.parametrize("cap", [1.5, 2.0, 3.0, 3.5, 7.0])
+def test_truncated_importance_weights_and_their_capped_share_are_trls_token_truncate(cap: float) -> None:
+    """The sampler's weights as TRL's "token_truncate" mode computes them (`_generate_and_score_completions`:
+    exp of the masked log-ratio, clamped at `vllm_importance_sampling_clip_max`), the share of tokens that
+    clamp lowers, and the loss TRL's `_compute_loss` gives with those weights."""
+    data = random_batch(5, batch=6, length=7)
+    gen = torch.Generator().manual_seed(6)
+    sampler = data["old_logprobs"] - 1.5 * torch.randn(6, 7, generator=gen, dtype=torch.float64)  # [B, T]
+    mask = data["mask"]
+    raw = torch.exp((data["old_logprobs"] - sampler) * mask)  # [B, T] TRL's ratio before its clamp
+    trl_weights = torch.clamp(raw, max=cap)
+    weights = truncated_importance_weights(data["old_logprobs"], sampler, cap)
+    torch.testing.assert_close(weights[mask], trl_weights[mask], rtol=1e-12, atol=0)
+    capped = float(
+        logprob_gap_stats(data["old_logprobs"], sampler, mask, cap)["rollout/is_weight_frac_capped"]
+    )
+    assert capped == pytest.approx(float((raw > cap)[mask].double().mean()), abs=1e-6)
+    assert 0 < capped < 1
+
+    options = loss_options("dapo", beta=0.04, epsilon_high=0.28)
+    logprobs = data["logprobs"].clone().requires_grad_()
+    loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options, importance_weights=weights)
+    loss.backward()
+    trl_logprobs = data["logprobs"].clone().requires_grad_()
+    trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options, trl_weights)
+    trl_loss.backward()
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
