@@ -62,7 +62,8 @@ CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 
 def check_column_names(columns: Iterable[str], where: str) -> None:
     """Refuse a data column named like one of `CALL_KEYWORDS`: in the call it would replace what that keyword
-    gives every reward function (TRL's call raises on it). `ValueError` naming `where` and the column."""
+    gives every reward function (TRL's call raises on `prompts`, `completions` and `completion_ids`, and
+    replaces the others' columns silently). `ValueError` naming `where` and the column."""
     for name in columns:
         if name in CALL_KEYWORDS:
             raise ValueError(
