@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_lightning.core.metrics import GSM8KAccuracy
+from grpo_lightning.core.rewards.scoring import CALL_KEYWORDS
 from grpo_lightning.core.rewards.verifiable import normalize_number, reference_answer
 from grpo_lightning.io.rows import CHAT_ROLES, check_prompt, check_row, read_records
 from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
@@ -70,6 +71,48 @@ def test_a_column_only_some_rows_carry_is_named_before_weights_load(
     where = f"{source}:3: has column 'hint'" if preset else f"{source}:2: lacks column 'solution'"
     assert f"error: {where}, unlike the first row ({source}:1, columns [" in err
     assert "every row needs the same columns" in err
+
+
+@pytest.mark.parametrize("keyword", CALL_KEYWORDS)
+def test_a_column_named_like_a_reward_keyword_is_refused_at_setup(tmp_path, keyword):
+    source = write_rows(
+        tmp_path / "rows.jsonl", [{"prompt": "2 + 3?", "answer": "5", keyword: "#### 20"}] * 3
+    )
+    with pytest.raises(ValueError) as error:
+        PromptDataModule(source=source, val_size=1).setup("fit")
+    assert str(error.value).startswith(
+        f"{source}:1: the data column {keyword!r} has the name of a keyword every reward function is given "
+    )
+
+
+def test_a_completions_column_is_one_line_before_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    """TRL-format rows with a `completions` column: the rewards would have scored it instead of the
+    samples."""
+    source = write_rows(tmp_path / "rows.jsonl", [{"prompt": "2 + 3?", "completions": "#### 20"}] * 4)
+    data = ["--data=grpo_lightning.training.data.PromptDataModule", f"--data.source={source}"]
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *data), capsys)
+    assert one_error_line(err) == (
+        f"error: {source}:1: the data column 'completions' has the name of a keyword every reward function "
+        "is given (prompts, completions, completion_ids, trainer_state, log_extra, log_metric) and would "
+        "replace it: rename the column"
+    )
+
+
+@pytest.mark.parametrize("preset", [True, False], ids=["gsm8k", "trl-format"])
+def test_a_prompt_column_beside_the_prompt_field_is_refused(tmp_path, preset):
+    """A `prompt` column would replace the prompt built from the question (GSM8K) or read from
+    `prompt_field`."""
+    source = write_rows(tmp_path / "rows.jsonl", [{**ROW, "prompt": "another question"}] * 3)
+    with pytest.raises(ValueError) as error:
+        if preset:
+            GSM8KDataModule(source=source, val_size=1).setup("fit")
+        else:
+            PromptDataModule(source=source, prompt_field="question", val_size=1).setup("fit")
+    assert str(error.value).startswith(
+        f"{source}:1: has a column 'prompt', but the GSM8K preset builds"
+        if preset
+        else f"{source}:1: has a column 'prompt' beside the prompt column 'question'"
+    )
 
 
 # ------------------------------------------------------------------------------------------ 2. data files

@@ -1,19 +1,39 @@
 """Broken or foreign files end in one line naming them: checkpoints (never advising unsafe loading),
 safetensors weights, model folders that do not exist or lack their tokenizer, another model's tokenizer or
-checkpoint, non-finite weights."""
+checkpoint, non-finite weights. A model whose attention is not full attention (a sliding window, however
+its config declares it) keeps the padded, unshared path, with one warning."""
 
 import io
 import json
 import math
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Qwen2Config,
+    Starcoder2Config,
+)
 
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.engines import EagerEngine
+from grpo_lightning.core.generation.logprobs import completion_logprobs
+from grpo_lightning.core.generation.packing import packed_completion_logprobs
+from grpo_lightning.core.generation.sampling import not_full_attention
+from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.checkpoints import read_checkpoint
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import check_loaded_model
@@ -203,3 +223,125 @@ def _state_names(folder: str) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     return list(AutoModelForCausalLM.from_pretrained(folder).state_dict())
+
+
+# ------------------------------------------------------------------------------- attention that is not full
+TINY_SIZES = {
+    "vocab_size": 50,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def qwen2_with_a_kept_window() -> Qwen2Config:
+    """Qwen2 with `use_sliding_window: false` and a window value, as older transformers keep it (Qwen2.5's
+    config.json: `"use_sliding_window": false, "sliding_window": 32768`)."""
+    config = Qwen2Config(**TINY_SIZES)
+    config.sliding_window = 4
+    return config
+
+
+# Tiny configs of the families transformers ships, with windows of 4 tokens (rows of 12 exceed them).
+TINY_CONFIGS = {
+    "Llama": lambda: LlamaConfig(**TINY_SIZES),
+    "Mistral": lambda: MistralConfig(sliding_window=4, **TINY_SIZES),
+    "Mistral, eager attention": lambda: MistralConfig(
+        sliding_window=4, attn_implementation="eager", **TINY_SIZES
+    ),
+    "Mistral without a window": lambda: MistralConfig(sliding_window=None, **TINY_SIZES),
+    "Phi-3": lambda: Phi3Config(sliding_window=4, **TINY_SIZES),
+    "Phi-3 without a window": lambda: Phi3Config(**TINY_SIZES),
+    "Starcoder2": lambda: Starcoder2Config(sliding_window=4, **TINY_SIZES),
+    "Qwen2": lambda: Qwen2Config(**TINY_SIZES),
+    "Qwen2, a window but use_sliding_window false": qwen2_with_a_kept_window,
+    "Qwen2, use_sliding_window, every layer below max_window_layers": lambda: Qwen2Config(
+        use_sliding_window=True, sliding_window=4, **TINY_SIZES
+    ),
+    "Qwen2, a window on its second layer": lambda: Qwen2Config(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1, **TINY_SIZES
+    ),
+    "Gemma2": lambda: Gemma2Config(sliding_window=4, head_dim=8, **TINY_SIZES),
+    "Gemma3": lambda: Gemma3TextConfig(sliding_window=4, head_dim=8, **TINY_SIZES),
+}
+
+
+@pytest.mark.parametrize("make_config", TINY_CONFIGS.values(), ids=TINY_CONFIGS)
+def test_the_attention_check_says_what_the_model_computes(make_config):
+    """The check passes a model exactly when its logits on 12 tokens are those of full causal attention (a
+    4-D causal mask, which replaces any window: what packed rows give it)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config()).eval()
+    ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]  # [1, 1, 12, 12]
+    with torch.no_grad():
+        gap = (model(ids).logits - model(ids, attention_mask=causal).logits).abs().max()
+    reason = not_full_attention(model.config)
+    assert (reason is None) == (gap < 1e-6), (reason, float(gap))
+
+
+BOTH_KINDS = "layer_types ['full_attention', 'sliding_attention']"
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (LlamaConfig(), None),
+        (MistralConfig(), "MistralConfig.sliding_window=4096: every layer attends to its last 4096 tokens"),
+        (Phi3Config(sliding_window=2047), "Phi3Config.sliding_window=2047"),  # Phi-3-mini's
+        (Phi3Config(), None),
+        (Qwen2Config(), None),
+        (Qwen2Config(use_sliding_window=True, max_window_layers=21), BOTH_KINDS),
+        (Gemma2Config(), BOTH_KINDS),
+        (Gemma3Config(), BOTH_KINDS),  # multimodal: its text config's
+    ],
+    ids=["Llama", "Mistral", "Phi-3-mini", "Phi-3", "Qwen2", "Qwen2 with a window", "Gemma2", "Gemma3"],
+)
+def test_the_attention_check_on_the_shipped_configs(config, expected):
+    reason = not_full_attention(config)
+    assert reason is None if expected is None else expected in reason
+
+
+def test_a_sliding_window_model_is_scored_on_padded_rows_with_one_warning(tiny_model_dir):
+    """A tiny Mistral whose window (4 tokens) is shorter than its rows (10 + 8): the module scores padded
+    rows, with one warning naming every option that needs full attention; packed rows would have scored it
+    otherwise (the check is what keeps them apart)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    sizes = TINY_SIZES | {"vocab_size": len(tokenizer)}
+    model = MistralForCausalLM(MistralConfig(**{**sizes, "sliding_window": 4})).eval()
+    module = GRPOModule(
+        model, tokenizer, grpo=GRPOConfig(num_generations=2, generation_backend="static", preflight=False)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decisions = module.rollouts.packs_sequences, module.rollouts.shares_prompt
+        engine = module.rollouts.build_engine()
+    assert decisions == (False, False) and isinstance(engine, EagerEngine)
+    assert [str(w.message) for w in caught] == [
+        "grpo.share_prompt, grpo.packed_sequences, grpo.generation_backend='static': its attention layers "
+        "are not all full attention (MistralConfig.sliding_window=4: every layer attends to its last 4 "
+        "tokens only); every prompt is encoded G times; the passes run padded rows; rollouts use eager "
+        "decoding"
+    ]
+
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, len(tokenizer), (4, 10), generator=g)  # [B, P]
+    prompt_mask = torch.ones(4, 10, dtype=torch.long)
+    prompt_mask[2:, :3] = 0  # two prompts of 7 tokens, left-padded
+    lengths = torch.tensor([8, 5, 8, 3])
+    completion_mask = (torch.arange(8)[None] < lengths[:, None]).long()  # [B, T]
+    completion_ids = torch.randint(3, len(tokenizer), (4, 8), generator=g) * completion_mask
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == 8)
+    scored = completion_mask.bool()
+    with torch.no_grad():
+        got = module.rollouts.scorer(model, rollout, slice(None))[0]
+        padded = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, 8)[0]
+        packed = packed_completion_logprobs(model, rollout, slice(None))[0]
+    torch.testing.assert_close(got[scored], padded[scored], rtol=0, atol=1e-6)
+    assert (packed - padded)[scored].abs().max() > 1e-2  # the window matters: packing would score it wrong

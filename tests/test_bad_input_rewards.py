@@ -1,5 +1,6 @@
-"""Reward functions that misbehave are named with a completion they were given, in one line; steps whose
-completions are all empty or all cut off warn; prompts over the limit are cut or refused."""
+"""Reward functions that misbehave are named with a completion they were given, in one line, checked right
+after their own call; each gets its own copies of the inputs, so that none changes what the next scores;
+steps whose completions are all empty or all cut off warn; prompts over the limit are cut or refused."""
 
 import math
 import re
@@ -13,9 +14,11 @@ from hypothesis import strategies as st
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.scoring import (
+    CALL_KEYWORDS,
     RewardInputs,
     call_reward,
     score_completions,
+    trainer_state,
 )
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.data import GSM8KDataModule
@@ -112,6 +115,100 @@ def test_a_reward_that_raises_is_named_and_the_completed_steps_are_kept(
     )
     assert saved["global_step"] == 2
     assert saved["GSM8KDataModule"] == {"epoch": 0, "batches_done": 2}
+
+
+def chat_inputs() -> RewardInputs:
+    """Two chat prompts' completions, with an `answer` column and a trainer state."""
+    prompts = [[{"role": "user", "content": "1 + 1?"}], [{"role": "user", "content": "2 + 3?"}]]
+    return RewardInputs(
+        prompts, ["#### 2", "#### 4"], [[5, 6], [7]], {"answer": ["2", "5"]}, trainer_state(global_step=3)
+    )
+
+
+def test_a_reward_that_changes_its_inputs_changes_nothing_for_the_next():
+    """The first function overwrites, reorders, appends to and empties everything it is given; the second
+    still gets the rollout's values, and so does what the module keeps for logging."""
+    seen = {}
+
+    def meddling_reward(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+        values = [1.0] * len(completions)
+        completions[0][0]["content"] = "#### 20"
+        completions.reverse()
+        prompts[0][0]["content"] = "another question"
+        prompts.append(prompts[0])
+        completion_ids[0].append(99)
+        answer[:] = ["20", "20"]
+        trainer_state.global_step = 1000
+        return values
+
+    def recording_reward(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer)
+        seen["step"] = trainer_state.global_step
+        return [0.0] * len(completions)
+
+    inputs = chat_inputs()
+    expected = chat_inputs()
+    scores = score_completions([meddling_reward, recording_reward], inputs)
+    assert scores.rewards.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+    assert seen == {
+        "prompts": expected.prompts,
+        "completions": expected.trl_completions(),
+        "ids": [[5, 6], [7]],
+        "answer": ["2", "5"],
+        "step": 3,
+    }
+    assert (inputs.prompts, inputs.completions, inputs.columns) == (
+        expected.prompts,
+        expected.completions,
+        expected.columns,
+    )
+
+
+def test_a_reward_that_empties_its_inputs_leaves_the_next_its_own():
+    """Emptied lists once made the next function return no values, and take the blame."""
+
+    def emptying_reward(completions, prompts, answer, **kwargs):
+        values = [0.0] * len(completions)
+        for inputs in (completions, prompts, answer):
+            inputs.clear()
+        return values
+
+    def length_reward(completions, answer, **kwargs):
+        return [float(len(c[0]["content"]) + len(a)) for c, a in zip(completions, answer, strict=True)]
+
+    scores = score_completions([emptying_reward, length_reward], chat_inputs())
+    assert scores.rewards.tolist() == [[0.0, 7.0], [0.0, 7.0]]
+
+
+def test_each_result_is_checked_before_the_next_function_runs():
+    calls = []
+
+    def text_reward(completions, **kwargs):
+        calls.append("text_reward")
+        return "1.0"
+
+    def failing_reward(completions, **kwargs):
+        calls.append("failing_reward")
+        raise ZeroDivisionError("division by zero")
+
+    with pytest.raises(RuntimeError) as error:
+        score_completions([text_reward, failing_reward], chat_inputs())
+    assert str(error.value).startswith(
+        "reward function 'text_reward' must return a list with one float (or None) per completion; it "
+        "returned a str: '1.0'"
+    )
+    assert calls == ["text_reward"]
+
+
+@pytest.mark.parametrize("keyword", CALL_KEYWORDS)
+def test_reward_inputs_refuse_a_column_named_like_a_keyword(keyword):
+    with pytest.raises(ValueError) as error:
+        RewardInputs(["q"], ["#### 1"], [[1]], {"answer": ["1"], keyword: ["#### 20"]})
+    assert str(error.value) == (
+        f"the reward functions' inputs: the data column {keyword!r} has the name of a keyword every reward "
+        "function is given (prompts, completions, completion_ids, trainer_state, log_extra, log_metric) and "
+        "would replace it: rename the column"
+    )
 
 
 # ------------------------------------------------------------------------------------------ generation

@@ -25,6 +25,7 @@ SET_ALONE = {
     "dynamic_sampling_metric": (st.sampled_from([None, "format_reward"]), {"dynamic_sampling": True}),
     "min_lr_ratio": (st.floats(0.01, 1), {"lr_scheduler_type": "cosine"}),
     "kl_estimator": (st.sampled_from(["k2"]), {"beta": 0.1}),
+    "use_bias_correction_kl": (st.just(False), {"beta": 0.1}),
 }
 
 

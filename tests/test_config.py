@@ -74,6 +74,7 @@ REFUSED = {
         "beta": below(0, inclusive=False) | NOT_A_NUMBER,
         "kl_estimator": st.sampled_from(["k4", "kl", None]),
         "use_kl_in_reward": NOT_A_FLAG,
+        "use_bias_correction_kl": NOT_A_FLAG,
         "entropy_coef": NAN_OR_INF | NOT_A_NUMBER,
         "num_iterations": ints_below(1) | NOT_A_NUMBER,
         "steps_per_generation": ints_below(1) | NOT_A_NUMBER,

@@ -61,6 +61,7 @@ def _reference_loss(
     max_completion_length=None,
     entropy_coef=0.0,
     kl_estimator="k3",
+    use_bias_correction_kl=True,
 ) -> float:
     """Element-by-element transcription of the objective with Python floats."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -81,7 +82,8 @@ def _reference_loss(
                 clipped = min(max(ratio, 1 - epsilon), 1 + epsilon_high)
                 loss = -min(unclipped * adv, clipped * adv)
             if beta:
-                loss += beta * _kl_reference(float(logprobs[b, t]), float(ref_logprobs[b, t]), kl_estimator)
+                kl = _kl_reference(float(logprobs[b, t]), float(ref_logprobs[b, t]), kl_estimator)
+                loss += beta * kl * (ratio if use_bias_correction_kl else 1.0)
             losses.append(loss)
         row_losses.append(losses)
     num_tokens = max(sum(len(losses) for losses in row_losses), 1)
@@ -189,11 +191,17 @@ def test_cispo_without_epsilon_high_caps_the_weights_at_trls_recommended_5() -> 
     assert stats["clip_ratio/high_mean"] == 0
 
 
-@pytest.mark.parametrize("estimator", ["k2", "k3"])
-def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(estimator: str) -> None:
+@pytest.mark.parametrize(
+    ("estimator", "bias_correction", "direction"),
+    [("k2", False, "reverse"), ("k3", False, "forward"), ("k3", True, "reverse")],
+)
+def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(
+    estimator: str, bias_correction: bool, direction: str
+) -> None:
     """Exact expectation over a 5-token vocabulary: each token weighted by its probability under the policy.
-    The KL term's expected gradient is the KL's own for k2, the reverse KL's for k3 (Schulman 2020); k1's
-    would be 0 (E[grad log pi] = 0), which is why the loss refuses k1."""
+    The KL term's expected gradient is the reverse KL's, KL(pi || ref), for k2; the forward KL's,
+    KL(ref || pi), for k3, and the reverse KL's once the importance ratio weighs it (use_bias_correction_kl,
+    TRL's default). k1's would be 0 (E[grad log pi] = 0), which is why the loss refuses k1."""
     theta = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
     ref_logprobs = torch.log_softmax(torch.tensor([0.0, 1.0, 0.5, -0.5, 0.2], dtype=torch.float64), -1)
     logprobs = torch.log_softmax(theta, -1)  # [V]
@@ -208,10 +216,11 @@ def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(estimator: 
             ref_logprobs=ref_logprobs[token].view(1, 1),
             beta=1.0,
             kl_estimator=estimator,
+            use_bias_correction_kl=bias_correction,
         )
         weighted = weighted + probs[token] * loss
     (expected_grad,) = torch.autograd.grad(weighted, theta, retain_graph=True)
-    if estimator == "k2":
+    if direction == "reverse":
         kl = (logprobs.exp() * (logprobs - ref_logprobs)).sum()  # KL(pi || ref)
     else:
         kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum()  # KL(ref || pi)
@@ -247,6 +256,7 @@ CONFIGS = [
     {"epsilon_high": 0.28},
     {"beta": 0.04, "kl_estimator": "k2"},
     {"beta": 0.1, "kl_estimator": "k3", "delta": 1.5},
+    {"beta": 0.1, "kl_estimator": "k3", "use_bias_correction_kl": False},
     {"entropy_coef": 0.01},
     {"beta": 0.04, "entropy_coef": 0.05, "epsilon": 0.1},
 ]
@@ -263,7 +273,12 @@ def test_matches_reference(loss_type: str, level: str, config: dict) -> None:
     mask = data["mask"]
     torch.testing.assert_close(stats["entropy"], (data["entropies"][mask].mean()).float())
     kl = kl_penalty(data["logprobs"], data["ref_logprobs"], options.get("kl_estimator", "k3"))
-    torch.testing.assert_close(stats["kl"], kl[mask].mean().float())
+    log_ratio = data["logprobs"] - data["old_logprobs"]  # [B, T]
+    if level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)  # [B, 1]
+    bias_corrected = options.get("use_bias_correction_kl", True)
+    weighted = kl * log_ratio.exp() if bias_corrected else kl  # the KL as the loss weighs it
+    torch.testing.assert_close(stats["kl"], weighted.expand_as(kl)[mask].mean().float())
 
 
 def test_advantages_per_token_match_reference() -> None:
@@ -281,7 +296,9 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
     mask = data["mask"]
     base, _ = grpo_loss(**data, loss_type="dapo")
     for estimator in ("k2", "k3"):
-        with_kl, _ = grpo_loss(**data, loss_type="dapo", beta=0.5, kl_estimator=estimator)
+        with_kl, _ = grpo_loss(
+            **data, loss_type="dapo", beta=0.5, kl_estimator=estimator, use_bias_correction_kl=False
+        )
         kl = kl_penalty(data["logprobs"], data["ref_logprobs"], estimator)
         torch.testing.assert_close(with_kl - base, 0.5 * kl[mask].mean())
     with_entropy, stats = grpo_loss(**data, loss_type="dapo", entropy_coef=0.3)

@@ -1,5 +1,6 @@
 """grpo_loss against TRL 1.16's own `GRPOTrainer._compute_loss` on the same tensors: every loss type,
-importance-sampling level, KL weight and two-sided clip."""
+importance-sampling level, KL weight (the KL bias-corrected or not, TRL's `use_bias_correction_kl`) and
+two-sided clip; the sampler's truncated importance weights as TRL's "token_truncate" mode computes them."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -7,12 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
 from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 
-def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
-    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation)."""
+def _trl_compute_loss(
+    data: dict, options: dict, importance_sampling_ratio: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation);
+    with ``importance_sampling_ratio``, as TRL runs it with vLLM and its correction on."""
     trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
     logprobs, mask = data["logprobs"], data["mask"].to(data["logprobs"].dtype)
     batch, length = logprobs.shape
@@ -26,11 +30,14 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
         importance_sampling_level=options.get("importance_sampling_level", "token"),
         max_completion_length=options.get("max_completion_length"),
         args=SimpleNamespace(
-            delta=options.get("delta"), use_bias_correction_kl=False, steps_per_generation=1
+            delta=options.get("delta"),
+            use_bias_correction_kl=options.get("use_bias_correction_kl", True),
+            steps_per_generation=1,
         ),
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        use_vllm=False,
+        use_vllm=importance_sampling_ratio is not None,
+        vllm_importance_sampling_correction=True,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=entropy_coef != 0.0,
         entropy_coef=entropy_coef,
@@ -55,16 +62,23 @@ def _trl_compute_loss(data: dict, options: dict) -> tuple[torch.Tensor, dict]:
         "old_per_token_logps": data["old_logprobs"],
         "ref_per_token_logps": data["ref_logprobs"],
         "num_items_in_batch": mask.sum(),
+        "importance_sampling_ratio": importance_sampling_ratio,
     }
     loss = trainer_cls._compute_loss(trainer, None, inputs)
     return loss, trainer._metrics["train"]
 
 
 @pytest.mark.parametrize("delta", [None, 1.3])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize(
+    ("beta", "bias_correction"),
+    [(0.0, True), (0.04, True), (0.04, False)],
+    ids=["no-kl", "kl", "kl-uncorrected"],
+)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | None) -> None:
+def test_matches_trl(
+    loss_type: str, level: str, beta: float, bias_correction: bool, delta: float | None
+) -> None:
     data = random_batch(7, batch=6, length=7)
     options = loss_options(
         loss_type,
@@ -73,6 +87,7 @@ def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | Non
         delta=delta,
         epsilon_high=1.1 if loss_type == "cispo" else 0.28,
         entropy_coef=0.02 if beta else 0.0,
+        use_bias_correction_kl=bias_correction,
     )
 
     logprobs = data["logprobs"].clone().requires_grad_()
@@ -94,3 +109,57 @@ def test_matches_trl(loss_type: str, level: str, beta: float, delta: float | Non
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert stats[key].item() == pytest.approx(metrics[key][0], abs=1e-6)
     assert stats["clip_ratio/region_mean"] > 0 or level == "sequence"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_bias_corrected_kl_changes_the_on_policy_gradient_as_trl(level: str) -> None:
+    """On-policy (the ratio is 1 with the gradient of log pi), beta 0.04: TRL's default
+    use_bias_correction_kl=True leaves the loss as it is and changes the gradient; ours follows it, and with
+    the option off follows TRL's off."""
+    data = random_batch(3, batch=6, length=7) | {"old_logprobs": None}
+    results = {}
+    for bias_correction in (True, False):
+        options = loss_options("dapo", importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
+        options["use_bias_correction_kl"] = bias_correction
+        logprobs = data["logprobs"].clone().requires_grad_()
+        loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+        loss.backward()
+        trl_logprobs = data["logprobs"].clone().requires_grad_()
+        trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
+        trl_loss.backward()
+        torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+        torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
+        results[bias_correction] = loss.detach(), logprobs.grad
+    (corrected, corrected_grad), (plain, plain_grad) = results[True], results[False]
+    torch.testing.assert_close(corrected, plain, atol=1e-12, rtol=0)
+    assert (corrected_grad - plain_grad).abs().max() > 1e-4  # float64: far above rounding
+
+
+@pytest.mark.parametrize("cap", [1.5, 2.0, 3.0, 3.5, 7.0])
+def test_truncated_importance_weights_and_their_capped_share_are_trls_token_truncate(cap: float) -> None:
+    """The sampler's weights as TRL's "token_truncate" mode computes them (`_generate_and_score_completions`:
+    exp of the masked log-ratio, clamped at `vllm_importance_sampling_clip_max`), the share of tokens that
+    clamp lowers, and the loss TRL's `_compute_loss` gives with those weights."""
+    data = random_batch(5, batch=6, length=7)
+    gen = torch.Generator().manual_seed(6)
+    sampler = data["old_logprobs"] - 1.5 * torch.randn(6, 7, generator=gen, dtype=torch.float64)  # [B, T]
+    mask = data["mask"]
+    raw = torch.exp((data["old_logprobs"] - sampler) * mask)  # [B, T] TRL's ratio before its clamp
+    trl_weights = torch.clamp(raw, max=cap)
+    weights = truncated_importance_weights(data["old_logprobs"], sampler, cap)
+    torch.testing.assert_close(weights[mask], trl_weights[mask], rtol=1e-12, atol=0)
+    capped = float(
+        logprob_gap_stats(data["old_logprobs"], sampler, mask, cap)["rollout/is_weight_frac_capped"]
+    )
+    assert capped == pytest.approx(float((raw > cap)[mask].double().mean()), abs=1e-6)
+    assert 0 < capped < 1
+
+    options = loss_options("dapo", beta=0.04, epsilon_high=0.28)
+    logprobs = data["logprobs"].clone().requires_grad_()
+    loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options, importance_weights=weights)
+    loss.backward()
+    trl_logprobs = data["logprobs"].clone().requires_grad_()
+    trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options, trl_weights)
+    trl_loss.backward()
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)

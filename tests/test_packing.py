@@ -209,7 +209,8 @@ def test_a_model_that_cannot_pack_falls_back_with_one_warning(tiny_model_dir):
     module = tiny_module(tiny_model_dir, num_generations=2)
     module.policy = module.rollouts.policy = sliding_window_model(len(tok))
     with pytest.warns(
-        UserWarning, match="grpo.packed_sequences: its attention layers are not all full attention"
+        UserWarning,
+        match="grpo.share_prompt, grpo.packed_sequences: its attention layers are not all full attention",
     ):
         assert module.rollouts.packs_sequences is False
     assert module.rollouts.packs_sequences is False  # decided once

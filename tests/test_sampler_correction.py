@@ -35,6 +35,26 @@ def test_weights_and_loss_by_hand():
     assert float(gap["rollout/is_weight_frac_capped"]) == 0.0
 
 
+CAPS = [round(1 + i / 10, 1) for i in range(91)]  # 1.0, 1.1, ..., 10.0
+
+
+def test_the_capped_share_counts_every_capped_weight_whatever_the_cap():
+    """float32, for each of 91 caps from 1 to 10: the first row's weights are all far above the cap (its
+    sampler 5 nats below the scorer), the second row's below 1. The share is one half for every cap: the
+    capped weight itself, exp(log cap) in float32, lands one step below the cap for some (3.5, 7.0, ...),
+    so the share is read before capping."""
+    scorer = torch.full((2, 4), -1.0)  # [B, T] float32
+    sampler = torch.stack([scorer[0] - 5.0, scorer[1] + 0.5])  # [B, T]
+    wrong = {}
+    for cap in CAPS:
+        stats = logprob_gap_stats(scorer, sampler, torch.ones(2, 4), cap=cap)
+        if float(stats["rollout/is_weight_frac_capped"]) != 0.5:
+            wrong[cap] = float(stats["rollout/is_weight_frac_capped"])
+    assert wrong == {}
+    weights = truncated_importance_weights(scorer, sampler, cap=3.5)
+    assert float(weights[0].max()) < 3.5  # the capped weight rounds below its cap, as said above
+
+
 def trajectory(sampler_equals_scorer: bool, with_old: bool, seed: int = 0) -> tuple[Trajectory, torch.Tensor]:
     """Two groups of 2 completions of 5 tokens (some padding), and the policy's log-probs (with grad)."""
     g = torch.Generator().manual_seed(seed)

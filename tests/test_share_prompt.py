@@ -279,7 +279,8 @@ def test_a_model_that_cannot_share_falls_back_with_one_warning(tiny_model_dir):
     module = GRPOModule(sliding_window_model(len(tok)), tokenizer=tok, grpo=GRPOConfig(num_generations=2))
     assert "not all full attention" in sharing_unsupported(module.policy)
     with pytest.warns(
-        UserWarning, match="grpo.share_prompt: its attention layers are not all full attention"
+        UserWarning,
+        match="grpo.share_prompt, grpo.packed_sequences: its attention layers are not all full attention",
     ):
         assert module.rollouts.shares_prompt is False
     assert module.rollouts.shares_prompt is False  # decided once

@@ -113,20 +113,16 @@ class GRPOConfig:
     """Correct for the rollout engine's sampler not being the policy the loss scores: weight each token's
     policy term by min(pi_old / pi_sampler, importance_sampling_cap), detached (truncated importance
     sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"; `core.algorithm.loss.truncated_importance_weights`). pi_sampler is the log-prob each token
-    was drawn with (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
-    update; with one optimizer step per rollout it costs nothing more. Where they are equal the loss and
-    gradients are unchanged. Every step logs the gap either way (`rollout/logp_gap_mean`, `_max`,
-    `_frac_above`; with the correction `rollout/is_weight_mean`, `_frac_capped`). Off by default: measured
-    on CPU (BENCHMARKS.md), the gap is rounding, 3e-5 nats per token in float32, and under bf16-mixed
-    2-3e-2 for eager decoding and the static copy alike (decoding token by token rounds otherwise than
-    scoring the whole sequence). On the bf16-mixed demo (gap 0.013 nats per token, 4.7% of tokens above
-    0.1) its weights averaged 1.00 with 0.01% capped, and 3 seeds gained +25.7 points against +30.0
-    without it: no better, within the spread of seeds. Turn it on where `rollout/logp_gap_frac_above` is
-    material, or with top_p/top_k/min_completion_length, whose truncation is a gap by design. TRL:
-    `vllm_importance_sampling_correction` (on with vLLM) with
-    `vllm_importance_sampling_mode="token_truncate"`; verl: `algorithm.rollout_is` with
-    `rollout_is_level: token`, `rollout_is_mode: truncate`.
+    training"; `core.algorithm.loss.truncated_importance_weights`). pi_sampler is each token's log-prob as
+    it was drawn (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
+    update; where they are equal nothing changes. Every step logs the gap (`rollout/logp_gap_mean`, `_max`,
+    `_frac_above`), and with the correction `rollout/is_weight_mean` and `_frac_capped`. Off by default:
+    both engines sample the policy they score up to rounding, and on the demo the correction learned no
+    better (BENCHMARKS.md, "The demo in bf16-mixed"). Turn it on where `rollout/logp_gap_frac_above` is
+    material, or with top_p/top_k/min_completion_length, whose truncation is a gap by design. TRL's
+    `vllm_importance_sampling_mode="token_truncate"` (TRL corrects by default with vLLM only, in mode
+    "sequence_mask"); verl: `algorithm.rollout_is` with `rollout_is_level: token`, `rollout_is_mode:
+    truncate`.
     """
     importance_sampling_cap: Annotated[float, Range(">= 1", why="below 1 it shrinks on-policy tokens")] = 2.0
     """The truncation C of `importance_sampling_correction`'s weights; 2.0 as Yao et al. 2025 (TRL's
@@ -146,10 +142,19 @@ class GRPOConfig:
     (DeepSeekMath used 0.04).
     """
     kl_estimator: KLEstimator = "k3"
-    """"k1", "k2" or "k3" (Schulman, "Approximating KL divergence", 2020). In the loss (beta > 0 without
-    use_kl_in_reward) k1 is refused when the config is built: its gradient, grad log pi, has mean zero
-    under the policy, so it regularises nothing; k2's gradient is the KL's own, k3's the reverse KL's. k1
-    is for use_kl_in_reward.
+    """"k1", "k2" or "k3", estimates of KL(pi || pi_ref) per token (Schulman, "Approximating KL divergence",
+    2020); "k3" as TRL and DeepSeekMath eq. 4. In the loss (beta > 0 without use_kl_in_reward) k1 is
+    refused: its gradient, grad log pi, has mean zero under the policy, so it regularises nothing. k2's
+    gradient is the reverse KL's, KL(pi || pi_ref); k3's the forward KL's, KL(pi_ref || pi), unless
+    use_bias_correction_kl makes it the reverse KL's. k1 is for use_kl_in_reward.
+    """
+    use_bias_correction_kl: bool = True
+    """Multiply each token's KL term by the importance ratio pi / pi_old, gradient included (at
+    importance_sampling_level "sequence", the sequence's ratio): k3's gradient is then the reverse KL's,
+    KL(pi || pi_ref), on-policy and off (DeepSeek-V3.2, arXiv:2512.02556). On-policy the ratio is 1, so the
+    loss is the same and its gradient is not. True as TRL's `use_bias_correction_kl`, whose KL is k3; with
+    k2, whose gradient is the reverse KL's already on-policy, it becomes E_pi[k2]'s: set false to keep it.
+    Acts on the KL in the loss only (beta > 0 without use_kl_in_reward).
     """
     use_kl_in_reward: bool = False
     """Put the KL in the reward instead of the loss, as verl's `algorithm.use_kl_in_reward`: reward_i -= beta
@@ -249,7 +254,7 @@ class GRPOConfig:
     prompt, its KV cache repeated to the G rows) and in the reference, old-policy and policy passes (the G
     completions attend to one prompt pass, whose gradient sums theirs); Prefix Grouper, arXiv:2506.05433.
     Same log-probs and gradients up to rounding (tests/test_share_prompt.py). A model that cannot share
-    (attention without a KV cache, sliding-window layers, gradient checkpointing in transformers < 5)
+    (attention without a KV cache, a sliding window in any layer, gradient checkpointing in transformers < 5)
     keeps the unshared path, with a warning.
     """
     packed_sequences: bool = True
@@ -259,8 +264,8 @@ class GRPOConfig:
     and several of its completions. The LM head runs on the completion tokens only. Same log-probs and
     gradients up to rounding (tests/test_packing.py). On MATH-like rollouts with `share_prompt` and the
     token budget the decoder computes 0.99 positions per token of the rows instead of 1.58
-    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full-attention layers: another
-    model (flash attention, sliding-window layers) keeps the padded passes, with a warning
+    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full attention in every layer:
+    another model (flash attention, a sliding window in any layer) keeps the padded passes, with a warning
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
     generation_backend: Literal["auto", "eager", "static"] = "auto"
@@ -275,7 +280,8 @@ class GRPOConfig:
     "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no faster and the uncompiled copy
     is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model the static path cannot serve
     (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
-    warning.
+    warning; a model with a sliding window (`sliding_window`, or `layer_types`:
+    `sampling.not_full_attention`) gets one warning for the three options it turns off.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
@@ -355,5 +361,9 @@ INERT_UNLESS = {
     "dynamic_sampling_metric": ("dynamic_sampling: true", lambda c: c.dynamic_sampling),
     "min_lr_ratio": ("lr_scheduler_type: linear or cosine", lambda c: c.lr_scheduler_type != "constant"),
     "kl_estimator": ("beta > 0", lambda c: c.beta > 0),
+    "use_bias_correction_kl": (
+        "beta > 0 and the KL in the loss (use_kl_in_reward: false)",
+        lambda c: c.beta > 0 and not c.use_kl_in_reward,
+    ),
 }
 _DEFAULTS = {f.name: f.default for f in fields(GRPOConfig)}

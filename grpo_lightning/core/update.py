@@ -253,6 +253,7 @@ def micro_batch_loss(
         total_tokens=total_tokens,
         total_sequences=total_sequences,
         importance_weights=weights,
+        use_bias_correction_kl=cfg.use_bias_correction_kl,
     )
     return loss, {**stats, **gap}
 

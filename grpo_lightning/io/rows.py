@@ -20,6 +20,7 @@ import math
 import os
 from typing import Any
 
+from grpo_lightning.core.rewards.scoring import check_column_names
 from grpo_lightning.core.rewards.verifiable import reference_answer
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -225,10 +226,12 @@ def check_prompt(prompt: object, where: str, field: str = "prompt") -> None:
 
 
 def check_same_columns(rows: list[Row], wheres: list[str]) -> None:
-    """Every row has the first row's columns: a column that only some rows carry cannot be batched."""
+    """Every row has the first row's columns: a column that only some rows carry cannot be batched; and
+    none of them is named like a keyword every reward function is given (`scoring.check_column_names`)."""
     if not rows:
         return
     first = set(rows[0])
+    check_column_names(sorted(first), wheres[0])
     for row, where in zip(rows, wheres, strict=True):
         if set(row) != first:
             missing, extra = sorted(first - set(row)), sorted(set(row) - first)

@@ -160,6 +160,11 @@ class PromptDataModule(L.LightningDataModule):
         if hp.answer_field in row:
             check_answer(row[hp.answer_field], where, hp.answer_field)
         out = {k: v for k, v in row.items() if k != hp.prompt_field}
+        if "prompt" in out:  # it would replace the prompt read from prompt_field
+            raise ValueError(
+                f"{where}: has a column 'prompt' beside the prompt column {hp.prompt_field!r} "
+                "(data.prompt_field): rename one of them"
+            )
         return {"prompt": prompt, **out}
 
     def _records(self, split: str) -> list[tuple[str, object]]:
@@ -379,6 +384,11 @@ class GSM8KDataModule(PromptDataModule):
     def _prepare_row(self, row: object, where: str) -> Row:
         hp = self.hparams
         checked = check_row(row, where, hp.question_field, hp.answer_field)
+        if "prompt" in checked:  # it would replace the prompt built from the question
+            raise ValueError(
+                f"{where}: has a column 'prompt', but the GSM8K preset builds the prompt from "
+                f"{hp.question_field!r}: rename the column, or read the rows with PromptDataModule"
+            )
         return {"prompt": chat_prompt(checked["question"], hp.system_prompt), **checked}
 
     def _split_rows(self) -> tuple[list[Row], list[Row]]:

@@ -27,9 +27,9 @@ from grpo_lightning.core.generation.engines import (
 )
 from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
-from grpo_lightning.core.generation.sampling import stop_token_ids
+from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.static_engine import StaticEngine, resolve_backend
+from grpo_lightning.core.generation.static_engine import StaticEngine, requested_backend, resolve_backend
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -56,6 +56,7 @@ class PolicyRollouts:
         self.engine_precision: str | None = None  # the precision the engine was built for
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._packs: bool | None = None  # grpo.packed_sequences where the policy can, decided once
+        self._full_attention: bool | None = None  # whether the policy attends to every token, decided once
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
 
     def place(self, device: torch.device, precision: str | None) -> None:
@@ -63,23 +64,53 @@ class PolicyRollouts:
         self.device, self.precision = device, precision
 
     @property
+    def full_attention(self) -> bool:
+        """Whether every layer of the policy attends to every earlier token (`sampling.not_full_attention`),
+        decided once. Where not, the shared prompt, packed passes and the static engine are off, and one
+        warning names those the options asked for."""
+        if self._full_attention is None:
+            reason = not_full_attention(self.policy.config)
+            self._full_attention = reason is None
+            turned_off = self._needing_full_attention() if reason is not None else {}
+            if turned_off:
+                options, consequences = ", ".join(turned_off), "; ".join(turned_off.values())
+                warnings.warn(f"{options}: {reason}; {consequences}", stacklevel=4)
+        return self._full_attention
+
+    def _needing_full_attention(self) -> dict[str, str]:
+        """The options asked for that need full attention, and what happens without each."""
+        cfg = self.cfg
+        device = self.device or next(self.policy.parameters()).device
+        asked = {
+            "grpo.share_prompt": (cfg.share_prompt, "every prompt is encoded G times"),
+            "grpo.packed_sequences": (cfg.packed_sequences, "the passes run padded rows"),
+            f"grpo.generation_backend={cfg.generation_backend!r}": (
+                requested_backend(cfg.generation_backend, device) == "static",
+                "rollouts use eager decoding",
+            ),
+        }
+        return {option: without for option, (on, without) in asked.items() if on}
+
+    @property
     def shares_prompt(self) -> bool:
         """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
         if self._share_prompt is None:
-            reason = sharing_unsupported(self.policy) if self.cfg.share_prompt else None
+            wanted = self.cfg.share_prompt and self.full_attention
+            reason = sharing_unsupported(self.policy) if wanted else None
             if reason is not None:
                 warnings.warn(f"grpo.share_prompt: {reason}; every prompt is encoded G times", stacklevel=3)
-            self._share_prompt = self.cfg.share_prompt and reason is None
+            self._share_prompt = wanted and reason is None
         return self._share_prompt
 
     @property
     def packs_sequences(self) -> bool:
         """Whether the log-prob passes pack their rows (`grpo.packed_sequences`, if the policy can)."""
         if self._packs is None:
-            reason = packing_unsupported(self.policy) if self.cfg.packed_sequences else None
+            wanted = self.cfg.packed_sequences and self.full_attention
+            reason = packing_unsupported(self.policy) if wanted else None
             if reason is not None:
                 warnings.warn(f"grpo.packed_sequences: {reason}; the passes run padded rows", stacklevel=3)
-            self._packs = self.cfg.packed_sequences and reason is None
+            self._packs = wanted and reason is None
         return self._packs
 
     @property
@@ -107,7 +138,9 @@ class PolicyRollouts:
         # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
         # collective runs per token.
         self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
-        if resolve_backend(cfg.generation_backend, policy, device) == "eager":
+        # Not full attention: eager decoding, said once by `full_attention`.
+        backend = resolve_backend(cfg.generation_backend, policy, device) if self.full_attention else "eager"
+        if backend == "eager":
             return EagerEngine(settings)
         return StaticEngine(
             settings,

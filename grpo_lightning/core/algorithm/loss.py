@@ -13,6 +13,8 @@ References:
     - CISPO (clipped, detached importance weights): MiniMax-M1, arXiv:2506.13585.
     - Two-sided clipping ``delta``: INTELLECT-2, arXiv:2505.07291.
     - KL estimators k1/k2/k3: J. Schulman, "Approximating KL divergence", 2020.
+    - The KL term weighted by the importance ratio (``use_bias_correction_kl``): DeepSeek-V3.2,
+      arXiv:2512.02556 (TRL's ``use_bias_correction_kl``).
     - KL in the reward (``kl_in_reward``): verl's ``algorithm.use_kl_in_reward`` (``apply_kl_penalty``).
     - Leave-one-out baseline: RLOO, Ahmadian et al., arXiv:2402.14740.
     - Truncated importance sampling of the sampler (``importance_weights``): Yao et al. 2025, "Your
@@ -38,8 +40,8 @@ CISPO_EPSILON_HIGH = 5.0  # cispo's cap of the IS weight when epsilon_high is un
 # regularises nothing. Refused by `GRPOConfig` and `grpo_loss` alike, with this reason.
 K1_IN_LOSS = (
     "in the loss (beta > 0 without use_kl_in_reward) its gradient, grad log pi, has mean zero: it "
-    "regularises nothing. Use 'k2' (the KL's own gradient) or 'k3' in the loss, or keep k1 and move the KL "
-    "into the reward (use_kl_in_reward: true, as verl)"
+    "regularises nothing. Use 'k3' (with use_bias_correction_kl, the reverse KL's gradient) or 'k2' in the "
+    "loss, or keep k1 and move the KL into the reward (use_kl_in_reward: true, as verl)"
 )
 
 # The registries of the string arguments below: each choice set is a registry's keys, declared once here;
@@ -131,6 +133,8 @@ def kl_penalty(
 
     With ``r = pi_ref / pi`` (``log r`` clamped to ``[-max_log_ratio, max_log_ratio]``):
     ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - log r - 1`` (the estimator of DeepSeekMath eq. 4).
+    Each has expectation KL(pi || pi_ref) to first order (k1 and k3 exactly); their gradients in a loss
+    differ (see ``grpo_loss``).
 
     Args:
         logprobs: ``[B, T]`` log-probabilities of the sampled tokens under the policy.
@@ -275,6 +279,7 @@ def grpo_loss(
     total_tokens: float | Tensor | None = None,
     total_sequences: int | Tensor | None = None,
     importance_weights: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
 
@@ -292,8 +297,15 @@ def grpo_loss(
     to ``epsilon`` (0.2), which would cap every weight far below 1.
 
     The KL term uses ``k2`` or ``k3``: ``k1 = log pi - log pi_ref`` has the gradient ``grad log pi``, whose
-    mean under pi is 0, so in the loss it regularises nothing (``k2``'s gradient, ``(log pi - log pi_ref)
-    grad log pi``, is the KL's own). ``k1`` belongs in the reward (``kl_in_reward``), as verl uses it.
+    mean under pi is 0, so in the loss it regularises nothing. ``k1`` belongs in the reward
+    (``kl_in_reward``), as verl uses it. In expectation over tokens of pi, ``k2``'s gradient,
+    ``(log pi - log pi_ref) grad log pi``, is that of the reverse KL, KL(pi || pi_ref); ``k3``'s,
+    ``(1 - pi_ref / pi) grad log pi``, is that of the forward KL, KL(pi_ref || pi). With
+    ``use_bias_correction_kl`` (the default, as TRL's) each token's KL is multiplied by the importance ratio
+    ``rho`` (with its gradient; the sequence's at ``importance_sampling_level="sequence"``), which makes
+    ``k3``'s gradient ``rho (log pi - log pi_ref) grad log pi``: the reverse KL's, also off-policy
+    (DeepSeek-V3.2, arXiv:2512.02556). On-policy ``rho`` is 1: the loss is unchanged, its gradient is not.
+    For ``k2`` it gives the gradient of E_pi[k2] instead of the reverse KL's.
 
     Aggregation over the masked tokens:
         - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
@@ -331,10 +343,12 @@ def grpo_loss(
         total_tokens: global number of masked tokens (float or 0-d tensor).
         total_sequences: global number of sequences (int or 0-d tensor).
         importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
+        use_bias_correction_kl: multiply the per-token KL by the importance ratio (TRL's option).
 
     Returns:
         ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
-        ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and ``clip_ratio/region_mean``.
+        ``kl`` (the per-token KL as the loss weighs it: times ``rho`` with the bias correction, as TRL logs
+        it), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and ``clip_ratio/region_mean``.
         Stats are local masked token means (for a sequence-level ratio, clip fractions are means over
         sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
         ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
@@ -371,6 +385,8 @@ def grpo_loss(
     per_token_kl = None
     if ref_logprobs is not None:
         per_token_kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # [B, T]
+        if use_bias_correction_kl:  # the ratio before any clip or delta cap, as TRL's coef_1
+            per_token_kl = per_token_kl * ratio  # [B, T] x ([B, T] or [B, 1])
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl  # [B, T]
 
@@ -409,9 +425,12 @@ def grpo_loss(
 #     w_t = min(pi_old(y_t) / pi_sampler(y_t), C)        (detached; C the cap)
 #
 # which makes the expectation over the sampler's tokens that over `pi_old`'s, up to the truncation, whose
-# bias is bounded by the cap while the variance stays bounded too. TRL applies it by default with vLLM
-# (`vllm_importance_sampling_correction`, mode "token_truncate", cap `vllm_importance_sampling_clip_max`),
-# verl as an option (`algorithm.rollout_is` with `rollout_is_level: token`, `rollout_is_mode: truncate`,
+# bias is bounded by the cap while the variance stays bounded too. This is TRL's mode "token_truncate"
+# (`vllm_importance_sampling_correction` with `vllm_importance_sampling_mode="token_truncate"`, cap
+# `vllm_importance_sampling_clip_max`); TRL corrects by default with vLLM only, and then in mode
+# "sequence_mask" (a sequence's ratio, the exp of its summed log-ratio, weighs all its tokens, and a
+# sequence whose ratio is outside [clip_min, clip_max] is dropped). verl has this mode as an option
+# (`algorithm.rollout_is` with `rollout_is_level: token`, `rollout_is_mode: truncate`,
 # `rollout_is_threshold`). Pure tensor maths here; `grpo_loss` applies the weights.
 
 LOGP_GAP_THRESHOLD = 0.1  # |log pi_old - log pi_sampler| above which a token counts in logp_gap_frac_above
@@ -447,5 +466,8 @@ def logprob_gap_stats(
     if cap is not None:
         weights = truncated_importance_weights(scorer_logprobs, sampler_logprobs, cap)  # [B, T]
         stats["rollout/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens
-        stats["rollout/is_weight_frac_capped"] = ((weights >= cap) & mask).sum() / tokens
+        # The share the cap lowered, from the log-ratio before capping (as the weights are capped, in log
+        # space): the capped weight itself can round to one step below the cap.
+        log_ratio = scorer_logprobs.detach() - sampler_logprobs  # [B, T]
+        stats["rollout/is_weight_frac_capped"] = ((log_ratio > math.log(cap)) & mask).sum() / tokens
     return stats

@@ -220,7 +220,7 @@ def packing_unsupported(model: nn.Module) -> str | None:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in PACKED_ATTENTION:
         return f"its attention implementation {implementation!r} takes no 4-D mask (sdpa and eager do)"
-    if (reason := not_full_attention(model)) is not None:
+    if (reason := not_full_attention(model.config)) is not None:
         return reason
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
         return f"{type(decoder).__name__}.forward takes no position ids"

@@ -20,6 +20,7 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -178,15 +179,30 @@ class RowsEnded(StoppingCriteria):
         return ((live <= self.max_live) & (live > 0)).expand_as(ended)  # [b] all rows alike
 
 
-def not_full_attention(model: PreTrainedModel) -> str | None:
-    """Why some of `model`'s attention layers are not full attention (sliding-window, chunked, linear), or
-    None. Such a model's cache is not one key and value per token and row, nor its mask one causal mask:
-    sharing a prompt's cache, a static cache, packed rows and dropping rows between `generate` calls are
-    for full attention only."""
-    config = model.config.get_text_config(decoder=True)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"its attention layers are not all full attention ({sorted(layer_types)})"
+def not_full_attention(config: PretrainedConfig) -> str | None:
+    """Why a model of `config` does not attend to every earlier token in every layer, or None.
+
+    Read from what its decoder computes, whatever the attention implementation (eager, sdpa and flash
+    attention all apply a window): a config that declares `layer_types` (Qwen2, Gemma2 and 3, ...) has
+    each layer compute its type, a window only in "sliding_attention" layers; one that does not (Mistral,
+    Mixtral, Phi-3, Starcoder2) applies `sliding_window` in every layer when it is set, unless
+    `use_sliding_window` is false (Qwen2's switch, which keeps the window's value). Such a model's cache
+    is not one key and value per token and row, nor is its mask one causal mask that a 4-D mask may
+    replace: sharing a prompt's cache, a static cache, packed rows and dropping rows between `generate`
+    calls are for full attention only.
+    """
+    config = config.get_text_config(decoder=True)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    windowed = bool(window) and getattr(config, "use_sliding_window", True) is not False
+    follows_layer_types = "layer_types" in inspect.signature(type(config).__init__).parameters
+    if windowed and not (follows_layer_types and layer_types):
+        return (
+            f"its attention layers are not all full attention ({type(config).__name__}.sliding_window="
+            f"{window}: every layer attends to its last {window} tokens only)"
+        )
+    if set(layer_types) - {"full_attention"}:
+        return f"its attention layers are not all full attention (layer_types {sorted(set(layer_types))})"
     return None
 
 
@@ -281,7 +297,7 @@ def generate_completions(
     # config (a scripted or wrapped LM) decodes in one call.
     config = getattr(model, "config", None)
     compacting = compact_above_rows is not None and config is not None and not config.is_encoder_decoder
-    compacting = compacting and not_full_attention(model) is None
+    compacting = compacting and not_full_attention(config) is None
     rows = torch.arange(B, device=prompt_ids.device)  # [b] the row of each row of this round's batch
     ids, mask, cache = prompt_ids, prompt_mask, prompt_cache or {}  # [b, L] the batch's sequences so far
     decoded = 0  # columns decoded so far

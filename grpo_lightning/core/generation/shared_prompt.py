@@ -67,7 +67,7 @@ def sharing_unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot encode a group's prompt once, or None when it can."""
     if cache_argument(model) is None:
         return f"{type(model.get_decoder()).__name__}.forward takes no KV cache"
-    if (reason := not_full_attention(model)) is not None:
+    if (reason := not_full_attention(model.config)) is not None:
         return reason
     checkpointed = any(layer.gradient_checkpointing for layer in _checkpointable_layers(model.get_decoder()))
     if checkpointed and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):

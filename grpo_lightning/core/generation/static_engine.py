@@ -74,10 +74,16 @@ from grpo_lightning.core.generation.sampling import (
 from grpo_lightning.core.types import Rollout
 
 
+def requested_backend(requested: str, device: torch.device) -> str:
+    """`GRPOConfig.generation_backend` as asked for on `device`: "auto" is "static" on CUDA, "eager"
+    elsewhere."""
+    return requested if requested != "auto" else ("static" if device.type == "cuda" else "eager")
+
+
 def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device) -> str:
-    """`GRPOConfig.generation_backend` made concrete: "auto" is "static" on CUDA and "eager" elsewhere; a
-    model the static path cannot serve gets "eager", with one warning that says why."""
-    backend = requested if requested != "auto" else ("static" if device.type == "cuda" else "eager")
+    """`GRPOConfig.generation_backend` made concrete (`requested_backend`); a model the static path cannot
+    serve gets "eager", with one warning that says why."""
+    backend = requested_backend(requested, device)
     reason = static_unsupported(model) if backend == "static" else None
     if reason is not None:
         warnings.warn(
@@ -96,7 +102,7 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
         return f"{type(inner).__name__} is not a decoder-only model with a KV cache"
     if getattr(inner, "hf_quantizer", None) is not None:
         return "its base is quantized: the inference copy holds plain weights"
-    if (reason := not_full_attention(inner)) is not None:
+    if (reason := not_full_attention(inner.config)) is not None:
         return reason
     if isinstance(model, PeftModel):
         if len(model.active_adapters) != 1:

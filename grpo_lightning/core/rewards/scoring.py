@@ -14,7 +14,10 @@ A reward function is called with keywords only::
   `epoch` (fractional) and `num_train_epochs`;
 - `log_extra(column, values)`: a column of one value per completion for the completions panel;
 - `log_metric(name, value)`: a scalar, logged as `train/<name>` (the mean over the step's calls);
-- every data column but `prompt`, one value per completion (`answer`, `solution`, ...).
+- every data column but `prompt`, one value per completion (`answer`, `solution`, ...); a column named like
+  one of the keywords above is refused (`check_column_names`): it would replace that keyword.
+
+Each function gets its own copies of these lists, and what it returns is checked before the next is called.
 
 A function may be `async def` (or return an awaitable): those of one call run concurrently, as in TRL.
 It must return a list (or tuple) with one real number or `None` (does not apply) per completion.
@@ -25,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,7 @@ __all__ = [
     "RewardLog",
     "Scores",
     "call_reward",
+    "check_column_names",
     "check_reward_weights",
     "checked_reward_functions",
     "required_columns",
@@ -53,6 +58,18 @@ __all__ = [
 ]
 # The keywords every reward function gets; any other parameter it requires is a data column.
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def check_column_names(columns: Iterable[str], where: str) -> None:
+    """Refuse a data column named like one of `CALL_KEYWORDS`: in the call it would replace what that keyword
+    gives every reward function (TRL's call raises on `prompts`, `completions` and `completion_ids`, and
+    replaces the others' columns silently). `ValueError` naming `where` and the column."""
+    for name in columns:
+        if name in CALL_KEYWORDS:
+            raise ValueError(
+                f"{where}: the data column {name!r} has the name of a keyword every reward function is given "
+                f"({', '.join(CALL_KEYWORDS)}) and would replace it: rename the column"
+            )
 
 
 def trainer_state(
@@ -91,6 +108,7 @@ class RewardInputs:
     state: TrainerState = field(default_factory=trainer_state)
 
     def __post_init__(self) -> None:
+        check_column_names(self.columns, "the reward functions' inputs")
         for name, values in {"prompts": self.prompts, **self.columns}.items():
             if len(values) != len(self.completions):
                 raise ValueError(f"{name} has {len(values)} values for {len(self.completions)} completions")
@@ -258,28 +276,31 @@ def _run_async(awaitables: list) -> list:
 
 
 def _call_all(reward_funcs: Sequence[Callable], inputs: RewardInputs, log: RewardLog) -> list[list]:
-    """Each function's checked values; awaitable results are awaited together, as TRL gathers them."""
-    kwargs = {
-        "prompts": list(inputs.prompts),
+    """Each function's checked values. Each is called with its own copies of the inputs, so that nothing one
+    of them changes in its lists reaches the next (nor the completions kept for logging), and its values are
+    checked right after its call, so that an error names the function at fault; awaitable results are
+    awaited together, as TRL gathers them, and checked then."""
+    arguments = {
+        "prompts": inputs.prompts,
         "completions": inputs.trl_completions(),
         "completion_ids": inputs.completion_ids,
         "trainer_state": inputs.state,
-        "log_extra": log.log_extra,
-        "log_metric": log.log_metric,
         **inputs.columns,
     }
     results: list = []
     for fn in reward_funcs:
+        own = copy.deepcopy(arguments)
         try:
-            results.append(fn(**kwargs))
+            result = fn(**own, log_extra=log.log_extra, log_metric=log.log_metric)
         except Exception as err:
             raise _raised(fn, err, inputs) from err
+        results.append(result if inspect.isawaitable(result) else _check_values(fn, result, inputs))
     pending = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
     for i, outcome in zip(pending, _run_async([results[i] for i in pending]), strict=True):
         if isinstance(outcome, Exception):
             raise _raised(reward_funcs[i], outcome, inputs) from outcome
-        results[i] = outcome
-    return [_check_values(fn, result, inputs) for fn, result in zip(reward_funcs, results, strict=True)]
+        results[i] = _check_values(reward_funcs[i], outcome, inputs)
+    return results
 
 
 def call_reward(fn: Callable, inputs: RewardInputs, log: RewardLog | None = None) -> list[float | None]:
