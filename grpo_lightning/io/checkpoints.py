@@ -177,10 +177,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` whose checkpoint files appear complete or not at all (`files.write_atomically`).
 
     The checkpoint is written to a temporary file beside the target, flushed to disk, then renamed over it
-    (a rename within one folder is atomic); a kill leaves the earlier file of that name whole, and on a
-    failure the temporary file is removed and the target, if it existed, is left as it was. Lightning's own write goes through the system's temporary folder and
-    `shutil.move`, which copies when that folder is on another filesystem: a full disk then leaves a
-    truncated (or empty) `.ckpt` behind. Remote paths (`s3://...`) keep Lightning's write.
+    (a rename within one folder is atomic): a kill leaves the earlier file of that name whole; on a failure
+    the temporary file is removed and the target, if it existed, is left as it was. Lightning's own write
+    goes through the system's temporary folder and `shutil.move`, which copies when that folder is on
+    another filesystem: a full disk then leaves a truncated (or empty) `.ckpt` behind. Remote paths
+    (`s3://...`) keep Lightning's write.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:

@@ -62,15 +62,17 @@ def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], obj
 def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "") -> None:
     """`write(folder)` into a new folder beside `out_dir`, then put it in `out_dir`'s place: see the
     module's docstring. A failed write leaves `out_dir` as it was and raises one `OSError` naming it."""
-    out_dir = os.path.abspath(out_dir)
+    out_dir = os.path.realpath(out_dir)  # through a link: the folder it points to is replaced, not the link
     parent, name = os.path.split(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
-    os.chmod(staging, 0o777 & ~_umask())  # a folder as `mkdir` makes it (0755), not mkdtemp's private 0700
+    staging = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+        os.chmod(staging, 0o777 & ~_umask())  # a folder as `mkdir` makes it (0755), not mkdtemp's 0700
         write(staging)
     except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, OSError):
             kept = "the earlier folder is kept" if os.path.exists(out_dir) else "nothing left behind"
             where = f"{what} {out_dir}" if what else out_dir
@@ -125,12 +127,20 @@ class OutputLock:
     def __init__(self, path: str, option: str) -> None:
         self.lock_path = os.path.abspath(path).rstrip(os.sep) + ".lock"
         self.option, self.path = option, path
+        self._made: list[str] = []
 
     def acquire(self) -> None:
         if self._held.get(self.lock_path):
             self._held[self.lock_path] += 1
             return
-        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        folder, self._made = os.path.dirname(self.lock_path), []
+        while not os.path.exists(folder):  # the folders made for the lock, removed with it while empty
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
+        try:
+            os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{self.option} {self.path}: cannot make its folder ({err.strerror})") from None
         holder = f"process {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)[:200]}"
         for _ in range(2):  # once more after taking over a lock whose holder is gone
             try:
@@ -173,6 +183,11 @@ class OutputLock:
             del self._held[self.lock_path]
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.lock_path)
+            for folder in self._made:  # innermost first; one that now holds something stays
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
 
     def __enter__(self) -> OutputLock:
         self.acquire()
