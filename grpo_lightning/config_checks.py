@@ -1,8 +1,8 @@
 """The CLI's config checks that come before jsonargparse's, and its reports made plain, one line each.
 
-- `check_config_files`: every `--config` YAML holds a mapping of sections (an empty file is named), and each section (`model`, `data`,
-  `trainer`, `model.grpo`, ...) a mapping, not a number or a list (jsonargparse would drop such a section and
-  report an option as missing, or fail with a traceback);
+- `check_config_files`: every `--config` YAML holds a mapping of sections (an empty file is named), and
+  each section (`model`, `data`, `trainer`, `model.grpo`, ...) a mapping, not a number or a list
+  (jsonargparse would drop such a section and report an option as missing, or fail with a traceback);
 - `plain_value_error`: jsonargparse's report of a value that no accepted type takes (`Does not validate
   against any of the Union subtypes ... Given value: inf`) as the key, the value and what it takes; where a
   class refused the value itself (its own `ValueError`), that message alone;

@@ -25,6 +25,10 @@ SET_ALONE = {
     "dynamic_sampling_metric": (st.sampled_from([None, "format_reward"]), {"dynamic_sampling": True}),
     "min_lr_ratio": (st.floats(0.01, 1), {"lr_scheduler_type": "cosine"}),
     "kl_estimator": (st.sampled_from(["k2"]), {"beta": 0.1}),
+    "importance_sampling_cap": (
+        st.floats(1, 10).filter(lambda c: c != 2.0),
+        {"importance_sampling_correction": True},
+    ),
 }
 
 

@@ -186,7 +186,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
     # ---------------------------------------------------------------------------------------- optimisation
-    learning_rate: NonNegativeFloat = 1e-6
+    learning_rate: Annotated[float, Range("> 0", why="at 0 no weight ever changes")] = 1e-6
     """AdamW learning rate; 1e-6 is TRL's GRPO default."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
@@ -368,5 +368,9 @@ INERT_UNLESS = {
     "dynamic_sampling_metric": ("dynamic_sampling: true", lambda c: c.dynamic_sampling),
     "min_lr_ratio": ("lr_scheduler_type: linear or cosine", lambda c: c.lr_scheduler_type != "constant"),
     "kl_estimator": ("beta > 0", lambda c: c.beta > 0),
+    "importance_sampling_cap": (
+        "importance_sampling_correction: true",
+        lambda c: c.importance_sampling_correction,
+    ),
 }
 _DEFAULTS = {f.name: f.default for f in fields(GRPOConfig)}
