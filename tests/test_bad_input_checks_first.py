@@ -65,11 +65,9 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
 @pytest.fixture(scope="module")
 def logged(tiny_model_dir) -> list[str]:
     module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward])
-    trainer = quiet_trainer()
     data = GSM8KDataModule("arithmetic", None, val_size=2)
     data.setup("fit")
-    trainer.datamodule = data  # as fit sets it
-    return logged_metric_names(trainer, module)
+    return logged_metric_names(data, module)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

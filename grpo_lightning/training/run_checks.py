@@ -1,17 +1,18 @@
 """What a `fit` is about to do, checked before any weights load, so that a run never trains to find it.
 
 `FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
-length also for `validate`):
+length also for `validate`; `check_fit` for a script that works before its `fit`):
 
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
   itself, so a `val/...` name it does not log is refused with the ones it does, and so is a name without a
   namespace close to one of them (`val_accuracy`); a `val/...` monitor with validation off is warned about;
-- the run's length: a decaying learning-rate schedule needs `trainer.max_steps` or `max_epochs`; a
-  `max_steps` that is not a multiple of the optimizer steps a training step makes is warned about (the
-  module stops at `max_steps`, part-way through the last rollout's mini-batches), and so is a warm-up
-  longer than `max_steps` (the learning rate never reaches `learning_rate`);
+- the run's length: `max_steps` or `max_epochs` 0 trains nothing and is refused; a decaying learning-rate
+  schedule needs `trainer.max_steps` or `max_epochs`; a `max_steps` that is not a multiple of the
+  optimizer steps a training step makes is warned about (the module stops at `max_steps`, part-way through
+  the last rollout's mini-batches), and so is a warm-up longer than `max_steps` (the learning rate never
+  reaches `learning_rate`);
 - the rows' length: `max_prompt_length` + `max_completion_length` against the positions the policy has
   (`max_position_embeddings`, read from its config before its weights load): a completion that cannot fit
   is refused, where the pre-flight would sample it for minutes.
@@ -34,14 +35,19 @@ class FitChecks(L.Callback):
     """The checks above, on a `GRPOModule`'s `fit`."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage not in ("fit", "validate"):
-            return
-        check_row_length(pl_module)  # validation samples as long as training does
-        if stage != "fit":
-            return
-        check_output_folders(trainer)
-        check_monitors(trainer, logged_metric_names(trainer, pl_module))
-        check_run_length(trainer, pl_module.grpo)
+        if stage == "fit":
+            check_fit(trainer, pl_module, trainer.datamodule)
+        elif stage == "validate":
+            check_row_length(pl_module)  # validation samples as long as training does
+
+
+def check_fit(trainer: L.Trainer, module: L.LightningModule, datamodule: object) -> None:
+    """The checks above, for a fit of `module` on `datamodule` with `trainer`: also for a script that works
+    before its `fit` (`scripts/demo.py` evaluates the policy first), so that a refused run does no work."""
+    check_row_length(module)
+    check_output_folders(trainer)
+    check_monitors(trainer, logged_metric_names(datamodule, module))
+    check_run_length(trainer, module.grpo)
 
 
 def check_output_folders(trainer: L.Trainer) -> None:
@@ -96,9 +102,10 @@ def check_row_length(module: L.LightningModule) -> None:
     )
 
 
-def logged_metric_names(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-    """The `val/...` metrics the module logs (every validation set's), and its rewards' `train/...` means."""
-    names = pl_module.validation.metric_names(trainer.datamodule)
+def logged_metric_names(datamodule: object, pl_module: L.LightningModule) -> list[str]:
+    """The `val/...` metrics the module logs (every validation set's of `datamodule`), and its rewards'
+    `train/...` means."""
+    names = pl_module.validation.metric_names(datamodule)
     names += ["train/reward", *(f"train/rewards/{name}" for name in pl_module.reward_names)]
     return names
 
@@ -131,6 +138,9 @@ def check_monitors(trainer: L.Trainer, logged: list[str]) -> None:
 def check_run_length(trainer: L.Trainer, grpo) -> None:
     """A decaying schedule needs a known length; `max_steps` should fall at a training step's end."""
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_steps == 0 or max_epochs == 0:
+        option = "max_steps" if max_steps == 0 else "max_epochs"
+        raise ValueError(f"trainer.{option}=0: the run would train nothing; give it at least 1")
     if grpo.lr_scheduler_type != "constant" and max_steps < 0 and (max_epochs is None or max_epochs < 0):
         raise ValueError(
             f"model.grpo.lr_scheduler_type={grpo.lr_scheduler_type!r} decays over the run, whose length is "
