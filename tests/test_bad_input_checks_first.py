@@ -193,7 +193,10 @@ def test_a_monitor_one_typo_away_from_a_logged_metric_is_refused(logged, data):
         ),
         (["--set", "trainer.max_steps=0"], "trainer.max_steps=0: every run needs at least one step"),
         (["--set", "trainer.precision=fp7"], "Precision 'fp7' is invalid"),
-        (["--step_credit", "0.3"], "--step_credit 0.3: only the step_credit run reads it"),
+        (
+            ["--variants", "baseline", "--step_credit", "0.3"],
+            "--step_credit 0.3: only the step_credit run reads",
+        ),
     ],
 )
 def test_compare_options_refuses_bad_flags_before_its_first_step(tiny_model_dir, tmp_path, flags, message):
