@@ -265,7 +265,7 @@ def generate_completions(
 
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
     token's, computed once per distinct prompt (`prefill_groups`), so that `generate` decodes;
-    or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
+    or a `StaticCache` (`static_engine.StaticEngine`). `compile_config`: how `generate` compiles the decoding
     step over a static cache; None never compiles. Sampled rollouts carry `sampler_logprobs`, each drawn
     token's log-prob under the distribution it was drawn from; greedy ones None.
     """
