@@ -456,8 +456,8 @@ KILLED_WRITES = ("checkpoint", "export", "results")
 
 @pytest.fixture(scope="module")
 def killed_writes(tiny_model_dir, tmp_path_factory) -> str:
-    """`kill_at_every_step` for each of `KILLED_WRITES`, in one process (its imports cost more than the
-    writes): the folder holding each one's `<kind>/` folder."""
+    """`kill_at_every_step` for each of `KILLED_WRITES` (all written through `io.files`), in one process (its
+    imports cost more than the writes): the folder holding each one's `<kind>/` folder."""
     root = str(tmp_path_factory.mktemp("killed"))
     code = (
         "import sys; from tests.test_bad_input_outputs import KILLED_WRITES, kill_at_every_step as k; "
