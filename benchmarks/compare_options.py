@@ -39,16 +39,21 @@ any config entry (the value is read as YAML). The trainer's logger, callbacks, `
 and GRPO's pre-flight report are left out: every run gets the same number of optimizer steps (or the same CPU
 budget) and writes nothing but `--out`.
 
-Every flag and each run's options are checked before the first step. `--out` never replaces a file
-silently: an earlier results file of this script only with `--overwrite`, any other file never. It is
-written after each run, so a later run that fails leaves the finished ones. `--report` refuses a file
-given twice, and two files holding the same run and seed (one run would count as two seeds).
+Every flag and each run's options are checked before the first step: every key of the config and of
+`--set` must name an option of its section (a Trainer option the script leaves out is refused from `--set`),
+and a flag that no chosen run reads (`--step_credit` without the `step_credit` run) is refused. `--out`
+never replaces a file silently: an earlier results file of this script only with `--overwrite`, any other
+file never. It is written after each run, so a later run that fails leaves the finished ones. `--report`
+refuses a file given twice, and two files holding the same run and seed (one run would count as two seeds).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -72,6 +77,7 @@ from grpo_lightning.training.data import GSM8KDataModule  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
 STEP_REWARD = "grpo_lightning.core.rewards.steps.step_reward"
+DEFAULT_STEP_CREDIT = 0.5  # the step_credit run's grpo.step_credit
 VARIANTS = ("baseline", "dynamic_sampling", "dynamic_sampling_total", "step_credit")
 UPDATE_KEYS = (  # logged as train/<key>
     "reward",
@@ -105,7 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--device", help="Lightning accelerator: cpu, cuda, ... (default: the config's)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--step_credit", type=float, default=0.5, help="grpo.step_credit of that run")
+    parser.add_argument(
+        "--step_credit", type=float, help=f"grpo.step_credit of that run (default {DEFAULT_STEP_CREDIT})"
+    )
     parser.add_argument("--eval_every", type=int, default=10, help="optimizer steps between evaluations")
     parser.add_argument(
         "--cpu_budget",
@@ -149,18 +157,68 @@ def load_config(path: str, overrides: list[str]) -> dict:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         *parents, leaf = key.split(".")
         node = config
-        for name in parents:
+        for depth, name in enumerate(parents, start=1):
             node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                section = ".".join(parents[:depth])
+                raise ValueError(f"--set {item!r}: {section} is {node!r}, not a section of options")
         node[leaf] = yaml.safe_load(value)
     return config
 
 
-def variant_overrides(variant: str, config: dict, step_credit: float) -> list[str]:
+def option_names() -> dict[tuple[str, ...], tuple[str, set[str]]]:
+    """The options each section of a config takes here: what takes them, and their names."""
+
+    def arguments(cls: type) -> set[str]:
+        return set(inspect.signature(cls).parameters) - {"self", "args", "kwargs"}
+
+    return {
+        (): ("this script's config", {"seed_everything", "model", "data", "trainer"}),
+        ("model",): ("GRPOModule", arguments(GRPOModule)),
+        ("model", "grpo"): ("GRPOConfig", {f.name for f in dataclasses.fields(GRPOConfig)}),
+        ("model", "model_options"): ("ModelOptions", {f.name for f in dataclasses.fields(ModelOptions)}),
+        ("model", "lora"): ("LoraOptions", {f.name for f in dataclasses.fields(LoraOptions)}),
+        ("data",): ("GSM8KDataModule", arguments(GSM8KDataModule)),
+        ("trainer",): ("lightning.Trainer", arguments(L.Trainer)),
+    }
+
+
+def check_keys(config: dict, overrides: list[str]) -> None:
+    """Every key of the config and of the `--set` overrides names an option that its section takes; a
+    Trainer option this script leaves out (`TRAINER_LEFT_OUT`) is refused from `--set`, where it would be
+    silently dropped."""
+    sections = option_names()
+    for item in overrides:
+        key = item.partition("=")[0]
+        if key.startswith("trainer.") and key.removeprefix("trainer.") in TRAINER_LEFT_OUT:
+            raise ValueError(
+                f"--set {item!r}: this script leaves {key} out of every run (with the rest of "
+                f"{', '.join(TRAINER_LEFT_OUT)}): its runs log nothing and write only --out"
+            )
+
+    def walk(node: dict, where: tuple[str, ...]) -> None:
+        owner, names = sections[where]
+        for name, value in node.items():
+            path = ".".join((*where, name))
+            if name not in names:
+                close = difflib.get_close_matches(name, sorted(names), n=1)
+                hint = f" (did you mean {'.'.join((*where, close[0]))!r}?)" if close else ""
+                raise ValueError(f"config key {path!r}: {owner} has no option {name!r}{hint}")
+            if (*where, name) in sections and value is not None:  # `lora: null`, an empty `grpo:`
+                if not isinstance(value, dict):
+                    raise ValueError(f"config key {path!r} is {value!r}: it must be a section of options")
+                walk(value, (*where, name))
+
+    walk(config, ())
+
+
+def variant_overrides(variant: str, config: dict, step_credit: float | None) -> list[str]:
     if variant == "dynamic_sampling":
         return ["model.grpo.dynamic_sampling=true"]
     if variant == "dynamic_sampling_total":
         return ["model.grpo.dynamic_sampling=true", "model.grpo.dynamic_sampling_metric=null"]
     if variant == "step_credit":
+        step_credit = DEFAULT_STEP_CREDIT if step_credit is None else step_credit
         funcs = [f for f in config["model"].get("reward_funcs", []) if f != STEP_REWARD] + [STEP_REWARD]
         return [f"model.reward_funcs=[{', '.join(funcs)}]", f"model.grpo.step_credit={step_credit}"]
     return []
@@ -188,12 +246,7 @@ def build(
         reward_funcs=None if reward_funcs is None else [instantiate(f) for f in reward_funcs],
         **model,
     )
-    trainer_args = {k: v for k, v in config.get("trainer", {}).items() if k not in TRAINER_LEFT_OUT}
-    trainer_args.update(limit_val_batches=0, enable_progress_bar=False)  # evaluations are the callback's
-    if args.device is not None:
-        trainer_args["accelerator"] = args.device
-    if (max_steps := max_steps or args.max_steps) is not None:
-        trainer_args["max_steps"] = max_steps
+    trainer_args = trainer_options(config, args, max_steps)
     root = os.path.dirname(os.path.abspath(args.out))  # where an interrupted run leaves its checkpoint
     trainer = L.Trainer(
         **trainer_args, logger=False, enable_checkpointing=False, callbacks=callbacks, default_root_dir=root
@@ -201,6 +254,18 @@ def build(
     # The evaluation before training decodes in the trainer's precision, as the one after.
     module.rollouts.place(trainer.strategy.root_device, trainer.precision)
     return trainer, module
+
+
+def trainer_options(config: dict, args: argparse.Namespace, max_steps: int | None = None) -> dict:
+    """The Trainer's options of a run: the config's, less `TRAINER_LEFT_OUT`, with `--device` and
+    `--max_steps` (or `max_steps`) over them."""
+    trainer_args = {k: v for k, v in config.get("trainer", {}).items() if k not in TRAINER_LEFT_OUT}
+    trainer_args.update(limit_val_batches=0, enable_progress_bar=False)  # evaluations are the callback's
+    if args.device is not None:
+        trainer_args["accelerator"] = args.device
+    if (max_steps := max_steps or args.max_steps) is not None:
+        trainer_args["max_steps"] = max_steps
+    return trainer_args
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -478,10 +543,20 @@ def check_args(args: argparse.Namespace) -> dict:
         raise ValueError(f"--variants names {twice[0]!r} twice: each run once")
     if not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config}: no such file")
+    if args.step_credit is not None and "step_credit" not in args.variants:
+        raise ValueError(
+            f"--step_credit {args.step_credit}: only the step_credit run reads it, and --variants leaves "
+            "that run out"
+        )
     claim_output(args.out, "--out", WRITER, args.overwrite)
     config = load_config(args.config, args.set)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise ValueError(f"--config {args.config}: not a config with a model: section")
+    check_keys(config, args.set)
+    max_steps = args.max_steps or (config.get("trainer") or {}).get("max_steps", -1)
+    if not isinstance(max_steps, int) or max_steps == 0 or max_steps < -1:
+        raise ValueError(f"trainer.max_steps={max_steps!r}: every run needs at least one step (or -1)")
+    L.Trainer(**trainer_options(config, args), logger=False, enable_checkpointing=False)  # its values
     configured_budget(config, args)  # the budgets' values
     for variant in args.variants:  # each run's options, as its module and data module will take them
         options = load_config(args.config, args.set + variant_overrides(variant, config, args.step_credit))

@@ -40,7 +40,12 @@ from grpo_lightning.config_checks import check_config_files, plain_value_error, 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
-from grpo_lightning.io.checkpoints import check_checkpoint_folder, comparable_hparams, read_checkpoint
+from grpo_lightning.io.checkpoints import (
+    check_checkpoint_folder,
+    check_module_checkpoint,
+    comparable_hparams,
+    read_checkpoint,
+)
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, ModelOptions
@@ -88,6 +93,11 @@ class GRPOTrainer(Trainer):
                 checkpoint's data was; without it a resumed run continues the checkpoint's data where it
                 stopped, and `cli.py fit` refuses data options that differ from the checkpoint's.
         """
+        if new_data and kwargs.get("ckpt_path") is None:
+            raise ValueError(
+                "--new_data true continues a checkpoint's weights on this data, but no --ckpt_path is given: "
+                "give the checkpoint, or drop --new_data to train from the policy's own weights"
+            )
         kwargs.setdefault("weights_only", True)  # a checkpoint to resume from runs no code (Lightning: False)
         version_checkpoint_folders(self)  # without a logger: never another run's checkpoint folder
         self.new_data = new_data  # read by GRPOModule.on_load_checkpoint
@@ -242,6 +252,7 @@ class GRPOCLI(LightningCLI):
         if not ckpt_path or not Path(ckpt_path).is_file():
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         checkpoint = read_checkpoint(ckpt_path, weights_only=True, mmap=True)
+        check_module_checkpoint(checkpoint, ckpt_path, resume=subcommand == "fit")
         if subcommand == "fit" and not self.config.fit.get("new_data"):
             _refuse_other_data(ckpt_path, checkpoint, self.config.fit.data)
         saved = checkpoint.get("hyper_parameters", {})

@@ -1,8 +1,8 @@
 """The CLI's config checks that come before jsonargparse's, and its reports made plain, one line each.
 
-- `check_config_files`: every `--config` YAML holds a mapping of sections, and each section (`model`, `data`,
-  `trainer`, `model.grpo`, ...) a mapping, not a number or a list (jsonargparse would drop such a section and
-  report an option as missing, or fail with a traceback);
+- `check_config_files`: every `--config` YAML holds a mapping of sections (an empty file is named), and
+  each section (`model`, `data`, `trainer`, `model.grpo`, ...) a mapping, not a number or a list
+  (jsonargparse would drop such a section and report an option as missing, or fail with a traceback);
 - `plain_value_error`: jsonargparse's report of a value that no accepted type takes (`Does not validate
   against any of the Union subtypes ... Given value: inf`) as the key, the value and what it takes; where a
   class refused the value itself (its own `ValueError`), that message alone;
@@ -50,8 +50,11 @@ def check_config_files(argv: Sequence[str]) -> None:
                 config = yaml.safe_load(f)
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports a missing or broken file in its own words
-        if config is None:
-            continue
+        if config is None:  # jsonargparse would say "Unexpected config:" and nothing more
+            raise ValueError(
+                f"config {path} is empty (or only comments): a config is a mapping of sections (model:, "
+                "data:, trainer:)"
+            )
         if not isinstance(config, dict):
             raise ValueError(
                 f"config {path} holds {_YAML_KINDS.get(type(config), 'a value')}: a config is a mapping of "

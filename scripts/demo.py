@@ -36,13 +36,15 @@ from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
 from grpo_lightning.demo.curves import RewardHistory, write_curves  # noqa: E402
 from grpo_lightning.demo.heldout import binomial_se, heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 from grpo_lightning.demo.outputs import run_script, unused_paths, write_json  # noqa: E402
+from grpo_lightning.training.run_checks import check_fit  # noqa: E402
 
 WRITER = "scripts/demo.py"  # the mark of its summaries
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    # No abbreviations: `--seed 3` is not `--seeds 3` (three runs); it goes on to the CLI, which names it.
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(
         "--seeds",
@@ -103,6 +105,7 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
     module.rollouts.place(trainer.strategy.root_device, trainer.precision)
     budget = budget_of(trainer)
     data.setup("fit")
+    check_fit(trainer, module, data)  # what fit checks first, before the evaluation's minutes
     if before is None:
         module.configure_model()
         before = evaluate(module, data, trainer.strategy.root_device)

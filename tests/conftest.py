@@ -2,6 +2,7 @@ import io
 import os
 import signal
 
+import lightning
 import pytest
 import torch
 
@@ -88,7 +89,8 @@ def good_checkpoint(tiny_model_dir) -> bytes:
 
     state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     buffer = io.BytesIO()
-    torch.save({"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}, buffer)
+    checkpoint = {"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}
+    torch.save(checkpoint | {"pytorch-lightning_version": lightning.__version__}, buffer)
     return buffer.getvalue()
 
 

@@ -3,18 +3,25 @@ callbacks monitor, the schedule's length, and the benchmark's flags and runs' op
 load (a refused run trains nothing and writes nothing)."""
 
 import os
+import signal
+import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.run_checks import check_monitors, logged_metric_names
-from tests.helpers import digit_reward, quiet_trainer, tiny_module
+from grpo_lightning.training.run_checks import check_monitors, check_run_length, logged_metric_names
+from tests.helpers import cli_error, digit_reward, one_error_line, quiet_trainer, tiny_module
 from tests.test_heldout import load_script
+from tests.test_interrupt import fit_args
 
 COMPARE = load_script("compare_options", "benchmarks/compare_options.py")
+DEMO = load_script("demo", "scripts/demo.py")
 
 
 def fit_refused(module_dir: str, root, callbacks=(), match: str = "", **trainer) -> tuple[bool, int]:
@@ -62,14 +69,78 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
     ) == (False, 0)
 
 
+def test_runs_that_cannot_do_what_was_asked_are_refused_or_warned_before_any_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    with pytest.raises(ValueError, match=r"^GRPOConfig.learning_rate=0: must be > 0 \(at 0 no weight ever"):
+        GRPOConfig(learning_rate=0)
+    with pytest.warns(UserWarning, match="importance_sampling_cap=3.0 has no effect without importance_"):
+        GRPOConfig(importance_sampling_cap=3.0)
+    with pytest.warns(UserWarning, match=r"warmup_steps=10 is longer than the run \(trainer.max_steps=4 "):
+        check_run_length(quiet_trainer(max_steps=4), GRPOConfig(warmup_steps=10))
+    # The tiny model has 1024 positions: 100000 new tokens would be sampled (for minutes) to no purpose.
+    assert fit_refused(
+        tiny_model_dir,
+        tmp_path,
+        match=r"^model.grpo.max_prompt_length=512 \+ max_completion_length=100000 = 100512 tokens per row "
+        r"exceed the 1024 positions of the policy \(max_position_embeddings in its config\): lower "
+        r"max_completion_length to at most 512$",
+        grpo={"max_completion_length": 100000},
+    ) == (False, 0)
+    assert fit_refused(
+        tiny_model_dir, tmp_path, match="trainer.max_steps=0: the run would train nothing", max_steps=0
+    ) == (False, 0)
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, "--new_data=true"), capsys)
+    assert one_error_line(err).startswith(
+        "error: --new_data true continues a checkpoint's weights on this data, but no --ckpt_path is given"
+    )
+    # The demo evaluates before it trains: the fit's checks come first.
+    config = tmp_path / "demo.yaml"
+    config.write_text(
+        f"trainer: {{accelerator: cpu, logger: false, default_root_dir: {tmp_path / 'demo'}}}\n"
+        f"model: {{policy: {tiny_model_dir}, grpo: {{max_completion_length: 5000}}}}\n"
+        "data: {source: arithmetic, val_size: 2}\n"
+    )
+    with pytest.raises(ValueError, match="max_completion_length=5000 = 5512 tokens per row exceed the 1024"):
+        DEMO.main(["--config", str(config)])
+    assert not os.path.exists(tmp_path / "demo" / "summary.json")
+
+
+class SignalledDuringSampling:
+    """A pre-flight's sampling that takes long: SIGTERM arrives at its start, then 20 s of work."""
+
+    def __init__(self, sample) -> None:
+        self.sample, self.ended = sample, None
+
+    def __call__(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(400):
+            time.sleep(0.05)
+        self.ended = True
+        return self.sample(*args, **kwargs)
+
+
+def test_sigterm_stops_a_preflight_at_once(tiny_model_dir, tmp_path):
+    module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward], preflight=True)
+    trainer = quiet_trainer(default_root_dir=str(tmp_path), max_steps=1, limit_val_batches=0)
+    module.configure_model()
+    sampling = module.rollouts.sample = SignalledDuringSampling(module.rollouts.sample)
+    handler, start = signal.getsignal(signal.SIGTERM), time.monotonic()
+    with pytest.raises(SIGTERMException):
+        trainer.fit(module, GSM8KDataModule("arithmetic", None, batch_size=2, val_size=2))
+    assert time.monotonic() - start < 15 and sampling.ended is None  # not after the 20 s of sampling
+    assert trainer.global_step == 0
+    saved = torch.load(tmp_path / "checkpoints" / "interrupted.ckpt", weights_only=True)
+    assert saved["global_step"] == 0  # resumable: the run had made no step
+    assert signal.getsignal(signal.SIGTERM) is handler  # the process's own again
+
+
 @pytest.fixture(scope="module")
 def logged(tiny_model_dir) -> list[str]:
     module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward])
-    trainer = quiet_trainer()
     data = GSM8KDataModule("arithmetic", None, val_size=2)
     data.setup("fit")
-    trainer.datamodule = data  # as fit sets it
-    return logged_metric_names(trainer, module)
+    return logged_metric_names(data, module)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -108,6 +179,24 @@ def test_a_monitor_one_typo_away_from_a_logged_metric_is_refused(logged, data):
         (["--cpu_budget", "0"], "CPUTimeBudget.max_cpu_seconds=0.0: must be > 0 or None"),
         (["--set", "data.batch_size=0"], "data.batch_size=0: must be >= 1"),
         (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+        (
+            ["--set", "model.grpo.temprature=1"],
+            "config key 'model.grpo.temprature': GRPOConfig has no option 'temprature' (did you mean "
+            "'model.grpo.temperature'?)",
+        ),
+        (["--set", "trainer.max_stepz=3"], "config key 'trainer.max_stepz': lightning.Trainer has no option"),
+        (["--set", "seeds=3"], "config key 'seeds': this script's config has no option 'seeds'"),
+        (["--set", "model.grpo=5"], "config key 'model.grpo' is 5: it must be a section of options"),
+        (
+            ["--set", "trainer.logger=true"],
+            "--set 'trainer.logger=true': this script leaves trainer.logger out",
+        ),
+        (["--set", "trainer.max_steps=0"], "trainer.max_steps=0: every run needs at least one step"),
+        (["--set", "trainer.precision=fp7"], "Precision 'fp7' is invalid"),
+        (
+            ["--variants", "baseline", "--step_credit", "0.3"],
+            "--step_credit 0.3: only the step_credit run reads",
+        ),
     ],
 )
 def test_compare_options_refuses_bad_flags_before_its_first_step(tiny_model_dir, tmp_path, flags, message):

@@ -55,6 +55,66 @@ def test_missing_and_non_utf8_data_files(tiny_model_dir, tmp_path, capsys, no_we
     assert f"error: {latin1}: not valid UTF-8 (invalid continuation byte at byte " in err
 
 
+def test_data_files_are_read_by_their_type_in_any_case_and_named_by_their_own_line(
+    tiny_model_dir, tmp_path, capsys, no_weights, monkeypatch
+):
+    import datasets
+
+    monkeypatch.chdir(tmp_path)  # file names as a user types them: "upper.JSONL", not a path from the root
+
+    def rows_of(source: str) -> list:
+        data = GSM8KDataModule(source=source, val_size=0)
+        data.setup("fit")
+        return data.train_rows
+
+    upper = write_rows(tmp_path / "upper.JSONL", [ROW, ROW])  # an existing file: never a hub id
+    assert [row["answer"] for row in rows_of("upper.JSONL")] == [ROW["answer"]] * 2
+    assert len(rows_of(upper)) == 2
+    (tmp_path / "split").mkdir()
+    write_rows(tmp_path / "split" / "train.Jsonl", [ROW] * 3)
+    assert len(rows_of(str(tmp_path / "split"))) == 3
+
+    text = write_rows(tmp_path / "rows.txt", [ROW])  # JSON lines under another name: not read as them
+    with pytest.raises(
+        ValueError, match=rf"data file '{text}': its type '.txt' is not one read here \(.jsonl"
+    ):
+        rows_of(text)
+    with pytest.raises(FileNotFoundError, match="data file '.*absent.JSONL' does not exist"):
+        rows_of(str(tmp_path / "absent.JSONL"))
+
+    lines = [json.dumps(ROW)] * 12 + ['{"question": "unfinished", '] + [json.dumps(ROW)] * 3
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"^{tmp_path}/bad.jsonl:13: not valid JSON \\(Expecting property"):
+        rows_of(str(tmp_path / "bad.jsonl"))
+
+    (tmp_path / "twice.csv").write_text("question,answer,answer\nq?,#### 1,#### 2\n")
+    with pytest.raises(ValueError) as error:
+        rows_of(str(tmp_path / "twice.csv"))
+    assert str(error.value) == (
+        f"{tmp_path}/twice.csv: the header names column 'answer' twice (columns 2 and 3): every column needs "
+        "a name of its own"
+    )
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([ROW] * 200).save_to_disk(str(saved))
+    (shard,) = saved.glob("*.arrow")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError) as error:
+        rows_of(str(saved))
+    assert str(error.value).startswith(
+        f"data folder '{saved}' (written by save_to_disk) cannot be read: its file {shard} is truncated or "
+        "damaged ("
+    )
+    assert "\n" not in str(error.value)
+
+    (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
+    err = cli_error(["fit", "--config", str(tmp_path / "empty.yaml")], capsys)
+    assert one_error_line(err) == (
+        f"error: config {tmp_path}/empty.yaml is empty (or only comments): a config is a mapping of sections "
+        "(model:, data:, trainer:)"
+    )
+
+
 @pytest.mark.parametrize("preset", [True, False], ids=["gsm8k", "trl-format"])
 def test_a_column_only_some_rows_carry_is_named_before_weights_load(
     tiny_model_dir, tmp_path, capsys, no_weights, preset

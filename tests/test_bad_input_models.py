@@ -108,6 +108,43 @@ def test_a_broken_ckpt_path_is_one_line_before_weights_load(
     assert "weights_only" not in err
 
 
+def saved(checkpoint: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+FOREIGN = "lacks 'pytorch-lightning_version' and any weights under 'policy.' in its state_dict: it is not a "
+
+
+@pytest.mark.parametrize(
+    ("subcommand", "content", "why"),
+    [
+        pytest.param("fit", lambda good: saved({"state_dict": {}}), FOREIGN, id="fit-foreign"),
+        pytest.param("validate", lambda good: saved({"state_dict": {}}), FOREIGN, id="validate-foreign"),
+        pytest.param("export", lambda good: saved({"state_dict": {}}), FOREIGN, id="export-foreign"),
+        # What ModelCheckpoint(save_weights_only=True) writes: the weights load, but no run resumes from it.
+        pytest.param(
+            "fit",
+            lambda good: good,
+            "lacks 'optimizer_states' and 'lr_schedulers': it holds the weights alone (ModelCheckpoint's "
+            "save_weights_only) and cannot resume a run; to train on from them, export them",
+            id="fit-weights-alone",
+        ),
+    ],
+)
+def test_a_foreign_checkpoint_is_one_line_naming_what_it_lacks(
+    tiny_model_dir, good_checkpoint, tmp_path, capsys, no_weights, subcommand, content, why
+):
+    path = tmp_path / "foreign.ckpt"
+    path.write_bytes(content(good_checkpoint))
+    extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
+    args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
+    line = one_error_line(cli_error(args, capsys))  # no KeyError traceback from Lightning
+    assert line.startswith(f"error: checkpoint {str(path)!r} {why}")
+    assert not os.path.exists(tmp_path / "export")
+
+
 def test_export_policy_names_a_truncated_checkpoint(tiny_model_dir, good_checkpoint, tmp_path):
     module = GRPOModule(tiny_model_dir)
     path = tmp_path / "cut.ckpt"

@@ -281,7 +281,8 @@ class TestOptionsTheLightningWay:
         state = AutoModelForCausalLM.from_pretrained(other_model_dir).state_dict()
         path = tmp_path / "other.ckpt"
         saved = {"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}
-        torch.save(saved | {"pytorch-lightning_version": L.__version__}, path)
+        resumable = {"optimizer_states": [], "lr_schedulers": []}  # what fit reads besides the weights
+        torch.save(saved | resumable | {"pytorch-lightning_version": L.__version__}, path)
         extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
         args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
         err = cli_error(args, capsys)

@@ -3,9 +3,14 @@ files only earlier results (`--results.overwrite`), checkpoints never land over 
 scripts' outputs (`demo.outputs`) never replace an earlier run's silently. The data-safety test gives a
 folder holding a model, checkpoints and a user's file as every output path of every command that writes."""
 
+import errno
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +25,7 @@ from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.evaluation import ValidationResultsWriter, write_results
 from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint
@@ -34,7 +39,7 @@ from tests.helpers import (
     write_rows,
 )
 from tests.test_heldout import load_script
-from tests.test_interrupt import fit_args
+from tests.test_interrupt import REPO, fit_args
 
 
 def files_of(folder) -> dict[str, bytes]:
@@ -357,3 +362,197 @@ def test_the_scripts_write_beside_what_their_output_paths_hold(kept_folder, tmp_
         with pytest.raises(ValueError, match=f"--out {out} (is a folder|holds a file that .* did not write)"):
             compare.main(["--config", str(config), "--out", out, "--overwrite", "--variants", "baseline"])
     assert survived(kept_folder)
+
+
+# ---------------------------------------------------------------------------- kills, two writers, full disk
+def write_earlier_and_new(kind: str, root: str, model_dir: str):
+    """The earlier files of `kind` in `<root>/folder` (and a file beside them that no write touches), and
+    the write that replaces one of them: a checkpoint, an export or a results file."""
+    from grpo_lightning.io.checkpoints import AtomicCheckpointIO
+    from grpo_lightning.training.evaluation import write_results
+
+    folder = os.path.join(root, "folder")
+    os.makedirs(folder)  # and `root`
+    with open(os.path.join(folder, "notes.txt"), "w") as f:
+        f.write("a user's file beside the outputs\n")
+    if kind == "checkpoint":
+        io = AtomicCheckpointIO()
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(4096)}, "global_step": 1}, f"{folder}/last.ckpt")
+        io.save_checkpoint({"state_dict": {"w": torch.ones(8)}, "global_step": 0}, f"{folder}/epoch=0.ckpt")
+        new = {"state_dict": {"w": torch.full((4096,), 2.0)}, "global_step": 2}
+        return lambda: io.save_checkpoint(new, f"{folder}/last.ckpt")
+    if kind == "export":
+        from transformers import AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        export_policy(model, f"{folder}/export", tokenizer=tokenizer)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)  # the new export's weights differ from the earlier one's
+        return lambda: export_policy(model, f"{folder}/export", tokenizer=tokenizer, overwrite=True)
+    write_results(f"{folder}/val.jsonl", [{"set": None, "sample": 0, "completion": "4", "correct": True}])
+    new = [{"set": None, "sample": i, "completion": str(i), "correct": False} for i in range(500)]
+    return lambda: write_results(f"{folder}/val.jsonl", new)
+
+
+def kill_at_every_step(kind: str, root: str, model_dir: str) -> None:
+    """Run in a process of its own (`python -c`): for k = 1, 2, ... a forked child does the write of
+    `write_earlier_and_new` and is killed (SIGKILL) just before its k-th file operation in the folder (a file
+    opened for writing, a rename, a removal, a folder made); what it left is copied to `<root>/killed_<k>`,
+    and the earlier files are put back. Ends with the write done whole (`<root>/whole`); the earlier files
+    are in `<root>/earlier`."""
+    import signal
+    import sys
+
+    torch.set_num_threads(1)  # no OpenMP pool to inherit across fork
+    write = write_earlier_and_new(kind, root, model_dir)
+    folder = os.path.join(root, "folder")
+    shutil.copytree(folder, os.path.join(root, "earlier"))
+    operations = {"open", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.mkdir"}
+    for k in range(1, 200):
+        child = os.fork()
+        if child == 0:
+            seen = 0
+
+            def kill_at_k(event: str, args: tuple, k: int = k) -> None:
+                nonlocal seen
+                if event not in operations or not isinstance(args[0], str | bytes):
+                    return
+                if event == "open" and args[1] is not None and not any(c in args[1] for c in "wax+"):
+                    return  # a read
+                if event == "open" and args[1] is None and not args[2] & (os.O_WRONLY | os.O_RDWR):
+                    return
+                if os.path.abspath(os.fsdecode(args[0])).startswith(root):
+                    seen += 1
+                    if seen == k:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            sys.addaudithook(kill_at_k)
+            write()
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        if not os.WIFSIGNALED(status):  # the write had fewer operations than k: it ran whole
+            os.rename(folder, os.path.join(root, "whole"))
+            return
+        shutil.copytree(folder, os.path.join(root, f"killed_{k}"))
+        shutil.rmtree(folder)
+        shutil.copytree(os.path.join(root, "earlier"), folder)
+    raise AssertionError("the write never ended")
+
+
+def outputs_of(folder) -> dict[str, bytes]:
+    """`files_of` without what a killed writer may leave beside the outputs: its hidden temporary file or
+    folder (`.<name>.*partial*`) and its lock, which the next writer takes over."""
+    return {
+        path: content
+        for path, content in files_of(folder).items()
+        if not any(part.startswith(".") and "partial" in part for part in path.split(os.sep))
+        and not path.endswith(".lock")
+    }
+
+
+KILLED_WRITES = ("checkpoint", "export", "results")
+
+
+@pytest.fixture(scope="module")
+def killed_writes(tiny_model_dir, tmp_path_factory) -> str:
+    """`kill_at_every_step` for each of `KILLED_WRITES` (all written through `io.files`), in one process (its
+    imports cost more than the writes): the folder holding each one's `<kind>/` folder."""
+    root = str(tmp_path_factory.mktemp("killed"))
+    code = (
+        "import sys; from tests.test_bad_input_outputs import KILLED_WRITES, kill_at_every_step as k; "
+        "[k(kind, f'{sys.argv[1]}/{kind}', sys.argv[2]) for kind in KILLED_WRITES]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, root, tiny_model_dir],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("kind", KILLED_WRITES)
+def test_a_kill_at_any_moment_leaves_every_earlier_file_whole(killed_writes, kind):
+    tmp_path = Path(killed_writes) / kind
+    earlier, whole = files_of(tmp_path / "earlier"), files_of(tmp_path / "whole")
+    changed = {path for path in earlier.keys() | whole.keys() if earlier.get(path) != whole.get(path)}
+    assert changed and "notes.txt" not in changed
+    kills = sorted(tmp_path.glob("killed_*"))
+    assert len(kills) >= 2  # at least the temporary file's writing and its rename
+    for killed in kills:  # each file as it was, or the write's whole result: never a part, never a mix
+        assert outputs_of(killed) in (earlier, whole), f"{killed.name}: {sorted(outputs_of(killed))}"
+
+
+def test_a_second_writer_to_one_place_is_refused_naming_the_first(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = subprocess.Popen(["sleep", "60"])  # another run, alive on this host, holding both outputs
+    try:
+        results, out = tmp_path / "val.jsonl", tmp_path / "export"
+        for path in (results, out):
+            Path(f"{path}.lock").write_text(
+                f"process {other.pid} on {socket.gethostname()}: cli.py validate\n"
+            )
+        with pytest.raises(ValueError) as error:
+            ValidationResultsWriter(str(results)).setup(quiet_trainer(), None, "validate")
+        assert str(error.value) == (
+            f"results.path {results} is being written by another run (process {other.pid} on "
+            f"{socket.gethostname()}: cli.py validate; lock {results}.lock): wait for it to end, or choose "
+            "another path"
+        )
+        model, tokenizer = (
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            AutoTokenizer.from_pretrained(tiny_model_dir),
+        )
+        with pytest.raises(
+            ValueError, match=f"export folder {out} is being written by another run \\(process"
+        ):
+            export_policy(model, str(out), tokenizer=tokenizer)
+        assert sorted(os.listdir(tmp_path)) == ["export.lock", "val.jsonl.lock"]  # nothing written
+    finally:
+        other.kill()
+        other.wait()
+    # Its holder gone (a killed run): the lock is taken over, and let go after the write.
+    writer = ValidationResultsWriter(str(results))
+    writer.setup(quiet_trainer(), None, "validate")
+    assert Path(f"{results}.lock").read_text().startswith(f"process {os.getpid()} on ")
+    writer.teardown(quiet_trainer(), None, "validate")
+    export_policy(model, str(out), tokenizer=tokenizer)
+    assert sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_export_and_results(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    from transformers import AutoTokenizer
+
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    out, results = tmp_path / "export", tmp_path / "val.jsonl"
+    export_policy(model, str(out), tokenizer=tokenizer)
+    write_results(str(results), [{"set": None, "sample": 0, "completion": "4", "correct": True}])
+    earlier = files_of(tmp_path)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", no_space)  # the export's second half
+    with pytest.raises(OSError) as error:
+        export_policy(model, str(out), tokenizer=tokenizer, overwrite=True)
+    assert error.value.errno == errno.ENOSPC
+    assert str(error.value) == (
+        f"[Errno 28] could not write the export {out} (No space left on device); the earlier folder is kept"
+    )
+    monkeypatch.setattr(os, "fsync", no_space)  # the results file written, not yet on disk
+    with pytest.raises(OSError) as error:
+        write_results(str(results), [{"set": None, "sample": 1, "completion": "5", "correct": False}])
+    assert str(error.value) == (
+        f"[Errno 28] could not write the results file {results} (No space left on device); the earlier file "
+        "is kept"
+    )
+    assert files_of(tmp_path) == earlier  # byte for byte, and no temporary file or folder left

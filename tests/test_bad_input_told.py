@@ -26,6 +26,10 @@ SET_ALONE = {
     "min_lr_ratio": (st.floats(0.01, 1), {"lr_scheduler_type": "cosine"}),
     "kl_estimator": (st.sampled_from(["k2"]), {"beta": 0.1}),
     "use_bias_correction_kl": (st.just(False), {"beta": 0.1}),
+    "importance_sampling_cap": (
+        st.floats(1, 10).filter(lambda c: c != 2.0),
+        {"importance_sampling_correction": True},
+    ),
 }
 
 

@@ -79,7 +79,7 @@ REFUSED = {
         "num_iterations": ints_below(1) | NOT_A_NUMBER,
         "steps_per_generation": ints_below(1) | NOT_A_NUMBER,
         "mask_truncated_completions": NOT_A_FLAG,
-        "learning_rate": below(0, inclusive=False) | NOT_A_NUMBER,
+        "learning_rate": below(0, inclusive=True) | NOT_A_NUMBER,
         "weight_decay": below(0, inclusive=False) | NOT_A_NUMBER,
         "warmup_steps": ints_below(0) | NOT_A_NUMBER,
         "lr_scheduler_type": st.sampled_from(["cosine_with_min_lr", "Linear", "constant_with_warmup", None]),
@@ -145,7 +145,7 @@ ACCEPTED = {
     "top_k": st.integers(min_value=0),
     "epsilon": st.floats(min_value=0, exclude_min=True, allow_infinity=False) | st.integers(min_value=1),
     "beta": st.floats(min_value=0, allow_infinity=False),
-    "learning_rate": st.floats(min_value=0, allow_infinity=False),
+    "learning_rate": st.floats(min_value=0, exclude_min=True, allow_infinity=False),
     "entropy_coef": st.floats(allow_nan=False, allow_infinity=False),
     "num_generations": st.integers(min_value=2),
 }
@@ -190,7 +190,7 @@ def test_options_that_depend_on_each_other():
         ("--model.grpo.max_grad_norm=-1", "GRPOConfig.max_grad_norm=-1.0: must be > 0 or None"),
         ("--model.grpo.temperature=0", "GRPOConfig.temperature=0.0: must be > 0"),
         ("--model.grpo.top_k=-1", "GRPOConfig.top_k=-1: must be >= 0"),
-        ("--model.grpo.learning_rate=-1e-5", "GRPOConfig.learning_rate=-1e-05: must be >= 0"),
+        ("--model.grpo.learning_rate=-1e-5", "GRPOConfig.learning_rate=-1e-05: must be > 0 (at 0 no weight"),
         ("--model.lora.r=0", "LoraOptions.r=0: must be >= 1"),
         ("--model.lora.dropout=1", "LoraOptions.dropout=1.0: must be >= 0 and < 1"),
         (

@@ -191,7 +191,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
     # ---------------------------------------------------------------------------------------- optimisation
-    learning_rate: NonNegativeFloat = 1e-6
+    learning_rate: Annotated[float, Range("> 0", why="at 0 no weight ever changes")] = 1e-6
     """AdamW learning rate; 1e-6 is TRL's GRPO default."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
@@ -364,6 +364,10 @@ INERT_UNLESS = {
     "use_bias_correction_kl": (
         "beta > 0 and the KL in the loss (use_kl_in_reward: false)",
         lambda c: c.beta > 0 and not c.use_kl_in_reward,
+    ),
+    "importance_sampling_cap": (
+        "importance_sampling_correction: true",
+        lambda c: c.importance_sampling_correction,
     ),
 }
 _DEFAULTS = {f.name: f.default for f in fields(GRPOConfig)}

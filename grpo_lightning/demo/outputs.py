@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from grpo_lightning.io.files import write_atomically
 
 MARK = "written_by"
 # As `cli.INPUT_ERRORS`: what bad input raises, each with a message naming the culprit.
@@ -78,17 +79,9 @@ def unused_paths(folder: str, names: list[str]) -> list[str]:
 
 
 def write_json(path: str, record: dict, writer: str) -> None:
-    """Write `record`, marked as `writer`'s, to `path` whole: a crash mid-write leaves the earlier content."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({MARK: writer, **record}, f, indent=2)
-        os.replace(partial, path)
-    except BaseException:
-        os.unlink(partial)
-        raise
+    """Write `record`, marked as `writer`'s, to `path` whole (`files.write_atomically`): a kill or a full
+    disk mid-write leaves the earlier content."""
+    write_atomically(path, json.dumps({MARK: writer, **record}, indent=2), "the results file")
 
 
 def run_script(main: Callable[[list[str]], None], argv: list[str]) -> None:

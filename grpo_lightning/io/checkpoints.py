@@ -14,7 +14,6 @@ load checkpoints you trust, as for any code you run.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import itertools
@@ -29,11 +28,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import plain_options
 from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.io.files import write_atomically
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 
 __all__ = [
     "AtomicCheckpointIO",
     "as_options",
+    "check_module_checkpoint",
     "comparable_hparams",
     "import_object",
     "import_path",
@@ -173,13 +174,14 @@ def register_safe_globals() -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`TorchCheckpointIO` whose checkpoint files appear complete or not at all.
+    """`TorchCheckpointIO` whose checkpoint files appear complete or not at all (`files.write_atomically`).
 
     The checkpoint is written to a temporary file beside the target, flushed to disk, then renamed over it
-    (a rename within one folder is atomic); on any failure the temporary file is removed and the target, if
-    it existed, is left as it was. Lightning's own write goes through the system's temporary folder and
-    `shutil.move`, which copies when that folder is on another filesystem: a full disk then leaves a
-    truncated (or empty) `.ckpt` behind. Remote paths (`s3://...`) keep Lightning's write.
+    (a rename within one folder is atomic): a kill leaves the earlier file of that name whole; on a failure
+    the temporary file is removed and the target, if it existed, is left as it was. Lightning's own write
+    goes through the system's temporary folder and `shutil.move`, which copies when that folder is on
+    another filesystem: a full disk then leaves a truncated (or empty) `.ckpt` behind. Remote paths
+    (`s3://...`) keep Lightning's write.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -187,28 +189,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in path or storage_options is not None:
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         # Serialised in memory first (as Lightning does): a failed write is then the file's OSError, not
         # the error torch's zip writer raises when its file stops taking bytes.
         serialised = io.BytesIO()
         torch.save(checkpoint, serialised)
-        try:
-            with open(temporary, "wb") as f:
-                f.write(serialised.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        except BaseException as err:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temporary)
-            if isinstance(err, OSError):
-                message = (
-                    f"could not write the checkpoint {path} ({err.strerror or err}); no partial file left"
-                )
-                raise OSError(err.errno, message) from err
-            raise
+        write_atomically(path, serialised.getbuffer(), "the checkpoint")
 
 
 def read_checkpoint(path: str, **load_kwargs) -> dict:
@@ -233,6 +218,34 @@ def read_checkpoint(path: str, **load_kwargs) -> dict:
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
     return checkpoint
+
+
+# What Lightning reads of every checkpoint it loads, and what resuming a `fit` reads besides (a
+# `ModelCheckpoint(save_weights_only=True)` file holds neither optimizer nor scheduler states).
+LOADED_KEYS = ("pytorch-lightning_version",)
+RESUMED_KEYS = ("optimizer_states", "lr_schedulers")
+
+
+def check_module_checkpoint(checkpoint: Mapping, path: str, resume: bool, prefix: str = "policy.") -> None:
+    """Refuse, in one line naming what it lacks, a checkpoint that Lightning cannot load into a module whose
+    weights are under `prefix` (`torch.save({"state_dict": {}})`), or, to `resume`, one without the
+    optimizer and scheduler states; Lightning would stop with a `KeyError` traceback."""
+    state = checkpoint.get("state_dict")
+    foreign = [repr(key) for key in LOADED_KEYS if key not in checkpoint]
+    if not isinstance(state, Mapping) or not any(str(key).startswith(prefix) for key in state):
+        foreign.append(f"any weights under {prefix!r} in its state_dict")
+    if foreign:
+        raise ValueError(
+            f"checkpoint {path!r} lacks {' and '.join(foreign)}: it is not a checkpoint of a GRPOModule's "
+            "run; give a checkpoint that fit wrote (a ModelCheckpoint's .ckpt, interrupted.ckpt)"
+        )
+    weights_alone = [repr(key) for key in RESUMED_KEYS if key not in checkpoint]
+    if resume and weights_alone:
+        raise ValueError(
+            f"checkpoint {path!r} lacks {' and '.join(weights_alone)}: it holds the weights alone "
+            "(ModelCheckpoint's save_weights_only) and cannot resume a run; to train on from them, export "
+            f"them (cli.py export --ckpt_path {path}) and start a new run with --model.policy <that folder>"
+        )
 
 
 def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:

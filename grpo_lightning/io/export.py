@@ -12,14 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.io.checkpoints import load_policy_weights
+from grpo_lightning.io.files import OutputLock, replace_folder
 
 __all__ = [
     "EXPORT_MARKER",
@@ -42,9 +41,12 @@ def export_policy(
 ) -> str:
     """Write the policy and its tokenizer to `out_dir` with `save_pretrained`; returns `out_dir`.
 
-    The folder is written whole beside `out_dir` and then put in its place: it never holds a mix of two
-    exports (a stale adapter beside new weights), and a failed export leaves what was there. It is marked
-    as an export (`EXPORT_MARKER`, listing what it wrote), so that `overwrite` can tell it from anything else.
+    The folder is written whole beside `out_dir` and then put in its place (`files.replace_folder`): it
+    never holds a mix of two exports (a stale adapter beside new weights), and a kill or a failed export (a
+    full disk: one `OSError` naming the folder) leaves what was there. While it is written, `<out_dir>.lock`
+    names this process: a second export to the same folder meanwhile is refused (`files.OutputLock`). It is
+    marked as an export (`EXPORT_MARKER`, listing what it wrote), so that `overwrite` can tell it from
+    anything else.
 
     Args:
         source: a `PreTrainedModel` / `PeftModel` (then pass `tokenizer`), or a module holding them at
@@ -61,6 +63,31 @@ def export_policy(
             the folders the policy and the tokenizer were loaded from, `ckpt_path` and the working directory
             always are.
     """
+    with OutputLock(out_dir, "export folder"):  # a second export to this folder meanwhile is refused
+        return _export(
+            source,
+            out_dir,
+            tokenizer,
+            ckpt_path,
+            merge_lora,
+            model_attr,
+            tokenizer_attr,
+            overwrite,
+            protected,
+        )
+
+
+def _export(
+    source: object,
+    out_dir: str,
+    tokenizer: PreTrainedTokenizerBase | None,
+    ckpt_path: str | None,
+    merge_lora: bool,
+    model_attr: str,
+    tokenizer_attr: str,
+    overwrite: bool,
+    protected: Mapping[str, str | None] | None,
+) -> str:
     guarded = {**(protected or {}), "the checkpoint exported": ckpt_path}
     if isinstance(source, PreTrainedModel | PeftModel):
         model = source
@@ -86,7 +113,7 @@ def export_policy(
         tokenizer.save_pretrained(folder)
         _mark_export(folder, ckpt_path, merge_lora)
 
-    _write_folder(out_dir, write)
+    replace_folder(out_dir, write, "the export")
     return out_dir
 
 
@@ -194,27 +221,3 @@ def _some(names: list[str], shown: int = 3) -> str:
     names = sorted(names)
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{names[:shown]}{more}"
-
-
-def _write_folder(out_dir: str, write: Callable[[str], object]) -> None:
-    """`write` into a new folder beside `out_dir`, then put it in `out_dir`'s place (the old one is removed
-    after the swap); a failed write leaves `out_dir` as it was."""
-    out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # a folder as `mkdir` makes it (0755), not mkdtemp's private 0700
-    try:
-        write(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    retired = staging + ".replaced"
-    if os.path.exists(out_dir):
-        os.rename(out_dir, retired)
-    os.rename(staging, out_dir)
-    shutil.rmtree(retired, ignore_errors=True)
-
-

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -193,6 +194,25 @@ def policy_parts(
     if tokenizer is None or isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer or source, options.gguf_file)
     return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
+
+
+def model_positions(model: PreTrainedModel | None, source: str | None, options: ModelOptions) -> int | None:
+    """The positions a policy has (`max_position_embeddings` of its text config): from the loaded `model`,
+    else from the config file alone at `source` (no weights load; a hub id only from the local cache). None
+    where the config names none or cannot be read here (a GGUF file, a hub id not downloaded yet)."""
+    if model is not None:
+        config = model.config
+    elif source is None or options.gguf_file:
+        return None
+    else:
+        try:
+            config = AutoConfig.from_pretrained(
+                source, trust_remote_code=options.trust_remote_code, local_files_only=True
+            )
+        except (OSError, ValueError):  # not a local folder, not in the cache: the model's loading says why
+            return None
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

@@ -13,6 +13,7 @@ through these functions.
 from __future__ import annotations
 
 import bz2
+import csv
 import gzip
 import json
 import lzma
@@ -43,16 +44,30 @@ Row = dict[str, object]
 
 
 def _file_type(path: str) -> tuple[str, str]:
-    """(type, compression) by the file's extensions: ("jsonl", ".gz") for `train.jsonl.gz`."""
+    """(type, compression) by the file's extensions, whatever their case: (".jsonl", ".gz") for
+    `train.JSONL.gz`."""
     stem, compression = os.path.splitext(path)
-    if compression not in COMPRESSIONS:
+    if compression.lower() not in COMPRESSIONS:
         stem, compression = path, ""
-    return os.path.splitext(stem)[1], compression
+    return os.path.splitext(stem)[1].lower(), compression.lower()
+
+
+def _is_data_file(path: str) -> bool:
+    """Whether `path` is named as a data file of a type read here (`DATA_FILE_TYPES`, any case)."""
+    return path.lower().endswith(DATA_FILE_TYPES)
+
+
+def _check_file_type(path: str) -> None:
+    kind, _ = _file_type(path)
+    if kind not in JSON_TYPES and kind not in TABLE_TYPES:
+        types = ", ".join((*JSON_TYPES, *TABLE_TYPES))
+        raise ValueError(
+            f"data file {path!r}: its type {kind or '(no extension)'!r} is not one read here ({types}, or "
+            f"compressed: {', '.join(COMPRESSIONS)}); rename it to its type, e.g. rows.jsonl for JSON lines"
+        )
 
 
 def _read_lines(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
     opener = COMPRESSIONS.get(_file_type(path)[1])
     try:
         if opener is None:
@@ -108,7 +123,10 @@ def read_records(path: str) -> list[tuple[str, object]]:
     row i` for the table types (`.parquet`, `.csv`, `.tsv`, `.arrow`, read by `datasets.load_dataset`).
     Valid JSON of another shape (a line holding an array, one object spread over lines) is named as what it
     is, never as invalid."""
-    kind, compression = _file_type(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    _check_file_type(path)
+    kind, _ = _file_type(path)
     if kind in TABLE_TYPES:
         return _table_records(path, *TABLE_TYPES[kind])
     lines = _read_lines(path)
@@ -140,8 +158,9 @@ def read_records(path: str) -> list[tuple[str, object]]:
         except json.JSONDecodeError as err:
             # One document spread over lines (a pretty array) is reported where it breaks.
             spread = whole_error.msg != "Extra data" and whole_error.lineno > number
-            error = whole_error if spread else err
-            raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+            line_number = whole_error.lineno if spread else number  # err counts the lines of `line` alone
+            message = whole_error.msg if spread else err.msg
+            raise ValueError(f"{path}:{line_number}: not valid JSON ({message})") from None
     return _rows_of(records)
 
 
@@ -266,8 +285,8 @@ def collate_rows(rows: list[Row], system_prompt: str | None) -> dict[str, list]:
 
 
 def _table_records(path: str, builder: str, options: dict) -> list[tuple[str, object]]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+    if builder == "csv":
+        _check_header(path, options.get("delimiter", ","))
     import datasets  # only the table types need it
 
     try:
@@ -275,6 +294,24 @@ def _table_records(path: str, builder: str, options: dict) -> list[tuple[str, ob
     except Exception as err:  # pyarrow and datasets raise their own types for a file of another kind
         raise ValueError(f"{path}: not a readable {builder} file ({type(err).__name__}: {err})") from None
     return [(f"{path} row {i}", row) for i, row in enumerate(table)]
+
+
+def _check_header(path: str, delimiter: str) -> None:
+    """Refuse a CSV / TSV header that names a column twice: pandas would rename the second `answer.1`."""
+    opener = COMPRESSIONS.get(_file_type(path)[1], open)
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f, delimiter=delimiter), [])
+    except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, csv.Error):
+        return  # not readable as text: `datasets` names the file when it fails on it
+    seen: dict[str, int] = {}
+    for number, name in enumerate(header, start=1):
+        if name in seen:
+            raise ValueError(
+                f"{path}: the header names column {name!r} twice (columns {seen[name]} and {number}): every "
+                "column needs a name of its own"
+            )
+        seen[name] = number
 
 
 def is_dataset(source: object) -> bool:
@@ -289,6 +326,11 @@ def is_dataset(source: object) -> bool:
 
 def _dataset_records(data: Any, split: str, name: str) -> list[tuple[str, object]]:
     """The rows of a `Dataset` (one split: "train") or of a `DatasetDict`'s `split`."""
+    return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(_split_of(data, split, name))]
+
+
+def _split_of(data: Any, split: str, name: str) -> Any:
+    """A `Dataset` (one split: "train"), or a `DatasetDict`'s `split`."""
     import datasets
 
     if isinstance(data, datasets.DatasetDict):
@@ -300,7 +342,7 @@ def _dataset_records(data: Any, split: str, name: str) -> list[tuple[str, object
             f"{name} is one Dataset, the training rows: use val_split='holdout', or give a DatasetDict "
             f"with a {split!r} split"
         )
-    return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(data)]
+    return data
 
 
 def _saved_to_disk(folder: str) -> bool:
@@ -316,19 +358,61 @@ def read_split_records(source: object, config_name: str | None, split: str) -> l
         return _dataset_records(source, split, f"{type(source).__name__} object")
     if os.path.isdir(source):
         if _saved_to_disk(source):
-            import datasets
-
-            return _dataset_records(datasets.load_from_disk(source), split, source)
-        names = [f"{split}{ext}" for ext in DATA_FILE_TYPES]
-        found = [os.path.join(source, n) for n in names if os.path.isfile(os.path.join(source, n))]
+            return _saved_records(source, split)
+        names = {f"{split}{ext}" for ext in DATA_FILE_TYPES}
+        found = sorted(
+            n for n in os.listdir(source) if n.lower() in names and os.path.isfile(os.path.join(source, n))
+        )
         if found:
-            return read_records(found[0])
+            return read_records(os.path.join(source, found[0]))
         return _folder_records(source, split)
-    if source.endswith(DATA_FILE_TYPES) or source.startswith((".", "/", "~")):
+    path = os.path.expanduser(source)
+    # A file that exists, or a name that only a file has: never a hub id.
+    if os.path.isfile(path) or _is_data_file(source) or source.startswith((".", "/", "~")):
         if split != "train":
             raise ValueError(f"data.source={source!r} is a single file: use val_split='holdout'")
-        return read_records(os.path.expanduser(source))
+        return read_records(path)
     return _hub_records(source, config_name, split)
+
+
+def _saved_records(folder: str, split: str) -> list[tuple[str, object]]:
+    """The rows of a `save_to_disk` folder's split, a damaged shard named: pyarrow's own message names no
+    file."""
+    import datasets
+
+    try:
+        data = datasets.load_from_disk(folder)
+    except Exception as err:  # pyarrow and datasets raise their own types for damaged files
+        raise _damaged(folder, err) from None
+    table = _split_of(data, split, folder)
+    try:  # the rows are read here, from the memory-mapped shards
+        return [(f"{folder}[{split}] row {i}", row) for i, row in enumerate(table)]
+    except Exception as err:
+        raise _damaged(folder, err) from None
+
+
+def _damaged(folder: str, err: Exception) -> ValueError:
+    shard = _damaged_shard(folder)
+    where = f"its file {shard}" if shard else "one of its files"
+    return ValueError(
+        f"data folder {folder!r} (written by save_to_disk) cannot be read: {where} is truncated or damaged "
+        f"({type(err).__name__}: {' '.join(str(err).split())}); write the data set again with save_to_disk"
+    )
+
+
+def _damaged_shard(folder: str) -> str | None:
+    """The first `.arrow` file under `folder` that pyarrow cannot read through, or None."""
+    import pyarrow as pa
+
+    for parent, _, names in sorted(os.walk(folder)):
+        for name in sorted(n for n in names if n.endswith(".arrow")):
+            path = os.path.join(parent, name)
+            try:
+                with pa.memory_map(path) as source:
+                    pa.ipc.open_stream(source).read_all().validate(full=True)
+            except Exception:  # the error pyarrow raises depends on where the bytes end
+                return path
+    return None
 
 
 def _folder_records(folder: str, split: str) -> list[tuple[str, object]]:

@@ -33,6 +33,7 @@ from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import gathered_for_generation
+from grpo_lightning.io.files import OutputLock, write_atomically
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
@@ -203,6 +204,7 @@ class ValidationResultsWriter(L.Callback):
         self.overwrite = overwrite
         self._records: list[dict] = []
         self._checked: str | None = None  # the path checked for this run: later validations rewrite it
+        self._lock: OutputLock | None = None
 
     def _rank_path(self, trainer: L.Trainer) -> str:
         return self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
@@ -211,7 +213,27 @@ class ValidationResultsWriter(L.Callback):
         if self.path is not None:  # before any weights load: never after the validation it is for
             path = self._rank_path(trainer)
             check_results_path(path, self.overwrite)
+            self._lock = OutputLock(path, "results.path")  # held until the run ends: a second run is refused
+            self._lock.acquire()
+            try:
+                check_results_path(path, self.overwrite)  # again: a run holding the lock may have written it
+            except BaseException:
+                self._release()
+                raise
             self._checked = path
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._release()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._release()
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._records = []
@@ -256,14 +278,21 @@ class ValidationResultsWriter(L.Callback):
             return
         path = self._rank_path(trainer)
         if path != self._checked:  # validation called without setup (a bare loop): checked here
-            check_results_path(path, self.overwrite)
+            with OutputLock(path, "results.path"):
+                check_results_path(path, self.overwrite)
+                write_results(path, self._records)
             self._checked = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            for record in self._records:
-                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        else:
+            write_results(path, self._records)
         correct = sum(bool(r.get("correct")) for r in self._records)
         rank_zero_info(f"{len(self._records)} validation completions ({correct} correct) written to {path}")
+
+
+def write_results(path: str, records: list[dict]) -> None:
+    """The records as JSON lines, written whole (`files.write_atomically`): a kill or a full disk leaves the
+    earlier file."""
+    lines = "".join(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
+    write_atomically(path, lines, "the results file")
 
 
 def check_results_path(path: str, overwrite: bool) -> None:

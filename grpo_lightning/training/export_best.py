@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from grpo_lightning.io.distributed import is_sharded
 from grpo_lightning.io.export import check_export_folder, export_policy, sources_of
+from grpo_lightning.io.files import OutputLock
 
 
 class ExportBestCallback(L.Callback):
@@ -28,9 +29,10 @@ class ExportBestCallback(L.Callback):
         merge_lora: merge a LoRA adapter into the weights (a plain model) or save the adapter alone.
         model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
         overwrite: replace an earlier export in `out_dir` whole at the end. Default False: a non-empty
-            folder is refused when `fit` starts, before any training. Either way a folder that is not an
-            earlier export, or that is or holds the policy's folder, this run's logs or checkpoints, or the
-            working directory, is refused then (`check_export_folder`).
+            folder is refused when `fit` starts, before any training, and so is a folder that another run
+            is to export to (`<out_dir>.lock` names it; this run's is held until it ends). Either way a
+            folder that is not an earlier export, or that is or holds the policy's folder, this run's logs
+            or checkpoints, or the working directory, is refused then (`check_export_folder`).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class ExportBestCallback(L.Callback):
         self.model_attr = model_attr
         self.tokenizer_attr = tokenizer_attr
         self.exported_from: str | None = None  # the checkpoint exported, None for the final weights
+        self._lock: OutputLock | None = None
 
     def _out_dir(self, trainer: L.Trainer) -> str:
         return self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
@@ -63,8 +66,32 @@ class ExportBestCallback(L.Callback):
         return protected
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":  # refused now rather than after training
-            check_export_folder(self._out_dir(trainer), self.overwrite, self._protected(trainer, pl_module))
+        if stage != "fit":
+            return
+        out_dir = self._out_dir(trainer)
+        if trainer.is_global_zero:  # held until the run ends: another run exporting here is refused now
+            self._lock = OutputLock(out_dir, "export folder")
+            self._lock.acquire()
+        try:
+            check_export_folder(
+                out_dir, self.overwrite, self._protected(trainer, pl_module)
+            )  # not after training
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._release()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._release()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]

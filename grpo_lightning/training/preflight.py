@@ -16,17 +16,22 @@ On the first training batch (before its step) `Preflight` reports:
   (float32 master weights with bf16 compute, `precision: bf16-mixed`, keep every update).
 
 Problems are also raised as warnings. Sampling runs under `preserved_rng`, so a run with the pre-flight
-draws exactly the completions a run without it would.
+draws exactly the completions a run without it would. SIGTERM stops the pre-flight at once
+(`stopped_by_sigterm`), as it stops a run after its step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from grpo_lightning.core.generation.inference_copy import inference_copy_nbytes
@@ -219,6 +224,33 @@ def rollout_memory(
     )
 
 
+@contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM stops what runs inside at once with Lightning's `SIGTERMException` (after Lightning's own
+    handler has noted it): a pre-flight is no step to finish first, and its sampling may take minutes. The
+    exception ends `fit` as a SIGTERM after a step does: `InterruptCheckpoint` writes its checkpoint and
+    `cli.py` exits with status 143. Left alone where SIGTERM is ignored, or outside the main thread."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise SIGTERMException
+
+    installed = False
+    if previous is not signal.SIG_IGN:
+        try:
+            signal.signal(signal.SIGTERM, stop)
+            installed = True
+        except ValueError:  # not the main thread: signals are not ours to handle here
+            pass
+    try:
+        yield
+    finally:
+        if installed:  # None: a handler set outside Python, which signal cannot put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 class Preflight(L.Callback):
     """Runs `run_preflight` on the first batch of each `fit`, before its step; keeps it in `report`."""
 
@@ -233,7 +265,7 @@ class Preflight(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if self.report is not None:
             return
-        with preserved_rng(), torch.no_grad():
+        with stopped_by_sigterm(), preserved_rng(), torch.no_grad():
             rows = getattr(trainer.datamodule, "train_rows", None)
             self.report = run_preflight(
                 pl_module,

@@ -1,15 +1,21 @@
 """What a `fit` is about to do, checked before any weights load, so that a run never trains to find it.
 
-`FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up:
+`FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
+length also for `validate`; `check_fit` for a script that works before its `fit`):
 
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
   itself, so a `val/...` name it does not log is refused with the ones it does, and so is a name without a
   namespace close to one of them (`val_accuracy`); a `val/...` monitor with validation off is warned about;
-- the run's length: a decaying learning-rate schedule needs `trainer.max_steps` or `max_epochs`; a
-  `max_steps` that is not a multiple of the optimizer steps a training step makes is warned about (the
-  module stops at `max_steps`, part-way through the last rollout's mini-batches).
+- the run's length: `max_steps` or `max_epochs` 0 trains nothing and is refused; a decaying learning-rate
+  schedule needs `trainer.max_steps` or `max_epochs`; a `max_steps` that is not a multiple of the
+  optimizer steps a training step makes is warned about (the module stops at `max_steps`, part-way through
+  the last rollout's mini-batches), and so is a warm-up longer than `max_steps` (the learning rate never
+  reaches `learning_rate`);
+- the rows' length: `max_prompt_length` + `max_completion_length` against the positions the policy has
+  (`max_position_embeddings`, read from its config before its weights load): a completion that cannot fit
+  is refused, where the pre-flight would sample it for minutes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.io.models import model_positions
 from grpo_lightning.training.resume import InterruptCheckpoint
 
 
@@ -28,11 +35,19 @@ class FitChecks(L.Callback):
     """The checks above, on a `GRPOModule`'s `fit`."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_output_folders(trainer)
-        check_monitors(trainer, logged_metric_names(trainer, pl_module))
-        check_run_length(trainer, pl_module.grpo)
+        if stage == "fit":
+            check_fit(trainer, pl_module, trainer.datamodule)
+        elif stage == "validate":
+            check_row_length(pl_module)  # validation samples as long as training does
+
+
+def check_fit(trainer: L.Trainer, module: L.LightningModule, datamodule: object) -> None:
+    """The checks above, for a fit of `module` on `datamodule` with `trainer`: also for a script that works
+    before its `fit` (`scripts/demo.py` evaluates the policy first), so that a refused run does no work."""
+    check_row_length(module)
+    check_output_folders(trainer)
+    check_monitors(trainer, logged_metric_names(datamodule, module))
+    check_run_length(trainer, module.grpo)
 
 
 def check_output_folders(trainer: L.Trainer) -> None:
@@ -64,9 +79,33 @@ def _unwritable(folder: str) -> str | None:
     return None
 
 
-def logged_metric_names(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-    """The `val/...` metrics the module logs (every validation set's), and its rewards' `train/...` means."""
-    names = pl_module.validation.metric_names(trainer.datamodule)
+def check_row_length(module: L.LightningModule) -> None:
+    """A row's longest prompt and completion must fit the positions the policy has: beyond them it computes
+    nothing meaningful (or fails), after sampling for as long as `max_completion_length` asks."""
+    cfg = module.grpo
+    positions = model_positions(module.policy, module.policy_source, module.model_options)
+    prompt = cfg.max_prompt_length or 0
+    longest = prompt + cfg.max_completion_length
+    if positions is None or longest <= positions:
+        return
+    given = f"max_prompt_length={prompt} + max_completion_length={cfg.max_completion_length} = {longest}"
+    if not prompt:
+        given = f"max_completion_length={cfg.max_completion_length}"
+    fix = (
+        f"lower max_completion_length to at most {positions - prompt}"
+        if positions > prompt
+        else "lower max_prompt_length and max_completion_length"
+    )
+    raise ValueError(
+        f"model.grpo.{given} tokens per row exceed the {positions} positions of the policy "
+        f"(max_position_embeddings in its config): {fix}"
+    )
+
+
+def logged_metric_names(datamodule: object, pl_module: L.LightningModule) -> list[str]:
+    """The `val/...` metrics the module logs (every validation set's of `datamodule`), and its rewards'
+    `train/...` means."""
+    names = pl_module.validation.metric_names(datamodule)
     names += ["train/reward", *(f"train/rewards/{name}" for name in pl_module.reward_names)]
     return names
 
@@ -99,11 +138,26 @@ def check_monitors(trainer: L.Trainer, logged: list[str]) -> None:
 def check_run_length(trainer: L.Trainer, grpo) -> None:
     """A decaying schedule needs a known length; `max_steps` should fall at a training step's end."""
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_steps == 0 or max_epochs == 0:
+        option = "max_steps" if max_steps == 0 else "max_epochs"
+        raise ValueError(f"trainer.{option}=0: the run would train nothing; give it at least 1")
     if grpo.lr_scheduler_type != "constant" and max_steps < 0 and (max_epochs is None or max_epochs < 0):
         raise ValueError(
             f"model.grpo.lr_scheduler_type={grpo.lr_scheduler_type!r} decays over the run, whose length is "
             "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
             "lr_scheduler_type: constant"
+        )
+    if max_steps > 0 and grpo.warmup_steps > max_steps:
+        rank_zero_warn(
+            f"model.grpo.warmup_steps={grpo.warmup_steps} is longer than the run (trainer.max_steps="
+            f"{max_steps} optimizer steps): the learning rate never reaches learning_rate="
+            f"{grpo.learning_rate:g}, only {max_steps / grpo.warmup_steps:.0%} of it at the last step; "
+            "shorten the warm-up or lengthen the run"
+        )
+    elif max_steps > 0 and grpo.lr_scheduler_type != "constant" and grpo.warmup_steps >= max_steps:
+        rank_zero_warn(
+            f"model.grpo.warmup_steps={grpo.warmup_steps} fills the run (trainer.max_steps={max_steps}): "
+            f"no step is left for lr_scheduler_type={grpo.lr_scheduler_type!r} to decay"
         )
     per_batch = grpo.steps_per_generation * grpo.num_iterations
     if max_steps > 0 and max_steps % per_batch:

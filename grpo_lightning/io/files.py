@@ -1,0 +1,207 @@
+"""Files written whole or not at all, and one writer per output.
+
+- `write_atomically`: a file's new bytes go to a temporary file beside it, flushed to disk, then renamed
+  over it (a rename within one folder is atomic): a kill at any moment leaves the earlier file or the new
+  one, never a part; a failed write (a full disk) removes the temporary file, keeps the earlier one and
+  raises one `OSError` naming the file.
+- `replace_folder`: the same for a folder (an export): written whole beside it, then swapped into its place
+  (`renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, the earlier folder kept beside it between
+  them), the earlier one removed only once the new one is in place.
+- `OutputLock`: `<path>.lock`, made exclusively and naming its holder (process, host, command), held while a
+  run may write `path`: a second writer to the same place is refused in one line, never mixed with the
+  first or written over it. A lock whose holder process is gone (a killed run) is taken over.
+
+Used for checkpoints (`checkpoints.AtomicCheckpointIO`), exports (`export.export_policy`), validation results
+(`ValidationResultsWriter`) and the scripts' JSON files (`grpo_lightning.demo.outputs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import IO
+
+__all__ = ["OutputLock", "replace_folder", "write_atomically"]
+
+
+def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], object], what: str = "") -> None:
+    """Write `content` (bytes, text as UTF-8, or a function writing to a binary file) to `path` whole: see
+    the module's docstring. `what` names the file in the error (`the checkpoint`, `the results file`)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+    os.close(fd)
+    try:
+        with open(temporary, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(OSError):  # mkstemp's private 0600: as `open` would make the file
+            os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        if isinstance(err, OSError):
+            kept = "the earlier file is kept" if os.path.exists(path) else "no partial file left"
+            name = f"{what} {path}" if what else path
+            raise OSError(err.errno, f"could not write {name} ({err.strerror or err}); {kept}") from err
+        raise
+
+
+def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "") -> None:
+    """`write(folder)` into a new folder beside `out_dir`, then put it in `out_dir`'s place: see the
+    module's docstring. A failed write leaves `out_dir` as it was and raises one `OSError` naming it."""
+    out_dir = os.path.realpath(out_dir)  # through a link: the folder it points to is replaced, not the link
+    parent, name = os.path.split(out_dir)
+    staging = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+        os.chmod(staging, 0o777 & ~_umask())  # a folder as `mkdir` makes it (0755), not mkdtemp's 0700
+        write(staging)
+    except BaseException as err:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError):
+            kept = "the earlier folder is kept" if os.path.exists(out_dir) else "nothing left behind"
+            where = f"{what} {out_dir}" if what else out_dir
+            raise OSError(err.errno, f"could not write {where} ({err.strerror or err}); {kept}") from err
+        raise
+    if not os.path.exists(out_dir):
+        os.rename(staging, out_dir)
+    elif _exchange(staging, out_dir):
+        shutil.rmtree(staging, ignore_errors=True)  # now the earlier folder
+    else:
+        retired = staging + ".replaced"  # the earlier folder, whole, until the new one is in place
+        os.rename(out_dir, retired)
+        os.rename(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux `renameat2`); False where the system or filesystem has no
+    such call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc < 2.28, musl)
+        return False
+    at_cwd = -100  # AT_FDCWD
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem that cannot swap
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+class OutputLock:
+    """`<path>.lock` while this process may write `path`: see the module's docstring. Re-entrant within a
+    process (a callback holding it calls `export_policy`, which takes it too); `release` as often as
+    `acquire`. `option` names `path` in the refusal (`results.path`, `export folder`)."""
+
+    _held: dict[str, int] = {}  # lock file -> how many times this process holds it
+
+    def __init__(self, path: str, option: str) -> None:
+        self.lock_path = os.path.abspath(path).rstrip(os.sep) + ".lock"
+        self.option, self.path = option, path
+        self._made: list[str] = []
+
+    def acquire(self) -> None:
+        if self._held.get(self.lock_path):
+            self._held[self.lock_path] += 1
+            return
+        folder, self._made = os.path.dirname(self.lock_path), []
+        while not os.path.exists(folder):  # the folders made for the lock, removed with it while empty
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
+        try:
+            os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{self.option} {self.path}: cannot make its folder ({err.strerror})") from None
+        holder = f"process {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)[:200]}"
+        for _ in range(2):  # once more after taking over a lock whose holder is gone
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                other = self._holder()
+                if other is not None:
+                    raise ValueError(
+                        f"{self.option} {self.path} is being written by another run ({other}; lock "
+                        f"{self.lock_path}): wait for it to end, or choose another path"
+                    ) from None
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.lock_path)  # its holder is gone: a killed run
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(holder + "\n")
+            self._held[self.lock_path] = 1
+            return
+
+    def _holder(self) -> str | None:
+        """Who holds the lock file, or None when its holder process no longer runs on this host."""
+        try:
+            with open(self.lock_path, encoding="utf-8") as f:
+                holder = f.read().strip()
+        except FileNotFoundError:
+            return None
+        words = holder.split()
+        if len(words) >= 4 and words[0] == "process" and words[1].isdigit():
+            host = words[3].rstrip(":")
+            if host == socket.gethostname() and not _running(int(words[1])):
+                return None
+        return holder or "an unknown process"
+
+    def release(self) -> None:
+        count = self._held.get(self.lock_path, 0)
+        if count > 1:
+            self._held[self.lock_path] = count - 1
+            return
+        if count == 1:
+            del self._held[self.lock_path]
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock_path)
+            for folder in self._made:  # innermost first; one that now holds something stays
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
