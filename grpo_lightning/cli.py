@@ -243,7 +243,7 @@ class GRPOCLI(LightningCLI):
             _refuse_other_data(ckpt_path, checkpoint, self.config.fit.data)
         saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
-        saved = {k: v for k, v in saved.items() if not _unnamed(v)}  # a function the checkpoint cannot name
+        saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and _not_for_the_config(v))}
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
         defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
         conflicts = [
@@ -327,9 +327,16 @@ def _dotted(options: dict, dotted: str) -> object:
     return plain_options(value)
 
 
-def _unnamed(value: object) -> bool:
-    """A checkpoint's reward functions hold None where it could not name one: the config's are kept."""
-    return isinstance(value, list) and None in value
+def _not_for_the_config(value: object) -> bool:
+    """Whether a checkpoint's reward functions hold one that a config cannot name (None or a
+    `not_importable` recipe where the checkpoint could not name it, a partial's `_target_` mapping): the
+    config's are kept."""
+    items = value if isinstance(value, list) else [value]
+    return any(
+        not (isinstance(item, str) or (isinstance(item, dict) and "class_path" in item))
+        for item in items
+        if item is not None or isinstance(value, list)
+    )
 
 
 def _drop_leaf(options: dict, dotted: str) -> None:

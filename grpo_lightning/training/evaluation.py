@@ -95,7 +95,7 @@ class GSM8KAccuracyCallback(L.Callback):
     through the module's own rollout engine (`generation_backend`: the static engine's inference copy,
     refreshed first if the weights changed), so evaluation decodes as training does. Results go to every
     logger as
-    `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass@k`, `{prefix}maj@k`, ... at the current
+    `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass_at_k`, `{prefix}maj_at_k`, ... at the current
     step, and into `trainer.callback_metrics`, so `EarlyStopping` / `ModelCheckpoint` can monitor them.
 
     Args:

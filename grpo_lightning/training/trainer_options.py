@@ -15,6 +15,11 @@ the module's hook that Lightning calls before it checks these options):
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
 options (`optimizer_steps_in_run`).
 
+Lightning leaves the learning-rate schedulers of `configure_optimizers` to a module that optimises manually;
+`step_schedulers` steps them as it would under automatic optimisation: each `interval: "step"` scheduler
+after every `frequency` optimizer steps (skipped steps do not count), each `interval: "epoch"` one at every
+`frequency`-th training epoch's end, `ReduceLROnPlateau` with its `monitor`'s latest value.
+
 And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
 `check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
 Lightning would otherwise check it at the training epoch's end whenever `val_check_interval` is 1.0, and a
@@ -76,7 +81,7 @@ def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[s
         grpo.max_grad_norm = float(clip)
         trainer.gradient_clip_val = None
         done.append(f"trainer.gradient_clip_val={clip} -> model.grpo.max_grad_norm={float(clip)}")
-    if done:
+    if done and "grpo" in module.hparams:  # not where a subclass fixes grpo: its __init__ builds it again
         module.hparams["grpo"] = plain_options(grpo)
     return done
 
@@ -111,3 +116,35 @@ def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
     return optimizer_steps_in_fit(
         trainer.max_steps, trainer.max_epochs, batches, cfg.optimizer_steps_per_batch
     )
+
+
+def check_one_optimizer(trainer: L.Trainer) -> None:
+    """GRPO steps one optimizer over the policy: `configure_optimizers` returning several is refused."""
+    if len(trainer.optimizers) != 1:
+        names = [type(optimizer).__name__ for optimizer in trainer.optimizers]
+        raise ValueError(
+            f"configure_optimizers returned {len(names)} optimizers ({', '.join(names) or 'none'}): "
+            "GRPOModule steps one, over the policy's trainable weights (parameter groups give parts of "
+            "them their own options)"
+        )
+
+
+def step_schedulers(trainer: L.Trainer, interval: str) -> None:
+    """Step the schedulers of `configure_optimizers` whose `interval` is `interval`: "step" after an
+    optimizer step, "epoch" at a training epoch's end; each every `frequency` of them."""
+    done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != interval or done % config.frequency:
+            continue
+        if not config.reduce_on_plateau:
+            config.scheduler.step()
+            continue
+        value = trainer.callback_metrics.get(config.monitor)
+        if value is not None:
+            config.scheduler.step(float(value))
+        elif config.strict:
+            raise ValueError(
+                f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is not "
+                f"logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): monitor a "
+                "metric logged before it steps, or set its 'strict': False to skip those steps"
+            )
