@@ -53,7 +53,6 @@ __all__ = [
     "reward_recipe",
     "unimportable_rewards",
 ]
-REWARD_KEYS = ("reward_funcs", "val_reward")  # GRPOModule's functions, stored as recipes (`reward_recipe`)
 NOT_IMPORTABLE = "not_importable"  # the key of a recipe naming a function without an import path
 PLAIN_SCALARS = (str, bool, int, float, type(None))
 
@@ -247,12 +246,18 @@ def as_options(
 
 def comparable_hparams(hparams: MutableMapping) -> dict:
     """`hparams` with reward functions and options in the plain form a checkpoint stores, for comparing a
-    checkpoint's options with a module's or a config's."""
+    checkpoint's options with a module's or a config's; a function without an import path as None, which
+    compares equal to any other such (neither side can say which function it is)."""
+
+    def comparable(fn: object) -> object:
+        recipe = reward_recipe(fn)
+        return None if isinstance(recipe, Mapping) and NOT_IMPORTABLE in recipe else recipe
+
     plain = dict(hparams)
     if isinstance(plain.get("reward_funcs"), list):
-        plain["reward_funcs"] = [reward_recipe(fn) for fn in plain["reward_funcs"]]
+        plain["reward_funcs"] = [comparable(fn) for fn in plain["reward_funcs"]]
     if "val_reward" in plain:
-        plain["val_reward"] = reward_recipe(plain["val_reward"])
+        plain["val_reward"] = comparable(plain["val_reward"])
     return plain
 
 

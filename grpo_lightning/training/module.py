@@ -11,7 +11,7 @@ import copy
 import inspect
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import FrameType
 
 import lightning as L
@@ -131,8 +131,10 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
-        own = _own_arguments(inspect.currentframe(), self.hparams)
-        for key in set(self.hparams) - own:  # fixed by a subclass: its __init__ takes them no more
+        own = _own_arguments(inspect.currentframe())
+        # Fixed by a subclass, its __init__ takes them no more; the LightningCLI's hyper-parameters
+        # (`_instantiator`) are its config's, for its own instantiation: kept whole.
+        for key in set(self.hparams) - own if "_instantiator" not in self.hparams else ():
             del self.hparams[key]
         sources = {k: v for k, v in {"policy": policy, "tokenizer": tokenizer}.items() if k in own}
         portable_hparams(self.hparams, sources)  # what load_from_checkpoint(ckpt) needs, plain
@@ -420,13 +422,9 @@ class GRPOModule(L.LightningModule):
         ]
 
 
-def _own_arguments(frame: FrameType | None, hparams: Mapping) -> set[str]:
-    """The hyper-parameters that the module's own class takes back: the arguments of its most specific
-    `__init__` (and those its `**kwargs` passed on). Lightning collects every `__init__`'s arguments up the
-    class chain, so a subclass that fixes one of ours (`super().__init__(policy, reward_funcs=[mine],
-    **kwargs)`) would get it twice when `load_from_checkpoint` calls it with them all. The LightningCLI's
-    hyper-parameters (`_instantiator`) are its config's, for its own instantiation: kept whole."""
-    if frame is None or "_instantiator" in hparams:
-        return set(hparams)
-    chain = collect_init_args(frame, [], classes=(GRPOModule,))
-    return set(chain[-1]) if chain else set(hparams)
+def _own_arguments(frame: FrameType) -> set[str]:
+    """The arguments that the module's own class takes back, from `GRPOModule.__init__`'s `frame`: those of
+    its most specific `__init__` (and those its `**kwargs` passed on). Lightning collects every `__init__`'s
+    arguments up the class chain, so a subclass that fixes one of ours (`super().__init__(policy,
+    reward_funcs=[mine], **kwargs)`) would get it twice when `load_from_checkpoint` calls it with them all."""
+    return set(collect_init_args(frame, [], classes=(GRPOModule,))[-1])
