@@ -69,6 +69,7 @@ from grpo_lightning.training.trainer_options import (
     check_one_optimizer,
     map_trainer_options,
     optimizer_steps_in_run,
+    refuse_unsupported_tools,
     step_schedulers,
 )
 from grpo_lightning.training.training_state import (
@@ -224,7 +225,9 @@ class GRPOModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Called before Lightning refuses the Trainer's clipping and accumulation under manual optimisation:
-        # they become the module's own here, from Python as from the CLI.
+        # they become the module's own here, from Python as from the CLI; the tools that do not apply are
+        # refused before any of them runs.
+        refuse_unsupported_tools(self.trainer, self)
         if self.trainer.state.fn == TrainerFn.FITTING:
             for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
                 rank_zero_info(line)

@@ -20,6 +20,11 @@ Lightning leaves the learning-rate schedulers of `configure_optimizers` to a mod
 after every `frequency` optimizer steps (skipped steps do not count), each `interval: "epoch"` one at every
 `frequency`-th training epoch's end, `ReduceLROnPlateau` with its `monitor`'s latest value.
 
+Lightning's tools that do not apply to a module that samples its own batches and optimises manually are
+refused when the Trainer attaches it, in one line naming what to use instead (`refuse_unsupported_tools`):
+`torch.compile(module)`, `BatchSizeFinder` / `Tuner.scale_batch_size`, `LearningRateFinder` /
+`Tuner.lr_find`, `GradientAccumulationScheduler` and `Trainer(strategy="fsdp")`.
+
 And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
 `check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
 Lightning would otherwise check it at the training epoch's end whenever `val_check_interval` is 1.0, and a
@@ -29,7 +34,13 @@ run that `max_steps` ends mid-epoch, before its first validation, would stop wit
 from __future__ import annotations
 
 import lightning as L
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import (
+    BatchSizeFinder,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+)
+from lightning.pytorch.strategies import FSDPStrategy
 
 from grpo_lightning.core.algorithm.schedules import optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
@@ -37,6 +48,45 @@ from grpo_lightning.core.options import plain_options
 
 DEFAULT_MAX_GRAD_NORM = GRPOConfig.max_grad_norm
 VALIDATION_PREFIX = "val/"  # the metrics that only validation logs
+
+# Lightning's callbacks and strategies that GRPOModule refuses, with what to use instead.
+REFUSED_TOOLS = {
+    BatchSizeFinder: (
+        "BatchSizeFinder (Tuner.scale_batch_size) cannot size a GRPO step, whose memory follows "
+        "data.batch_size x grpo.num_generations sampled sequences: keep data.batch_size and bound each "
+        "forward/backward with model.grpo.micro_batch_size or model.grpo.max_tokens_per_micro_batch (the "
+        "pre-flight prints the memory estimate)"
+    ),
+    LearningRateFinder: (
+        "LearningRateFinder (Tuner.lr_find) reads a loss that falls with a good learning rate, and GRPO's is "
+        "a policy-gradient surrogate on fresh samples each step: set model.grpo.learning_rate (the shipped "
+        "GPU configs: 1e-6, 1e-5 with LoRA) and compare short runs' val/accuracy"
+    ),
+    GradientAccumulationScheduler: (
+        "GradientAccumulationScheduler: GRPOModule optimises manually and accumulates no schedule; a fixed "
+        "Trainer(accumulate_grad_batches=N) maps onto data.batch_size and model.grpo.micro_batch_size"
+    ),
+    FSDPStrategy: (
+        "trainer.strategy FSDPStrategy (FSDP1) is not supported: GRPOModule shards with FSDP2, set "
+        "trainer.strategy to ModelParallelStrategy (docs/scaling.md)"
+    ),
+}
+COMPILED_MODULE = (
+    "torch.compile(module) would trace the rollout's generation and the reward functions: compile the "
+    "policy's forward alone (module.policy, once configure_model has loaded it), or let the rollout engine "
+    "compile its decoding step (model.grpo.generation_backend: static, on CUDA)"
+)
+
+
+def refuse_unsupported_tools(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """Raise ValueError, in one line naming what to use instead, for a Lightning tool that does not apply
+    to `module` (`REFUSED_TOOLS`, a compiled module)."""
+    if module._compiler_ctx is not None:  # Lightning's record of a `torch.compile`d module
+        raise ValueError(COMPILED_MODULE)
+    for tool in [*trainer.callbacks, trainer.strategy]:
+        refused = next((line for cls, line in REFUSED_TOOLS.items() if isinstance(tool, cls)), None)
+        if refused is not None:
+            raise ValueError(refused)
 
 
 def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[str]:
