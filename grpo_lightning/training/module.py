@@ -11,6 +11,7 @@ import copy
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable
 from types import FrameType
 
@@ -65,6 +66,7 @@ from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.trainer_options import (
+    bound_epochs_by_steps,
     check_after_validation,
     check_one_optimizer,
     map_trainer_options,
@@ -163,6 +165,7 @@ class GRPOModule(L.LightningModule):
         self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, rounds)  # dynamic sampling
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
+        self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
         sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
         self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
 
@@ -178,6 +181,11 @@ class GRPOModule(L.LightningModule):
             datamodule.check_columns(rewards, self.validation.reward, validates=validates)
         if stage == "fit":
             warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, self.grpo.optimizer_steps_per_batch)
+            # Lightning warns on every step-cadence checkpoint of a manually optimised module that it holds
+            # the weights after the step's updates, not before. Here that is the point to resume from: the
+            # weights, optimizer and schedulers, RNG and data position all of one moment, between two
+            # training steps (tests/test_resume.py resumes exactly from it). Nothing to act on.
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             for reward in unimportable_rewards(self.hparams):
                 rank_zero_warn(
                     f"{reward} has no import path: this run's checkpoints cannot rebuild it, and "
@@ -285,6 +293,9 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
+        self._epochs_from_steps = self.trainer.max_epochs == -1 and self.trainer.max_steps > 0
+        if self._epochs_from_steps:
+            bound_epochs_by_steps(self.trainer, self.grpo)
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
         if self._rng_to_restore is not None:
             restore_rng_states(self._rng_to_restore)
@@ -374,6 +385,8 @@ class GRPOModule(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         step_schedulers(self.trainer, "epoch")
+        if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
+            bound_epochs_by_steps(self.trainer, self.grpo)
 
     def on_validation_epoch_start(self) -> None:
         self.validation.start(self.trainer.datamodule, self.device)

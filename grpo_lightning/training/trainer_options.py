@@ -25,6 +25,11 @@ refused when the Trainer attaches it, in one line naming what to use instead (`r
 `torch.compile(module)`, `BatchSizeFinder` / `Tuner.scale_batch_size`, `LearningRateFinder` /
 `Tuner.lr_find`, `GradientAccumulationScheduler` and `Trainer(strategy="fsdp")`.
 
+A run bounded by `max_steps` alone has Lightning's `max_epochs=-1`, which its progress bar shows as
+`Epoch 0/-2`: such a run gets the epochs its steps take as `max_epochs` (`bound_epochs_by_steps`), raised at
+an epoch's end when the steps are not made yet (dynamic sampling's batches without an update, skipped
+steps), so `max_steps` alone still ends the run.
+
 And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
 `check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
 Lightning would otherwise check it at the training epoch's end whenever `val_check_interval` is 1.0, and a
@@ -32,6 +37,8 @@ run that `max_steps` ends mid-epoch, before its first validation, would stop wit
 """
 
 from __future__ import annotations
+
+import math
 
 import lightning as L
 from lightning.pytorch.callbacks import (
@@ -198,3 +205,16 @@ def step_schedulers(trainer: L.Trainer, interval: str) -> None:
                 f"logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): monitor a "
                 "metric logged before it steps, or set its 'strict': False to skip those steps"
             )
+
+
+def bound_epochs_by_steps(trainer: L.Trainer, cfg: GRPOConfig) -> None:
+    """Set `max_epochs` to the epochs that the optimizer steps left to `max_steps` take after the epochs done,
+    where those are more (a run that `max_steps` alone bounds; see the module's docstring)."""
+    loop, batches = trainer.fit_loop, trainer.num_training_batches
+    remaining = trainer.max_steps - trainer.global_step
+    if remaining <= 0 or not 0 < batches < math.inf:
+        return
+    done = loop.epoch_progress.current.processed
+    needed = done + math.ceil(remaining / (batches * cfg.optimizer_steps_per_batch))
+    loop.max_epochs = max(loop.max_epochs, needed)
+
