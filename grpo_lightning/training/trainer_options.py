@@ -17,8 +17,9 @@ options (`optimizer_steps_in_run`).
 
 Lightning leaves the learning-rate schedulers of `configure_optimizers` to a module that optimises manually;
 `step_schedulers` steps them as it would under automatic optimisation: each `interval: "step"` scheduler
-after every `frequency` optimizer steps (skipped steps do not count), each `interval: "epoch"` one at every
-`frequency`-th training epoch's end, `ReduceLROnPlateau` with its `monitor`'s latest value.
+after an optimizer step that changed the weights, when the steps taken are a multiple of its `frequency`;
+each `interval: "epoch"` one at every `frequency`-th training epoch's end; `ReduceLROnPlateau` with its
+`monitor`'s latest value.
 
 Lightning's tools that do not apply to a module that samples its own batches and optimises manually are
 refused when the Trainer attaches it, in one line naming what to use instead (`refuse_unsupported_tools`):
