@@ -85,6 +85,9 @@ def test_a_hydra_built_run_checkpoints_reloads_tests_and_predicts(tiny_model_dir
         )
     }
     assert scores["test/completion_length"] == pytest.approx(4.0)  # the tiny model never ends early
+    # The template's way: the fit's own Trainer, the best checkpoint read back (weights_only, Lightning's
+    # default under torch >= 2.6): the same weights, the same greedy scores.
+    assert trainer.test(module, data, ckpt_path="best") == [scores]
     (answers,) = tester.predict(loaded, data)
     assert [answer["prompt"] for answer in answers] == [row["prompt"] for row in data.val_rows]
     assert all(len(answer["completions"]) == 1 for answer in answers)  # greedy: one per prompt

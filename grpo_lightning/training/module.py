@@ -72,7 +72,6 @@ from grpo_lightning.training.trainer_options import (
     map_trainer_options,
     optimizer_steps_in_run,
     refuse_unsupported_tools,
-    step_schedulers,
 )
 from grpo_lightning.training.training_state import (
     check_resumed_data,
@@ -221,7 +220,7 @@ class GRPOModule(L.LightningModule):
         """AdamW at `grpo.learning_rate` with the schedule of `grpo.lr_scheduler_type`. A subclass may return
         any form Lightning accepts (an optimizer alone, a list, a dict with `lr_scheduler` and its `interval`
         and `frequency`), with one optimizer: the module steps each scheduler as Lightning would under
-        automatic optimisation (`trainer_options.step_schedulers`)."""
+        automatic optimisation (`_step_schedulers`)."""
         cfg, trainer = self.grpo, self.trainer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
@@ -355,11 +354,35 @@ class GRPOModule(L.LightningModule):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                step_schedulers(self.trainer, "step")
+                self._step_schedulers("step")
                 self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
             if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
                 break
         return stats, grad_norm
+
+    def _step_schedulers(self, interval: str) -> None:
+        """Step the schedulers of `configure_optimizers` whose `interval` is `interval` ("step": after an
+        optimizer step that changed the weights; "epoch": at a training epoch's end), each when the steps or
+        epochs done are a multiple of its `frequency`, `ReduceLROnPlateau` with its `monitor`'s latest value:
+        as Lightning steps them under automatic optimisation, which it leaves to a module that optimises
+        manually."""
+        trainer = self.trainer
+        done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != interval or done % config.frequency:
+                continue
+            if not config.reduce_on_plateau:
+                config.scheduler.step()
+                continue
+            value = trainer.callback_metrics.get(config.monitor)
+            if value is not None:
+                config.scheduler.step(float(value))
+            elif config.strict:
+                raise ValueError(
+                    f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is "
+                    f"not logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): "
+                    "monitor a metric logged before it steps, or set its 'strict': False to skip those steps"
+                )
 
     def _trainer_state(self, batch_idx: int) -> TrainerState:
         """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
@@ -384,7 +407,7 @@ class GRPOModule(L.LightningModule):
         return sums.values, self.step_guard.clip_and_step(*step)
 
     def on_train_epoch_end(self) -> None:
-        step_schedulers(self.trainer, "epoch")
+        self._step_schedulers("epoch")
         if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
             bound_epochs_by_steps(self.trainer, self.grpo)
 

@@ -15,11 +15,7 @@ the module's hook that Lightning calls before it checks these options):
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
 options (`optimizer_steps_in_run`).
 
-Lightning leaves the learning-rate schedulers of `configure_optimizers` to a module that optimises manually;
-`step_schedulers` steps them as it would under automatic optimisation: each `interval: "step"` scheduler
-after an optimizer step that changed the weights, when the steps taken are a multiple of its `frequency`;
-each `interval: "epoch"` one at every `frequency`-th training epoch's end; `ReduceLROnPlateau` with its
-`monitor`'s latest value.
+`configure_optimizers` may return one optimizer in any form Lightning accepts (`check_one_optimizer`).
 
 Lightning's tools that do not apply to a module that samples its own batches and optimises manually are
 refused when the Trainer attaches it, in one line naming what to use instead (`refuse_unsupported_tools`):
@@ -187,27 +183,6 @@ def check_one_optimizer(trainer: L.Trainer) -> None:
         )
 
 
-def step_schedulers(trainer: L.Trainer, interval: str) -> None:
-    """Step the schedulers of `configure_optimizers` whose `interval` is `interval`: "step" after an
-    optimizer step, "epoch" at a training epoch's end; each every `frequency` of them."""
-    done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
-    for config in trainer.lr_scheduler_configs:
-        if config.interval != interval or done % config.frequency:
-            continue
-        if not config.reduce_on_plateau:
-            config.scheduler.step()
-            continue
-        value = trainer.callback_metrics.get(config.monitor)
-        if value is not None:
-            config.scheduler.step(float(value))
-        elif config.strict:
-            raise ValueError(
-                f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is not "
-                f"logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): monitor a "
-                "metric logged before it steps, or set its 'strict': False to skip those steps"
-            )
-
-
 def bound_epochs_by_steps(trainer: L.Trainer, cfg: GRPOConfig) -> None:
     """Set `max_epochs` to the epochs that the optimizer steps left to `max_steps` take after the epochs done,
     where those are more (a run that `max_steps` alone bounds; see the module's docstring)."""
@@ -218,4 +193,3 @@ def bound_epochs_by_steps(trainer: L.Trainer, cfg: GRPOConfig) -> None:
     done = loop.epoch_progress.current.processed
     needed = done + math.ceil(remaining / (batches * cfg.optimizer_steps_per_batch))
     loop.max_epochs = max(loop.max_epochs, needed)
-
