@@ -1,7 +1,7 @@
 """Nothing a user keeps is ever destroyed: exports replace only an earlier export (`--overwrite`), results
 files only earlier results (`--results.overwrite`), checkpoints never land over another file, and the
-scripts' outputs never replace an earlier run's silently. The data-safety test gives a folder holding a
-model, checkpoints and a user's file as every output path of every command that writes."""
+scripts' outputs (`demo.outputs`) never replace an earlier run's silently. The data-safety test gives a
+folder holding a model, checkpoints and a user's file as every output path of every command that writes."""
 
 import json
 import os

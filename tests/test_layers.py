@@ -9,7 +9,8 @@ inside functions included), and the tables of docs/architecture.md, checked agai
 - core is a stack: its files and subpackages in one order (`CORE_ORDER`), each importing only its own unit
   and the units below it, so no circle runs between them, at folder level either;
 - no import circle among the package's files;
-- docs/architecture.md's tables name every .py file of the package, and no file that is not there.
+- docs/architecture.md's tables name every .py file of the package, and no file that is not there;
+- its "Where each file is tested" table gives each file the tests that import or name it.
 """
 
 from __future__ import annotations
@@ -214,3 +215,39 @@ def test_architecture_tables_name_every_file_of_the_tree():
     named = architecture_paths()
     assert in_tree - named == set(), "files missing from docs/architecture.md"
     assert named - in_tree == set(), "docs/architecture.md names files that do not exist"
+
+
+def tested_in() -> dict[str, list[str]]:
+    """docs/architecture.md's "Where each file is tested" table: package file -> its test files."""
+    tables = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = tables.split("## Where each file is tested", 1)[1]
+    rows = re.findall(r"^\| `(grpo_lightning/[\w/]+\.py)` \| (.+) \|$", section, re.M)
+    return {path: re.findall(r"`(tests/test_\w+\.py)`", tests) for path, tests in rows}
+
+
+def imports_or_names(test_file: str, module: str) -> bool:
+    """Whether `test_file` imports `module` (anywhere, `from a import b` counting `a.b`) or names it
+    (`core.types`, or its dotted path)."""
+    source = (ROOT / test_file).read_text(encoding="utf-8")
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    short = module.removeprefix("grpo_lightning.")
+    return module in found or module in source or f"`{short}`" in source or f"`{short}." in source
+
+
+def test_every_file_of_the_package_names_where_it_is_tested():
+    table = tested_in()
+    files = {str(p.relative_to(ROOT)) for m, p in FILES.items() if p.name != "__init__.py"}
+    assert set(table) == files, "the tested-in table must name every file of the package, and only those"
+    packing = "grpo_lightning.core.generation." + "packing"
+    assert not imports_or_names("tests/test_layers.py", packing)  # the check can fail
+    for path, tests in table.items():
+        module = module_name(ROOT / path)
+        assert tests, f"{path}: no test named"
+        for test in tests:
+            assert (ROOT / test).is_file(), f"{path}: {test} does not exist"
+            assert imports_or_names(test, module), f"{path}: {test} neither imports nor names {module}"

@@ -1,4 +1,5 @@
-"""End to end: `cli.py fit` on a tiny random model, and the module's own contracts."""
+"""End to end: `cli.py fit` on a tiny random model, and the module's own contracts, its validation
+(`training.validation`) included."""
 
 import math
 import os

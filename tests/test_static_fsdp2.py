@@ -29,7 +29,7 @@ from grpo_lightning.io.distributed import (
 )
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from tests.helpers import arithmetic_data, quiet_trainer, static_module
-from tests.test_static_rollout import engine, prompts, tiny
+from tests.test_static_engine import engine, prompts, tiny
 
 
 def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):

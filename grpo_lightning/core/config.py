@@ -267,28 +267,15 @@ class GRPOConfig:
     """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
-    weights in the compute dtype, LoRA adapters unmerged, embeddings and norms as the policy holds them,
-    under the trainer's autocast), refreshed in place once before each rollout after the weights changed;
-    on CUDA its decoding step is compiled once (`torch.compile` with CUDA graphs, through transformers'
-    `CompileConfig`), on CPU it runs uncompiled (`grpo_lightning.core.generation.static_engine`). Same
-    sampling (each drawn token's log-prob is the scorer's, tests/test_static_rollout.py); costs the copy
-    (on every rank under FSDP2, refreshed one unit at a time) and one KV cache for the largest batch, both
-    in the pre-flight's memory estimate, and a compile warm-up (tens of seconds) per batch shape. Logs
-    `rollout/tokens_per_second`, `rollout/ms_per_decoding_step` and what compiling did
-    (`rollout/recompiles`, `rollout/cudagraph_skips`, ...; a warning names the cause once if the fast path
-    degrades). Both paths stop decoding finished rows: once at most half of a batch of more than 8 rows is
-    live, the live rows go on alone, with the same sampling (`sampling.generate_completions`,
-    tests/test_row_compaction.py); a compiled step keeps its rows in their bucket (one graph per bucket).
-    "auto": "static" on CUDA, compiled; "eager" elsewhere, never compiled. Measured on a 2-core CPU with
-    SmolLM2-135M-Instruct in float32, 2 threads (BENCHMARKS.md, "Decoding"; `python benchmarks/decoding.py
-    --model models/smollm2-135m-instruct --threads 2 --calls 2 --generations 1,4,8`, 2026-12-01, quiet):
-    compiling took 27-32 s per batch shape and then decoded no faster (70-106 ms per step against eager's
-    72-102), and the uncompiled static path was 5-10% slower than eager for 2 to 8 rows, 13% faster for 16;
-    on the demo's rollouts, rows ending at EOS and finished rows dropped (`--natural`), static was 1-3%
-    ahead. Not enough to hold a second copy of the weights by default: on CPU, ask for "static" (as the
-    demo's config does). A model
-    the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
-    back to "eager" with one warning.
+    weights in the compute dtype, LoRA adapters unmerged, under the trainer's autocast), refreshed in place
+    once before each rollout after the weights changed, its decoding step compiled once with CUDA graphs on
+    CUDA and run uncompiled on CPU (`grpo_lightning.core.generation.static_engine`); it costs the copy and
+    one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch shape. Both stop
+    decoding finished rows once at most half of a batch of more than 8 rows is live. "auto" (the default):
+    "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no faster and the uncompiled copy
+    is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model the static path cannot serve
+    (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
+    warning.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state

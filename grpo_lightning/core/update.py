@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import fields
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -46,6 +47,7 @@ from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
 MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
+Part = TypeVar("Part", Rollout, Trajectory)  # what a micro-batch takes its rows of
 # (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
 Score = Callable[..., tuple[Tensor, Tensor]]
 
@@ -186,19 +188,12 @@ def micro_batches(
     return [torch.tensor(rows, dtype=torch.long, device=device) for rows in parts]
 
 
-def micro_batch_rollout(rollout: Rollout, rows: MicroBatch) -> tuple[Rollout, slice]:
-    """The rollout a micro-batch is scored on and its rows there: `rollout` itself for a slice; for
-    indices, their own rollout trimmed to their longest row, all of its rows."""
+def micro_batch_part(whole: Part, rows: MicroBatch) -> tuple[Part, slice]:
+    """What a micro-batch is scored on (a `Rollout`) or its loss reads (a `Trajectory`), and its rows there:
+    `whole` itself for a slice; for indices, their own part trimmed to their longest row, all of its rows."""
     if isinstance(rows, slice):
-        return rollout, rows
-    return rollout.select(rows, trim=True), slice(None)
-
-
-def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
-    """As `micro_batch_rollout`, for the trajectory a micro-batch's loss reads."""
-    if isinstance(rows, slice):
-        return trajectory, rows
-    return trajectory.select(rows, trim=True), slice(None)
+        return whole, rows
+    return whole.select(rows, trim=True), slice(None)
 
 
 @torch.no_grad()
@@ -208,7 +203,7 @@ def logprobs_in_micro_batches(score: Score, model, rollout: Rollout, parts: list
     ids = rollout.completion_ids
     logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, T], as scorers give
     for rows in parts:
-        part, part_rows = micro_batch_rollout(rollout, rows)
+        part, part_rows = micro_batch_part(rollout, rows)
         scored = score(model, part, part_rows)[0]  # [b, T']
         logprobs[rows, : scored.size(1)] = scored
     return logprobs
@@ -277,7 +272,7 @@ def micro_batch_losses(
     to `sums`."""
     tokens = trajectory.loss_mask.sum().clamp(min=1)
     for rows in parts:
-        part, part_rows = micro_batch_trajectory(trajectory, rows)
+        part, part_rows = micro_batch_part(trajectory, rows)
         logprobs, entropies = score(policy, part.rollout, part_rows, with_entropy=True)  # [b, T'] each
         loss, stats = micro_batch_loss(
             part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from contextlib import nullcontext
-from dataclasses import replace
 from operator import attrgetter
 
 import lightning as L
@@ -65,14 +64,7 @@ def generate_answers(
             pad_token_id=pad,
         )
         engine = EagerEngine(settings)
-    settings = replace(
-        engine.settings,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-    )
+    settings = engine.settings.for_evaluation(max_new_tokens, temperature)
     sampler = PromptSampler(PromptEncoder(tokenizer), engine, settings)
     _, completions = sampler.sample(model, prompts, num_generations, do_sample=num_generations > 1)
     return completions

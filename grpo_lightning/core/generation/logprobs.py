@@ -8,11 +8,15 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -30,6 +34,15 @@ def _entropy(logits: Tensor, log_z: Tensor) -> Tensor:
 
 
 LogitTransform = Callable[[Tensor], Tensor]
+
+
+class HeadOptions(TypedDict, total=False):
+    """How the LM head scores tokens: `head_logprobs`' keywords, which every scorer built on it forwards."""
+
+    temperature: float  # scales the logits as the sampler saw them
+    with_entropy: bool  # also return each position's entropy
+    entropy_grad: bool  # let the gradient flow through the entropies
+    max_logits_elements: int  # logits per chunk of the head
 
 
 def head_logit_transform(model: PreTrainedModel) -> LogitTransform | None:
@@ -142,11 +155,7 @@ def completion_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor,
     num_completion_tokens: int,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    max_logits_elements: int = 2**26,
+    **head: Unpack[HeadOptions],
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (and entropies) of the last `num_completion_tokens` tokens, in float32.
 
@@ -158,7 +167,8 @@ def completion_logprobs(
     Models whose forward transforms the head's logits get the same transform (`head_logit_transform`), so
     every token is scored with the logits it was sampled from.
 
-    Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are zeros unless `with_entropy`.
+    `head`: `head_logprobs`' options. Returns `(logprobs, entropies)`, each `[B, T]` float32; entropies are
+    zeros unless `with_entropy`.
     """
     T = num_completion_tokens
     decoder = model.get_decoder()
@@ -166,15 +176,7 @@ def completion_logprobs(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
     ).last_hidden_state  # [B, L, H]
     hidden = hidden[:, -T - 1 : -1]  # [B, T, H] position t predicts token t+1
-    return head_logprobs(
-        model,
-        hidden,
-        input_ids[:, -T:],
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        max_logits_elements=max_logits_elements,
-    )
+    return head_logprobs(model, hidden, input_ids[:, -T:], **head)
 
 
 def head_logprobs(

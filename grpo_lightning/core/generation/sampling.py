@@ -50,6 +50,18 @@ class SamplingSettings:
 
 
 
+    def for_evaluation(self, max_new_tokens: int, temperature: float = 1.0) -> SamplingSettings:
+        """Settings built from scratch for an evaluation: the raw policy at `temperature` (greedy decoding
+        ignores it) up to `max_new_tokens`. Only what belongs to the model and the engine carries over (the
+        stop and pad ids, the shared prefill); no training knob does, whatever knobs these settings gain."""
+        return SamplingSettings(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            temperature=temperature,
+            share_prompt=self.share_prompt,
+        )
+
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
     """Mask of the tokens up to and including each row's first EOS, and which rows never emitted one."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # [B, T]
@@ -253,7 +265,7 @@ def generate_completions(
 
     `prompt_cache`: `generate`'s cache keyword argument with every prompt row's keys and values but its last
     token's, computed once per distinct prompt (`prefill_groups`), so that `generate` decodes;
-    or a `StaticCache` (`static_rollout.StaticEngine`). `compile_config`: how `generate` compiles the decoding
+    or a `StaticCache` (`static_engine.StaticEngine`). `compile_config`: how `generate` compiles the decoding
     step over a static cache; None never compiles. Sampled rollouts carry `sampler_logprobs`, each drawn
     token's log-prob under the distribution it was drawn from; greedy ones None.
     """

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +29,12 @@ from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.logprobs import head_logprobs, position_ids
+from grpo_lightning.core.generation.logprobs import HeadOptions, head_logprobs, position_ids
 from grpo_lightning.core.generation.sampling import cache_argument, not_full_attention
 from grpo_lightning.core.types import Rollout
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 class _CapturedPrompt(DynamicLayer):
@@ -82,7 +86,9 @@ def _cache_kept_under_checkpointing(decoder: nn.Module) -> Iterator[None]:
     transformers drops any cache inside a checkpointed layer otherwise."""
     layers = _checkpointable_layers(decoder)
     for layer in layers:
-        layer._can_checkpoint_with_cache = True  # an instance attribute over the class's False
+        # transformers' private class flag, set on the instance: no public switch keeps a cache through
+        # a checkpointed layer.
+        layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
@@ -148,11 +154,7 @@ def group_completion_logprobs(
     rollout: Rollout,
     rows: slice,
     num_generations: int,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    max_logits_elements: int = 2**26,
+    **head: Unpack[HeadOptions],
 ) -> tuple[Tensor, Tensor]:
     """`logprobs.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
 
@@ -173,12 +175,4 @@ def group_completion_logprobs(
     hidden = shared_prompt_hidden(
         model, prompt_ids, prompt_mask, row_group, completion_ids, rollout.completion_mask[rows]
     )  # [b, T, H]
-    return head_logprobs(
-        model,
-        hidden,
-        completion_ids,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        max_logits_elements=max_logits_elements,
-    )
+    return head_logprobs(model, hidden, completion_ids, **head)
