@@ -84,7 +84,10 @@ class PromptDataModule(L.LightningDataModule):
         val_split: "holdout" (the held-out train rows) or "test" (the test split) for validation.
         val_batch_size: prompts per validation step. Default 16.
         train_size: use only this many training rows (after the hold-out), >= 1. Default all.
-        seed: seed of the hold-out split and shuffling. Default 0.
+        seed: seed of the hold-out split and shuffling. Default 0. Logged with the data module's
+            hyper-parameters as `seed`: a project that logs a `seed` of its own with another value gets two
+            values for one name, which MLflow refuses; give the data module the same one
+            (`docs/from_lightning.md`).
         num_workers: data loader worker processes. Default 0.
         val_sets: more validation sets, each scored on its own as `val/<name>/...`
             (`grpo_lightning.training.validation_sets.ValidationSet`: source, answer checker, samples per
@@ -360,7 +363,10 @@ class GSM8KDataModule(PromptDataModule):
         train_size: use only this many training rows (after the hold-out), >= 1. Default all.
         arithmetic_size: rows generated for `source="arithmetic"` (train + held-out), >= 1. Default 2000.
         question_field / answer_field: column names in the source, mapped to `question` / `answer`.
-        seed: seed of the hold-out split and shuffling. Default 0.
+        seed: seed of the hold-out split and shuffling. Default 0. Logged with the data module's
+            hyper-parameters as `seed`: a project that logs a `seed` of its own with another value gets two
+            values for one name, which MLflow refuses; give the data module the same one
+            (`docs/from_lightning.md`).
         num_workers: data loader worker processes. Default 0.
         config_name: the hub data set's configuration; None for its default, which for "openai/gsm8k"
             (whose configurations are "main" and "socratic") means "main".
