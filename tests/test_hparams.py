@@ -4,17 +4,19 @@ checkpoint cannot rebuild is named; a subclass that fixes a base argument loads 
 
 from __future__ import annotations
 
+import enum
 import functools
 import io
 import pathlib
 
+import numpy
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import ListConfig, OmegaConf
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.io.checkpoints import resolve_callable, reward_recipe
+from grpo_lightning.io.checkpoints import plain_value, resolve_callable, reward_recipe
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, length_reward, quiet_trainer
 
@@ -71,6 +73,15 @@ def test_hydra_containers_tuples_and_paths_are_stored_and_logged_plain(tiny_mode
     logger.log_hyperparams(module.hparams_initial)  # Lightning's hparams.yaml: no object to represent
     logger.save()
     assert "scaled_digits" in (pathlib.Path(logger.log_dir) / "hparams.yaml").read_text()
+
+
+def test_subclasses_of_plain_values_are_stored_as_the_plain_values():
+    class Colour(str, enum.Enum):
+        RED = "red"
+
+    stored = plain_value({"ratio": numpy.float64(0.5), "colour": Colour.RED, "steps": numpy.int64(3)}, "x")
+    assert stored == {"ratio": 0.5, "colour": "red", "steps": 3}
+    assert weights_only_load(stored) == stored  # numpy's scalars would be globals weights_only refuses
 
 
 def test_a_value_that_is_not_plain_is_refused_naming_its_argument(tiny_model_dir):

@@ -20,10 +20,12 @@ names: load checkpoints you trust, as for any code you run.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import importlib
 import io
 import itertools
+import numbers
 import os
 import pickle
 import sys
@@ -54,7 +56,9 @@ __all__ = [
     "unimportable_rewards",
 ]
 NOT_IMPORTABLE = "not_importable"  # the key of a recipe naming a function without an import path
-PLAIN_SCALARS = (str, bool, int, float, type(None))
+PLAIN_SCALARS = (str, bool, int, float)  # and None
+# A value of another type that stands for a plain one (numpy's int64 and float64, a subclass) as it.
+PLAIN_KINDS = ((bool, bool), (str, str), (numbers.Integral, int), (numbers.Real, float))
 
 
 def import_object(path: str) -> Any:
@@ -194,8 +198,13 @@ def plain_value(value: object, where: str) -> object:
         value = container
     if is_dataclass(value) and not isinstance(value, type):
         value = asdict(value)
-    if isinstance(value, PLAIN_SCALARS):
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None or type(value) in PLAIN_SCALARS:
         return value
+    plain = next((to for kind, to in PLAIN_KINDS if isinstance(value, kind)), None)
+    if plain is not None:  # pickled as its own class, which weights_only refuses
+        return plain(value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, Mapping):
@@ -224,8 +233,10 @@ def portable_hparams(hparams: MutableMapping, sources: Mapping[str, object]) -> 
     ids, the reward functions as recipes (`reward_recipe`), the option dataclasses as dicts, every other value
     plain (`plain_value`)."""
     hparams.update({key: _source(value) for key, value in sources.items()})
-    if isinstance(hparams.get("reward_funcs"), list | tuple) or _container(hparams.get("reward_funcs")):
-        hparams["reward_funcs"] = [reward_recipe(fn) for fn in hparams["reward_funcs"]]
+    funcs = _container(hparams.get("reward_funcs"))  # a Hydra list: its items, partials as they are
+    funcs = hparams.get("reward_funcs") if funcs is None else funcs
+    if isinstance(funcs, list | tuple):
+        hparams["reward_funcs"] = [reward_recipe(fn) for fn in funcs]
     if "val_reward" in hparams:
         hparams["val_reward"] = reward_recipe(hparams["val_reward"])
     for key, value in hparams.items():
