@@ -1,10 +1,14 @@
-"""`grpo-lightning fit|validate|audit|export --config configs/....yaml`: LightningCLI over GRPOModule and
-a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule` subclass by
-class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, init_args: {source: ...}}`).
+"""`grpo-lightning fit|validate|test|predict|audit|export --config configs/....yaml`: LightningCLI over
+GRPOModule and a data module: `GSM8KDataModule` by default (`data: {source: ...}`), or any `PromptDataModule`
+subclass by class path (`data: {class_path: grpo_lightning.training.data.PromptDataModule, init_args: {source:
+...}}`).
 
 - `validate --results.path out.jsonl`: also writes every validation completion (its validation set,
   question, completion, extracted answer, reference, correct) as JSON lines; an existing file only with
   `--results.overwrite true`.
+- `test [--results.path out.jsonl]`: the validation's metrics on the data's test split and sets, as
+  `test/...` (`trainer.limit_test_batches` takes fewer rows); `predict --results.path answers.jsonl`: the
+  policy's answers to the test split's prompts (question, sample, completion, extracted answer).
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
 - `export --ckpt_path run.ckpt [--out folder] [--merge_lora false] [--overwrite true]`: the checkpoint's
@@ -81,8 +85,8 @@ OPTION_CLASSES = {"grpo": GRPOConfig, "model_options": ModelOptions, "lora": Lor
 class GRPOTrainer(Trainer):
     """A `Trainer` with `audit` and `export` methods: LightningCLI maps subcommands to Trainer methods.
 
-    `fit` and `validate` refuse data that gives them no batch, which Lightning only warns about before
-    returning as if it had run.
+    `fit`, `validate`, `test` and `predict` refuse data that gives them no batch, which Lightning only warns
+    about before returning as if it had run.
     """
 
     def fit(self, model: GRPOModule, *args, new_data: bool = False, **kwargs) -> None:
@@ -117,6 +121,26 @@ class GRPOTrainer(Trainer):
                 "limit_val_batches 0): nothing evaluated"
             )
         return results
+
+    def test(self, *args, **kwargs) -> list:
+        """The validation's metrics on the test split and sets, as `test/...` (a checkpoint with
+        `--ckpt_path`, else the untrained policy)."""
+        kwargs.setdefault("weights_only", True)
+        results = super().test(*args, **kwargs)
+        if sum(self.test_loop.max_batches) == 0:
+            raise ValueError(
+                "test: the test data gives no batch (an empty test split, or limit_test_batches 0): nothing "
+                "evaluated"
+            )
+        return results
+
+    def predict(self, *args, **kwargs) -> list | None:
+        """The policy's answers to the test split's prompts (`--results.path` writes them)."""
+        kwargs.setdefault("weights_only", True)
+        predictions = super().predict(*args, **kwargs)
+        if sum(self.predict_loop.max_batches) == 0:
+            raise ValueError("predict: the data gives no batch (an empty test split): nothing answered")
+        return predictions
 
     def audit(self, model: GRPOModule, datamodule: PromptDataModule, num_rows: int = 300) -> AuditReport:
         """Audit the reward functions on reference solutions and corrupted copies of them.
@@ -205,10 +229,10 @@ PREPARE_SMOLLM2 = "prepare-smollm2"
 class GRPOCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        # Not `test` and `predict`: GRPOModule has no test or predict step.
         lightning = LightningCLI.subcommands()
         skip = {"model", "datamodule"}  # given by the CLI from the config, as for fit and validate
-        return {"fit": lightning["fit"], "validate": lightning["validate"], "audit": skip, "export": skip}
+        used = {name: lightning[name] for name in ("fit", "validate", "test", "predict")}
+        return {**used, "audit": skip, "export": skip}
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         self.parser_class = OneLineErrorParser
@@ -257,7 +281,7 @@ class GRPOCLI(LightningCLI):
             _refuse_other_data(ckpt_path, checkpoint, self.config.fit.data)
         saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
-        saved = {k: v for k, v in saved.items() if not _unnamed(v)}  # a function the checkpoint cannot name
+        saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and _not_for_the_config(v))}
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
         defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
         conflicts = [
@@ -341,9 +365,16 @@ def _dotted(options: dict, dotted: str) -> object:
     return plain_options(value)
 
 
-def _unnamed(value: object) -> bool:
-    """A checkpoint's reward functions hold None where it could not name one: the config's are kept."""
-    return isinstance(value, list) and None in value
+def _not_for_the_config(value: object) -> bool:
+    """Whether a checkpoint's reward functions hold one that a config cannot name (None or a
+    `not_importable` recipe where the checkpoint could not name it, a partial's `_target_` mapping): the
+    config's are kept."""
+    items = value if isinstance(value, list) else [value]
+    return any(
+        not (isinstance(item, str) or (isinstance(item, dict) and "class_path" in item))
+        for item in items
+        if item is not None or isinstance(value, list)
+    )
 
 
 def _drop_leaf(options: dict, dotted: str) -> None:

@@ -1,4 +1,4 @@
-"""pass@k, majority vote and GSM8KAccuracy, including the DDP-style merge of two metric states."""
+"""pass_at_k, majority vote and GSM8KAccuracy, including the DDP-style merge of two metric states."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from torchmetrics.utilities.data import dim_zero_sum
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, majority_vote, pass_at_k
 
-KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
+KEYS = (
+    "accuracy",
+    "accuracy_strict",
+    "pass_at_k",
+    "pass_at_k_strict",
+    "maj_at_k",
+    "maj_at_k_strict",
+    "format",
+)
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -62,10 +70,10 @@ def test_k1() -> None:
         {
             "accuracy": 2 / 4,
             "accuracy_strict": 1 / 4,
-            "pass@k": 2 / 4,
-            "pass@k_strict": 1 / 4,
-            "maj@k": 2 / 4,
-            "maj@k_strict": 1 / 4,
+            "pass_at_k": 2 / 4,
+            "pass_at_k_strict": 1 / 4,
+            "maj_at_k": 2 / 4,
+            "maj_at_k_strict": 1 / 4,
             "format": 2 / 4,
         }
     )
@@ -88,12 +96,12 @@ K4_ANSWERS = ["#### 5", "#### 10"]
 K4_EXPECTED = {
     "accuracy": (2 / 4 + 1 / 4) / 2,
     "accuracy_strict": (1 / 4 + 0 / 4) / 2,
-    "pass@k": (1 + 1) / 2,
-    "pass@k_strict": (1 + 0) / 2,
+    "pass_at_k": (1 + 1) / 2,
+    "pass_at_k_strict": (1 + 0) / 2,
     # Lenient votes tie 2-2 (5 vs 6) and 1-1 (10 vs 11): the first to appear, the right one, wins both.
-    "maj@k": (1 + 1) / 2,
+    "maj_at_k": (1 + 1) / 2,
     # Strict votes: 6 beats 5 two to one; 11 is the only strict answer.
-    "maj@k_strict": (0 + 0) / 2,
+    "maj_at_k_strict": (0 + 0) / 2,
     "format": 4 / 8,
 }
 
@@ -108,8 +116,8 @@ def test_k4_majority_beats_minority() -> None:
     metric = GSM8KAccuracy(k=4)
     metric.update(["#### 5", "#### 6", "#### 6", "#### 6"], ["#### 5"])
     values = _values(metric)
-    assert values["pass@k"] == values["pass@k_strict"] == 1.0
-    assert values["maj@k"] == values["maj@k_strict"] == 0.0
+    assert values["pass_at_k"] == values["pass_at_k_strict"] == 1.0
+    assert values["maj_at_k"] == values["maj_at_k_strict"] == 0.0
     assert values["accuracy"] == pytest.approx(0.25)
 
 

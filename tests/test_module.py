@@ -35,8 +35,8 @@ EXPECTED_SCALARS = [
     "train/tokens_per_second",
     "val/accuracy",
     "val/accuracy_strict",
-    "val/pass@k",
-    "val/maj@k",
+    "val/pass_at_k",
+    "val/maj_at_k",
 ]
 
 

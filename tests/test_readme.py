@@ -139,18 +139,25 @@ SHRINK = {
     ),
     "max_steps=2000": "max_steps=1, accelerator='cpu', logger=False, enable_progress_bar=False",
     'precision="bf16-mixed"': 'precision="32-true"',
-    "val_check_interval=100": "val_check_interval=1, num_sanity_val_steps=0, default_root_dir=ROOT",
+    "val_check_interval=100": (
+        "val_check_interval=VALIDATE_EVERY, num_sanity_val_steps=0, default_root_dir=ROOT"
+    ),
 }
 
 
-def test_the_python_quick_start_runs(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("validate_every", [1, 100])  # validated at step 1; ended before any validation
+def test_the_python_quick_start_runs(tiny_model_dir, tmp_path, monkeypatch, validate_every):
     (script,) = [b for b in blocks("python") if "trainer.fit" in b]
     for old, new in SHRINK.items():
         assert old in script, old
         script = script.replace(old, new)
     monkeypatch.chdir(REPO)
-    scope = {"TINY_MODEL": tiny_model_dir, "ROOT": str(tmp_path)}
+    scope = {"TINY_MODEL": tiny_model_dir, "ROOT": str(tmp_path), "VALIDATE_EVERY": validate_every}
     exec(compile(script, "README.md", "exec"), scope)
     trainer, best, trained = scope["trainer"], scope["best"], scope["trained"]
-    assert trainer.global_step == 1 and best.best_model_path.startswith(str(tmp_path))
+    assert trainer.global_step == 1
     assert trained.grpo.num_generations == 2 and trained.grpo.max_grad_norm == 1.0
+    if validate_every == 1:
+        assert best.best_model_path.startswith(str(tmp_path)) and trained is not scope["module"]
+    else:
+        assert best.best_model_path == "" and trained is scope["module"]

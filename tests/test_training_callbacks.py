@@ -33,7 +33,15 @@ from grpo_lightning.training.monitoring import RolloutRecord
 from grpo_lightning.training.monitors import CollapseMonitor
 from tests.helpers import GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 
-VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
+VAL_KEYS = (
+    "accuracy",
+    "accuracy_strict",
+    "pass_at_k",
+    "pass_at_k_strict",
+    "maj_at_k",
+    "maj_at_k_strict",
+    "format",
+)
 
 
 def tiny_data(**kwargs) -> GSM8KDataModule:
@@ -204,10 +212,10 @@ def test_accuracy_callback_on_any_lightning_module(tiny_model_dir: str, tmp_path
     expected = {
         "accuracy": (1 + 0.5 + 0.5 + 0) / 4,
         "accuracy_strict": (1 + 0.5 + 0 + 0) / 4,
-        "pass@k": 3 / 4,
-        "pass@k_strict": 2 / 4,
-        "maj@k": 3 / 4,
-        "maj@k_strict": 2 / 4,
+        "pass_at_k": 3 / 4,
+        "pass_at_k_strict": 2 / 4,
+        "maj_at_k": 3 / 4,
+        "maj_at_k_strict": 2 / 4,
         "format": 5 / 8,
     }
     for row in logged:

@@ -211,7 +211,7 @@ def test_reward_accuracy_metric():
     metric.update([1.0, 1.0])
     result = metric.compute()
     assert result["accuracy"].item() == pytest.approx((0.5 + 0.0 + 1.0) / 3)
-    assert result["pass@k"].item() == pytest.approx(2 / 3)
+    assert result["pass_at_k"].item() == pytest.approx(2 / 3)
 
 
 def test_validation_accuracy_from_a_reward_function_drives_early_stopping(tiny_model_dir, tmp_path):

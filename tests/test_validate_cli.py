@@ -13,7 +13,7 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from grpo_lightning.training.export_best import ExportBestCallback
-from tests.helpers import GSM8K_DIR, gsm8k_rows
+from tests.helpers import GSM8K_DIR, gsm8k_rows, write_rows
 
 QWEN_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gsm8k_qwen2.5_0.5b.yaml")
 
@@ -149,3 +149,31 @@ def test_qwen_config_stops_and_exports_even_before_the_first_validation(tiny_mod
     export = next(c for c in cli.trainer.callbacks if isinstance(c, ExportBestCallback))
     assert export.exported_from is None  # no validation, no best: the final weights, with a warning
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out / "export"))
+
+
+def test_test_and_predict_commands_score_and_answer_the_test_split(tiny_model_dir: str, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "train.jsonl", gsm8k_rows("train", 20))
+    write_rows(data / "test.jsonl", gsm8k_rows("test", 5))
+    config = write_config(tmp_path / "config.yaml", tiny_model_dir)
+    with open(config, encoding="utf-8") as f:
+        text = f.read().replace(GSM8K_DIR, str(data))  # the small folder, not the shipped GSM8K
+    with open(config, "w", encoding="utf-8") as f:
+        f.write(text)
+    tested, answered = tmp_path / "test.jsonl", tmp_path / "answers.jsonl"
+    limit = ["--trainer.limit_test_batches=1", "--trainer.limit_predict_batches=1"]
+    cli = build_cli(["test", "--config", config, limit[0], "--results.path", str(tested)])
+    assert "test/accuracy" in capsys.readouterr().out  # Lightning's table of the test metrics
+    rows = gsm8k_rows("test", 3)  # one batch of val_batch_size 3: the test split's first rows
+    lines = [json.loads(line) for line in tested.read_text().splitlines()]
+    assert [line["question"] for line in lines] == [r["question"] for r in rows]
+    accuracy = float(cli.trainer.callback_metrics["test/accuracy"])
+    assert accuracy == pytest.approx(sum(line["correct"] for line in lines) / 3)
+
+    build_cli(["predict", "--config", config, limit[1], "--results.path", str(answered)])
+    answers = [json.loads(line) for line in answered.read_text().splitlines()]
+    assert [a["question"] for a in answers] == [r["question"] for r in rows]
+    for answer, line in zip(answers, lines, strict=True):  # greedy: the same completion as the test's
+        assert answer["completion"] == line["completion"] and answer["sample"] == 0
+        assert answer["extracted"] == extract_answer(answer["completion"])

@@ -58,7 +58,7 @@ def test_set_scores_leave_the_repeats_out():
     lengths = torch.tensor([3, 5, 7, 9])  # [2 problems * k=2]
     scores.update_rewards([True, False], lengths, [1.0, 0.0, 1.0, 1.0])
     results = scores.compute()
-    assert float(results["val/x/accuracy"]) == 0.5 and float(results["val/x/pass@k"]) == 1.0
+    assert float(results["val/x/accuracy"]) == 0.5 and float(results["val/x/pass_at_k"]) == 1.0
     assert float(results["val/x/completion_length"]) == 4.0
 
 
@@ -114,12 +114,12 @@ def test_each_set_is_scored_on_its_own(tiny_model_dir, tmp_path):
     results = {key: float(value) for key, value in trainer.callback_metrics.items()}
     assert not any("dataloader_idx" in key for key in results)  # logged under the sets' own names
     for prefix in ("val/", "val/gsm8k_test/"):
-        for key in ("accuracy", "accuracy_strict", "pass@k", "maj@k", "format", "completion_length"):
+        for key in ("accuracy", "accuracy_strict", "pass_at_k", "maj_at_k", "format", "completion_length"):
             assert prefix + key in results, prefix + key
     assert results["val/math/accuracy"] == pytest.approx(3 / 7) and results[
-        "val/math/pass@k"
+        "val/math/pass_at_k"
     ] == pytest.approx(3 / 7)
-    assert "val/math/maj@k" not in results  # a reward's set has accuracy (mean@k) and pass@k
+    assert "val/math/maj_at_k" not in results  # a reward's set has accuracy (mean@k) and pass@k
     assert module.validation.scores[1].k == 2 and module.validation.scores[0].k == 1
     answers = [r["answer"] for r in gsm8k_rows("test", 5)]
     assert [r["answer"] for r in data.val_set_rows[0]] == answers  # the set's own rows, GSM8K's test split
@@ -202,8 +202,8 @@ def test_ddp_counts_every_row_once(tiny_model_dir, two_rank_runs, tmp_path):
     assert results[2]["val/math/accuracy"] == results[1]["val/math/accuracy"] == pytest.approx(3 / 7)
     even = [int(reference_answer(r["answer"])) % 2 == 0 for r in gsm8k_rows("test", 5)]
     assert 0 < sum(even) < 5  # a repeated row would move the share
-    for key in ("val/gsm8k_test/accuracy", "val/gsm8k_test/pass@k"):
+    for key in ("val/gsm8k_test/accuracy", "val/gsm8k_test/pass_at_k"):
         assert results[2][key] == results[1][key] == pytest.approx(sum(even) / 5), key
     # Greedy on the arithmetic rows (the tiny model answers none right): equal on both world sizes.
-    for key in ("val/accuracy", "val/math/pass@k"):
+    for key in ("val/accuracy", "val/math/pass_at_k"):
         assert results[2][key] == results[1][key], key

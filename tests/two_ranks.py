@@ -21,7 +21,13 @@ import sys
 
 import torch
 
-FILES = ("test_distributed", "test_validation_sets", "test_distributed_resume", "test_fsdp_options")
+FILES = (
+    "test_quiet_runs",  # first: its run counts warnings that Lightning gives once per process
+    "test_distributed",
+    "test_validation_sets",
+    "test_distributed_resume",
+    "test_fsdp_options",
+)
 
 
 def run_jobs(cfg: dict) -> None:

@@ -54,19 +54,29 @@ class GSM8KAccuracy(Metric):
     `update(completions, answers)` takes ``k * len(answers)`` completions, the `k` samples of problem `i`
     contiguous at ``[i * k, (i + 1) * k)``. States are sums reduced with ``"sum"``, so the metric syncs
     across DDP processes. `compute()` returns a dict of scalar tensors; the key names are literal
-    (``"pass@k"``, not ``"pass@4"``) so logs keep one name whatever `k` is:
+    (``"pass_at_k"``, not ``"pass_at_4"``) so logs keep one name whatever `k` is, and spell pass@k and
+    maj@k without the "@" that MLflow rewrites in a metric name:
 
     - ``accuracy`` / ``accuracy_strict``: mean over problems of the fraction of correct samples (mean@k);
       with ``k=1`` and greedy decoding this is greedy pass@1.
-    - ``pass@k`` / ``pass@k_strict``: fraction of problems with a correct sample among the `k`.
-    - ``maj@k`` / ``maj@k_strict``: fraction of problems whose majority answer (`majority_vote`) is correct.
+    - ``pass_at_k`` / ``pass_at_k_strict``: fraction of problems with a correct sample among the `k`.
+    - ``maj_at_k`` / ``maj_at_k_strict``: fraction of problems whose majority answer (`majority_vote`) is
+      correct.
     - ``format``: fraction of completions with a strict `#### N` answer.
     """
 
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
-    KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")
+    KEYS = (
+        "accuracy",
+        "accuracy_strict",
+        "pass_at_k",
+        "pass_at_k_strict",
+        "maj_at_k",
+        "maj_at_k_strict",
+        "format",
+    )
 
     def __init__(self, k: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -107,10 +117,10 @@ class GSM8KAccuracy(Metric):
         return {
             "accuracy": self.mean / problems,
             "accuracy_strict": self.mean_strict / problems,
-            "pass@k": self.pass_k / problems,
-            "pass@k_strict": self.pass_k_strict / problems,
-            "maj@k": self.maj_k / problems,
-            "maj@k_strict": self.maj_k_strict / problems,
+            "pass_at_k": self.pass_k / problems,
+            "pass_at_k_strict": self.pass_k_strict / problems,
+            "maj_at_k": self.maj_k / problems,
+            "maj_at_k_strict": self.maj_k_strict / problems,
             "format": self.formatted / (problems * self.k),
         }
 
@@ -120,14 +130,14 @@ class RewardAccuracy(Metric):
 
     `update(rewards)` takes one reward per completion, ``k`` contiguous per problem; a completion is right
     when its reward reaches `full_marks` (1.0, as a verifier such as math-verify's gives a right answer).
-    `compute()` returns ``accuracy`` (mean over problems of the share right, mean@k) and ``pass@k`` (share
+    `compute()` returns ``accuracy`` (mean over problems of the share right, mean@k) and ``pass_at_k`` (share
     of problems with a right sample). States are sums, so the metric syncs across DDP processes.
     """
 
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
-    KEYS = ("accuracy", "pass@k")
+    KEYS = ("accuracy", "pass_at_k")
 
     def __init__(self, k: int = 1, full_marks: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -149,4 +159,4 @@ class RewardAccuracy(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         """The metrics over all problems seen (nan before any update)."""
-        return {"accuracy": self.mean / self.problems, "pass@k": self.pass_k / self.problems}
+        return {"accuracy": self.mean / self.problems, "pass_at_k": self.pass_k / self.problems}

@@ -324,6 +324,16 @@ def is_dataset(source: object) -> bool:
     return isinstance(source, datasets.Dataset | datasets.DatasetDict)
 
 
+def has_split(source: object, split: str) -> bool:
+    """Whether `source` may hold `split` beside its training rows: a `DatasetDict` holding it, a folder, a
+    hub data set; not one `Dataset` or one file, which are the training rows alone."""
+    if is_dataset(source):
+        return isinstance(source, dict) and split in source
+    if os.path.isdir(source):
+        return True
+    return not (source.endswith(DATA_FILE_TYPES) or source.startswith((".", "/", "~")))
+
+
 def _dataset_records(data: Any, split: str, name: str) -> list[tuple[str, object]]:
     """The rows of a `Dataset` (one split: "train") or of a `DatasetDict`'s `split`."""
     return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(_split_of(data, split, name))]

@@ -8,6 +8,11 @@ lists, as in TRL. The columns the reward functions and the validation check need
 `validate` sets up, before any weights load (`check_columns`).
 `GSM8KDataModule` builds the prompts from a question column instead (an optional system prompt, then the
 question as the user's turn) and checks that every answer ends in GSM8K's `#### N` line.
+
+`trainer.test` scores the source's test split (every row; `Trainer(limit_test_batches=...)` takes fewer) as
+`test/...`, and each of `val_sets` as `test/<name>/...`; a source without a test split (one file, one
+`Dataset`, the arithmetic task) is tested on its validation rows. `trainer.predict` samples answers to the
+same rows' prompts.
 """
 
 import functools
@@ -33,6 +38,7 @@ from grpo_lightning.io.rows import (
     check_row,
     check_same_columns,
     collate_rows,
+    has_split,
     is_dataset,
     read_split_records,
 )
@@ -78,7 +84,10 @@ class PromptDataModule(L.LightningDataModule):
         val_split: "holdout" (the held-out train rows) or "test" (the test split) for validation.
         val_batch_size: prompts per validation step. Default 16.
         train_size: use only this many training rows (after the hold-out), >= 1. Default all.
-        seed: seed of the hold-out split and shuffling. Default 0.
+        seed: seed of the hold-out split and shuffling. Default 0. Logged with the data module's
+            hyper-parameters as `seed`: a project that logs a `seed` of its own with another value gets two
+            values for one name, which MLflow refuses; give the data module the same one
+            (`docs/from_lightning.md`).
         num_workers: data loader worker processes. Default 0.
         val_sets: more validation sets, each scored on its own as `val/<name>/...`
             (`grpo_lightning.training.validation_sets.ValidationSet`: source, answer checker, samples per
@@ -115,6 +124,7 @@ class PromptDataModule(L.LightningDataModule):
         self.hparams.setdefault("system_prompt", None)
         self.train_rows: list[Row] = []
         self.val_rows: list[Row] = []
+        self.test_rows: list[Row] = []  # read in `setup` for `test` and `predict`
         self._resume_at: dict[str, int] | None = None  # from a checkpoint, for the next train_dataloader()
 
     def check_options(self) -> None:
@@ -202,10 +212,19 @@ class PromptDataModule(L.LightningDataModule):
             val_rows = self._read_split("test", like=(wheres[0], rows[0]))[0][: hp.val_size]
         return train_rows, val_rows
 
+    def _test_split_rows(self) -> list[Row]:
+        """The rows `test` and `predict` take: the source's test split where it has one, else the validation
+        rows."""
+        if not has_split(self.source, "test"):
+            return self.val_rows
+        return self._read_split("test", like=("the train split's first row", self.train_rows[0]))[0]
+
     def setup(self, stage: str | None = None) -> None:
         self.check_options()
         if not self.train_rows:
             self.train_rows, self.val_rows = self._split_rows()
+        if stage in ("test", "predict") and not self.test_rows:
+            self.test_rows = self._test_split_rows()
         if self.val_sets and not self.val_set_rows:
             self.val_set_rows = [read_validation_rows(validation_set) for validation_set in self.val_sets]
         if stage == "validate" and not self.val_rows and not self.val_sets:
@@ -293,24 +312,40 @@ class PromptDataModule(L.LightningDataModule):
         # the data module holds it, and the sampler resumes where the checkpoint left off.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
 
-    def validation_sets_in_order(self) -> list[ValidationSet | None]:
-        """The set behind each validation loader: None for this module's own rows (`val/...` metrics)."""
-        return ([None] if self.val_rows or not self.val_sets else []) + self.val_sets
+    def validation_sets_in_order(self, stage: str = "val") -> list[ValidationSet | None]:
+        """The set behind each validation (`stage` "val") or test ("test") loader: None for this module's own
+        rows (`val/...`, `test/...` metrics)."""
+        own = self.test_rows if stage == "test" else self.val_rows
+        return ([None] if own or not self.val_sets else []) + self.val_sets
 
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        # Each rank validates its own rows, padded to equal counts with repeats that no metric counts
+    def _evaluation_loaders(self, stage: str) -> DataLoader | list[DataLoader]:
+        # Each rank scores its own rows, padded to equal counts with repeats that no metric counts
         # (`validation_sets.rank_share`): Lightning's sampler would count the repeats.
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
         loaders = []
-        for validation_set in self.validation_sets_in_order():
+        for validation_set in self.validation_sets_in_order(stage):
             if validation_set is None:
-                rows, size = self.val_rows, self.hparams.val_batch_size
+                rows = self.test_rows if stage == "test" else self.val_rows
+                size = self.hparams.val_batch_size
             else:
                 rows = self.val_set_rows[self.val_sets.index(validation_set)]
                 size = validation_set.batch_size or self.hparams.val_batch_size
             share = rank_share(rows, rank, world)
             loaders.append(self._loader(share, size, in_order_sampler(share)))
         return loaders[0] if not self.val_sets else loaders
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._evaluation_loaders("val")
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The test split's rows (`test/...`), then each of `val_sets` (`test/<name>/...`)."""
+        return self._evaluation_loaders("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split's rows, whose prompts `trainer.predict` answers."""
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        share = rank_share(self.test_rows, rank, world)
+        return self._loader(share, self.hparams.val_batch_size, in_order_sampler(share))
 
 
 class GSM8KDataModule(PromptDataModule):
@@ -333,7 +368,10 @@ class GSM8KDataModule(PromptDataModule):
         train_size: use only this many training rows (after the hold-out), >= 1. Default all.
         arithmetic_size: rows generated for `source="arithmetic"` (train + held-out), >= 1. Default 2000.
         question_field / answer_field: column names in the source, mapped to `question` / `answer`.
-        seed: seed of the hold-out split and shuffling. Default 0.
+        seed: seed of the hold-out split and shuffling. Default 0. Logged with the data module's
+            hyper-parameters as `seed`: a project that logs a `seed` of its own with another value gets two
+            values for one name, which MLflow refuses; give the data module the same one
+            (`docs/from_lightning.md`).
         num_workers: data loader worker processes. Default 0.
         config_name: the hub data set's configuration; None for its default, which for "openai/gsm8k"
             (whose configurations are "main" and "socratic") means "main".
@@ -390,6 +428,9 @@ class GSM8KDataModule(PromptDataModule):
                 f"{hp.question_field!r}: rename the column, or read the rows with PromptDataModule"
             )
         return {"prompt": chat_prompt(checked["question"], hp.system_prompt), **checked}
+
+    def _test_split_rows(self) -> list[Row]:
+        return self.val_rows if self.source == "arithmetic" else super()._test_split_rows()
 
     def _split_rows(self) -> tuple[list[Row], list[Row]]:
         hp = self.hparams

@@ -37,8 +37,10 @@ from grpo_lightning.io.files import OutputLock, write_atomically
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
+from grpo_lightning.training.validation_sets import COUNTED
 
 __all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]
+LOOP_NAMES = {"validate": "validation", "test": "test", "predict": "prediction"}  # the results' loop, said
 
 
 @torch.no_grad()
@@ -88,7 +90,7 @@ class GSM8KAccuracyCallback(L.Callback):
     through the module's own rollout engine (`generation_backend`: the static engine's inference copy,
     refreshed first if the weights changed), so evaluation decodes as training does. Results go to every
     logger as
-    `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass@k`, `{prefix}maj@k`, ... at the current
+    `{prefix}accuracy`, `{prefix}accuracy_strict`, `{prefix}pass_at_k`, `{prefix}maj_at_k`, ... at the current
     step, and into `trainer.callback_metrics`, so `EarlyStopping` / `ModelCheckpoint` can monitor them.
 
     Args:
@@ -181,7 +183,9 @@ class GSM8KAccuracyCallback(L.Callback):
 
 class ValidationResultsWriter(L.Callback):
     """Writes every validation completion of the last validation run to a JSON-lines file, judged as the
-    validation metrics judged it.
+    validation metrics judged it; likewise every completion of a `trainer.test` run (`set` as in
+    `test/<name>/accuracy`), and every answer of a `trainer.predict` run (the row's data columns, `sample`,
+    `completion`, `extracted`; nothing judged).
 
     One line per completion: `set` (the validation set's name, as in `val/<name>/accuracy`; null for the
     data module's own rows, `val/accuracy`), the row's data columns (GSM8K's `question`; TRL-format data's
@@ -238,6 +242,28 @@ class ValidationResultsWriter(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._records = []
 
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._records = []
+
+    def on_predict_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._records = []
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.path is None:
+            return
+        # `predict_step`'s answers, one per counted prompt of the batch, in its order.
+        counted = batch.get(COUNTED, [True] * len(batch["prompt"]))
+        rows = [i for i, kept in enumerate(counted) if kept]
+        shown = [key for key in batch if key != COUNTED and not (key == "prompt" and "question" in batch)]
+        for row, answer in zip(rows, outputs, strict=True):
+            for sample, completion in enumerate(answer["completions"]):
+                record = {key: batch[key][row] for key in shown}
+                record.update(sample=sample, completion=completion, extracted=extract_answer(completion))
+                self._records.append(record)
+
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if self.path is None:
             return
@@ -273,6 +299,12 @@ class ValidationResultsWriter(L.Callback):
             return {"answer": reference, "correct": None}
         return {"answer": answer, "correct": extracted == answer}
 
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_validation_epoch_end(trainer, pl_module)
+
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_validation_epoch_end(trainer, pl_module)
+
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.path is None or trainer.sanity_checking:
             return
@@ -285,7 +317,8 @@ class ValidationResultsWriter(L.Callback):
         else:
             write_results(path, self._records)
         correct = sum(bool(r.get("correct")) for r in self._records)
-        rank_zero_info(f"{len(self._records)} validation completions ({correct} correct) written to {path}")
+        what = LOOP_NAMES.get(trainer.state.stage.value, "validation")
+        rank_zero_info(f"{len(self._records)} {what} completions ({correct} correct) written to {path}")
 
 
 def write_results(path: str, records: list[dict]) -> None:

@@ -7,15 +7,21 @@ builds the trajectory and hands over each micro-batch's loss, which this module 
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable
+from types import FrameType
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import collect_init_args
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
@@ -41,6 +47,7 @@ from grpo_lightning.io.checkpoints import (
     portable_hparams,
     register_safe_globals,
     resolve_rewards,
+    unimportable_rewards,
 )
 from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
 from grpo_lightning.io.models import (
@@ -59,9 +66,12 @@ from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks
 from grpo_lightning.training.trainer_options import (
+    bound_epochs_by_steps,
     check_after_validation,
+    check_one_optimizer,
     map_trainer_options,
     optimizer_steps_in_run,
+    refuse_unsupported_tools,
 )
 from grpo_lightning.training.training_state import (
     check_resumed_data,
@@ -73,6 +83,7 @@ from grpo_lightning.training.training_state import (
     warn_changed_options,
 )
 from grpo_lightning.training.validation import ValidationScoring
+from grpo_lightning.training.validation_sets import COUNTED
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
@@ -101,7 +112,7 @@ class GRPOModule(L.LightningModule):
         num_generations_eval: samples per problem in validation; 1 means greedy decoding. Default 1.
         val_reward: the reward function that judges validation completions, called as the training
             rewards are: `val/accuracy` is the share of completions it gives full marks (>= 1.0; None counts
-            as wrong), `val/pass@k` the share of problems with one. Use it for answers other than
+            as wrong), `val/pass_at_k` the share of problems with one. Use it for answers other than
             numbers, e.g. `trl.rewards.accuracy_reward` (math-verify) for LaTeX `\\boxed{}` answers. Default
             None: the data module's answer column holds a number (or GSM8K's `#### N`), checked by
             `GSM8KAccuracy` (strict and lenient extraction, pass@k, maj@k, format).
@@ -122,8 +133,15 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
-        portable_hparams(self.hparams, policy, tokenizer)  # what load_from_checkpoint(ckpt) needs
-        reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # import paths: a checkpoint's
+        own = _own_arguments(inspect.currentframe())
+        # Fixed by a subclass, its __init__ takes them no more; the LightningCLI's hyper-parameters
+        # (`_instantiator`) are its config's, for its own instantiation: kept whole.
+        for key in set(self.hparams) - own if "_instantiator" not in self.hparams else ():
+            del self.hparams[key]
+        sources = {k: v for k, v in {"policy": policy, "tokenizer": tokenizer}.items() if k in own}
+        portable_hparams(self.hparams, sources)  # what load_from_checkpoint(ckpt) needs, plain
+        self._hparams_initial = copy.deepcopy(self._hparams)  # what the loggers get: the same plain values
+        reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
@@ -146,6 +164,7 @@ class GRPOModule(L.LightningModule):
         self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, rounds)  # dynamic sampling
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
+        self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
         sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
         self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
 
@@ -161,6 +180,17 @@ class GRPOModule(L.LightningModule):
             datamodule.check_columns(rewards, self.validation.reward, validates=validates)
         if stage == "fit":
             warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, self.grpo.optimizer_steps_per_batch)
+            # Lightning warns on every step-cadence checkpoint of a manually optimised module that it holds
+            # the weights after the step's updates, not before. Here that is the point to resume from: the
+            # weights, optimizer and schedulers, RNG and data position all of one moment, between two
+            # training steps (tests/test_resume.py resumes exactly from it). Nothing to act on.
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            for reward in unimportable_rewards(self.hparams):
+                rank_zero_warn(
+                    f"{reward} has no import path: this run's checkpoints cannot rebuild it, and "
+                    "load_from_checkpoint(ckpt) needs it passed again; define it at a module's top level (or "
+                    "as a functools.partial of such a function) for checkpoints that load alone"
+                )
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -186,7 +216,11 @@ class GRPOModule(L.LightningModule):
             self.reference.eval()  # frozen: never dropout, whatever Lightning asks of the module
         return self
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """AdamW at `grpo.learning_rate` with the schedule of `grpo.lr_scheduler_type`. A subclass may return
+        any form Lightning accepts (an optimizer alone, a list, a dict with `lr_scheduler` and its `interval`
+        and `frequency`), with one optimizer: the module steps each scheduler as Lightning would under
+        automatic optimisation (`_step_schedulers`)."""
         cfg, trainer = self.grpo, self.trainer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
@@ -198,7 +232,9 @@ class GRPOModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Called before Lightning refuses the Trainer's clipping and accumulation under manual optimisation:
-        # they become the module's own here, from Python as from the CLI.
+        # they become the module's own here, from Python as from the CLI; the tools that do not apply are
+        # refused before any of them runs.
+        refuse_unsupported_tools(self.trainer, self)
         if self.trainer.state.fn == TrainerFn.FITTING:
             for line in map_trainer_options(self.trainer, self) + check_after_validation(self.trainer):
                 rank_zero_info(line)
@@ -239,6 +275,7 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
+        check_one_optimizer(self.trainer)
         self.rollouts.weights_changed()  # whatever changed the policy since, the first rollout samples it
         self.on_validation_start()
         ranks = ranks_of(self.trainer.strategy)
@@ -255,6 +292,9 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
+        self._epochs_from_steps = self.trainer.max_epochs == -1 and self.trainer.max_steps > 0
+        if self._epochs_from_steps:
+            bound_epochs_by_steps(self.trainer, self.grpo)
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
         if self._rng_to_restore is not None:
             restore_rng_states(self._rng_to_restore)
@@ -308,17 +348,41 @@ class GRPOModule(L.LightningModule):
 
     def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
         """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer = self.optimizers()
         max_steps = self.trainer.max_steps  # -1: no limit
         for mini_batch, denominators in self.update.mini_batches(trajectory):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                scheduler.step()
+                self._step_schedulers("step")
                 self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
             if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
                 break
         return stats, grad_norm
+
+    def _step_schedulers(self, interval: str) -> None:
+        """Step the schedulers of `configure_optimizers` whose `interval` is `interval` ("step": after an
+        optimizer step that changed the weights; "epoch": at a training epoch's end), each when the steps or
+        epochs done are a multiple of its `frequency`, `ReduceLROnPlateau` with its `monitor`'s latest value:
+        as Lightning steps them under automatic optimisation, which it leaves to a module that optimises
+        manually."""
+        trainer = self.trainer
+        done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != interval or done % config.frequency:
+                continue
+            if not config.reduce_on_plateau:
+                config.scheduler.step()
+                continue
+            value = trainer.callback_metrics.get(config.monitor)
+            if value is not None:
+                config.scheduler.step(float(value))
+            elif config.strict:
+                raise ValueError(
+                    f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is "
+                    f"not logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): "
+                    "monitor a metric logged before it steps, or set its 'strict': False to skip those steps"
+                )
 
     def _trainer_state(self, batch_idx: int) -> TrainerState:
         """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
@@ -342,6 +406,11 @@ class GRPOModule(L.LightningModule):
         step = (optimizer, sums.loss, params, self.grpo.max_grad_norm, scaler is not None, self.global_step)
         return sums.values, self.step_guard.clip_and_step(*step)
 
+    def on_train_epoch_end(self) -> None:
+        self._step_schedulers("epoch")
+        if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
+            bound_epochs_by_steps(self.trainer, self.grpo)
+
     def on_validation_epoch_start(self) -> None:
         self.validation.start(self.trainer.datamodule, self.device)
 
@@ -349,5 +418,52 @@ class GRPOModule(L.LightningModule):
         return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
 
     def on_validation_epoch_end(self) -> None:
+        self._log_scores("val/accuracy")
+
+    def _log_scores(self, shown: str) -> None:
+        """Log every set's scores of the loop that ends (`shown` on the progress bar)."""
         for key, value in self.validation.end().items():
-            self.log(key, value, prog_bar=key == "val/accuracy", add_dataloader_idx=False)
+            # torchmetrics computed each over every rank already, the same value on each: synced as the max
+            # of equal values (exact), which tells Lightning so (no warning per key under DDP).
+            self.log(
+                key, value, prog_bar=key == shown, add_dataloader_idx=False, sync_dist=True, reduce_fx="max"
+            )
+
+    def on_test_start(self) -> None:
+        self.on_validation_start()
+
+    def on_test_epoch_start(self) -> None:
+        self.validation.start(self.trainer.datamodule, self.device, "test")
+
+    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
+        """The validation's scores on the data module's test rows and sets, logged as `test/...`."""
+        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
+
+    def on_test_epoch_end(self) -> None:
+        self._log_scores("test/accuracy")
+
+    def on_predict_start(self) -> None:
+        self.on_validation_start()
+
+    def predict_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        """Answers to `batch`'s prompts (a batch of the data module's, or any dict with a `prompt` list): one
+        `{"prompt", "completions"}` per prompt, its `num_generations_eval` completions (greedy when 1)
+        sampled through the module's rollout engine, as validation samples them. A rank's padding repeats
+        (`validation_sets.rank_share`) are left out."""
+        prompts, k = batch["prompt"], self.validation.num_generations
+        counted = batch.get(COUNTED, [True] * len(prompts))
+        _, completions = self.rollouts.sample(prompts, k, do_sample=k > 1)
+        groups = [completions[i * k : (i + 1) * k] for i in range(len(prompts))]
+        return [
+            {"prompt": prompt, "completions": group}
+            for prompt, group, kept in zip(prompts, groups, counted, strict=True)
+            if kept
+        ]
+
+
+def _own_arguments(frame: FrameType) -> set[str]:
+    """The arguments that the module's own class takes back, from `GRPOModule.__init__`'s `frame`: those of
+    its most specific `__init__` (and those its `**kwargs` passed on). Lightning collects every `__init__`'s
+    arguments up the class chain, so a subclass that fixes one of ours (`super().__init__(policy,
+    reward_funcs=[mine], **kwargs)`) would get it twice when `load_from_checkpoint` calls it with them all."""
+    return set(collect_init_args(frame, [], classes=(GRPOModule,))[-1])

@@ -15,6 +15,18 @@ the module's hook that Lightning calls before it checks these options):
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
 options (`optimizer_steps_in_run`).
 
+`configure_optimizers` may return one optimizer in any form Lightning accepts (`check_one_optimizer`).
+
+Lightning's tools that do not apply to a module that samples its own batches and optimises manually are
+refused when the Trainer attaches it, in one line naming what to use instead (`refuse_unsupported_tools`):
+`torch.compile(module)`, `BatchSizeFinder` / `Tuner.scale_batch_size`, `LearningRateFinder` /
+`Tuner.lr_find`, `GradientAccumulationScheduler` and `Trainer(strategy="fsdp")`.
+
+A run bounded by `max_steps` alone has Lightning's `max_epochs=-1`, which its progress bar shows as
+`Epoch 0/-2`: such a run gets the epochs its steps take as `max_epochs` (`bound_epochs_by_steps`), raised at
+an epoch's end when the steps are not made yet (dynamic sampling's batches without an update, skipped
+steps), so `max_steps` alone still ends the run.
+
 And one default that a GRPO run needs: an `EarlyStopping` on a validation metric (`val/...`) whose
 `check_on_train_epoch_end` is left unset checks after each validation (`check_on_train_epoch_end=False`).
 Lightning would otherwise check it at the training epoch's end whenever `val_check_interval` is 1.0, and a
@@ -23,8 +35,16 @@ run that `max_steps` ends mid-epoch, before its first validation, would stop wit
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import (
+    BatchSizeFinder,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+)
+from lightning.pytorch.strategies import FSDPStrategy
 
 from grpo_lightning.core.algorithm.schedules import optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
@@ -32,6 +52,45 @@ from grpo_lightning.core.options import plain_options
 
 DEFAULT_MAX_GRAD_NORM = GRPOConfig.max_grad_norm
 VALIDATION_PREFIX = "val/"  # the metrics that only validation logs
+
+# Lightning's callbacks and strategies that GRPOModule refuses, with what to use instead.
+REFUSED_TOOLS = {
+    BatchSizeFinder: (
+        "BatchSizeFinder (Tuner.scale_batch_size) cannot size a GRPO step, whose memory follows "
+        "data.batch_size x grpo.num_generations sampled sequences: keep data.batch_size and bound each "
+        "forward/backward with model.grpo.micro_batch_size or model.grpo.max_tokens_per_micro_batch (the "
+        "pre-flight prints the memory estimate)"
+    ),
+    LearningRateFinder: (
+        "LearningRateFinder (Tuner.lr_find) reads a loss that falls with a good learning rate, and GRPO's is "
+        "a policy-gradient surrogate on fresh samples each step: set model.grpo.learning_rate (the shipped "
+        "GPU configs: 1e-6, 1e-5 with LoRA) and compare short runs' val/accuracy"
+    ),
+    GradientAccumulationScheduler: (
+        "GradientAccumulationScheduler: GRPOModule optimises manually and accumulates no schedule; a fixed "
+        "Trainer(accumulate_grad_batches=N) maps onto data.batch_size and model.grpo.micro_batch_size"
+    ),
+    FSDPStrategy: (
+        "trainer.strategy FSDPStrategy (FSDP1) is not supported: GRPOModule shards with FSDP2, set "
+        "trainer.strategy to ModelParallelStrategy (docs/scaling.md)"
+    ),
+}
+COMPILED_MODULE = (
+    "torch.compile(module) would trace the rollout's generation and the reward functions: compile the "
+    "policy's forward alone (module.policy, once configure_model has loaded it), or let the rollout engine "
+    "compile its decoding step (model.grpo.generation_backend: static, on CUDA)"
+)
+
+
+def refuse_unsupported_tools(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """Raise ValueError, in one line naming what to use instead, for a Lightning tool that does not apply
+    to `module` (`REFUSED_TOOLS`, a compiled module)."""
+    if module._compiler_ctx is not None:  # Lightning's record of a `torch.compile`d module
+        raise ValueError(COMPILED_MODULE)
+    for tool in [*trainer.callbacks, trainer.strategy]:
+        refused = next((line for cls, line in REFUSED_TOOLS.items() if isinstance(tool, cls)), None)
+        if refused is not None:
+            raise ValueError(refused)
 
 
 def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[str]:
@@ -76,7 +135,7 @@ def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[s
         grpo.max_grad_norm = float(clip)
         trainer.gradient_clip_val = None
         done.append(f"trainer.gradient_clip_val={clip} -> model.grpo.max_grad_norm={float(clip)}")
-    if done:
+    if done and "grpo" in module.hparams:  # not where a subclass fixes grpo: its __init__ builds it again
         module.hparams["grpo"] = plain_options(grpo)
     return done
 
@@ -113,3 +172,26 @@ def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
     return optimizer_steps_in_fit(
         trainer.max_steps, trainer.max_epochs, batches, cfg.optimizer_steps_per_batch
     )
+
+
+def check_one_optimizer(trainer: L.Trainer) -> None:
+    """GRPO steps one optimizer over the policy: `configure_optimizers` returning several is refused."""
+    if len(trainer.optimizers) != 1:
+        names = [type(optimizer).__name__ for optimizer in trainer.optimizers]
+        raise ValueError(
+            f"configure_optimizers returned {len(names)} optimizers ({', '.join(names) or 'none'}): "
+            "GRPOModule steps one, over the policy's trainable weights (parameter groups give parts of "
+            "them their own options)"
+        )
+
+
+def bound_epochs_by_steps(trainer: L.Trainer, cfg: GRPOConfig) -> None:
+    """Set `max_epochs` to the epochs that the optimizer steps left to `max_steps` take after the epochs done,
+    where those are more (a run that `max_steps` alone bounds; see the module's docstring)."""
+    loop, batches = trainer.fit_loop, trainer.num_training_batches
+    remaining = trainer.max_steps - trainer.global_step
+    if remaining <= 0 or not 0 < batches < math.inf:
+        return
+    done = loop.epoch_progress.current.processed
+    needed = done + math.ceil(remaining / (batches * cfg.optimizer_steps_per_batch))
+    loop.max_epochs = max(loop.max_epochs, needed)

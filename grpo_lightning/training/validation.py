@@ -1,9 +1,9 @@
 """Validation scoring: one `SetScores` per validation loader, filled step by step, computed at the end, on
 the random stream of its own.
 
-`GRPOModule`'s validation hooks call `ValidationScoring.start`, `.step` and `.end`, one line each. The
-data module's own rows are scored as `val/...` (by `val_reward`, or the numeric answer column with
-`GSM8KAccuracy`), each of its `val_sets` as `val/<name>/...`.
+`GRPOModule`'s validation and test hooks call `ValidationScoring.start`, `.step` and `.end`, one line each.
+The data module's own rows are scored as `val/...` (by `val_reward`, or the numeric answer column with
+`GSM8KAccuracy`), each of its `val_sets` as `val/<name>/...`; its test rows and sets likewise as `test/...`.
 """
 
 from __future__ import annotations
@@ -41,21 +41,24 @@ class ValidationScoring:
         self.answer_column = "answer"
         self.training_rng: dict | None = None  # the training stream's generators while validation runs
 
-    def start(self, datamodule: object, device: torch.device) -> None:
+    def start(self, datamodule: object, device: torch.device, stage: str = "val") -> None:
+        """Before a validation (`stage` "val") or test ("test") loop: its sets' scores, the training stream's
+        generators put aside."""
         # Validation sampling must not move the training stream: how often it runs (or whether a resumed
         # run repeats it) then never changes which completions training samples.
         self.training_rng = capture_rng_states()
         self.answer_column = getattr(datamodule, "answer_column", "answer")
-        self.scores = [scores.to(device) for scores in self._set_scores(datamodule)]
+        self.scores = [scores.to(device) for scores in self._set_scores(datamodule, stage)]
 
-    def _set_scores(self, datamodule: object) -> list[SetScores]:
-        """One `SetScores` per validation loader: the data module's own rows (`val/...`), then its
-        `val_sets` (`val/<name>/...`)."""
-        sets = datamodule.validation_sets_in_order() if isinstance(datamodule, PromptDataModule) else [None]
+    def _set_scores(self, datamodule: object, stage: str = "val") -> list[SetScores]:
+        """One `SetScores` per loader of `stage`: the data module's own rows (`<stage>/...`), then its
+        `val_sets` (`<stage>/<name>/...`)."""
+        own = isinstance(datamodule, PromptDataModule)
+        sets = datamodule.validation_sets_in_order(stage) if own else [None]
         return [
-            SetScores("val/", self.num_generations, self.reward, accuracy=self.accuracy)
+            SetScores(f"{stage}/", self.num_generations, self.reward, accuracy=self.accuracy)
             if s is None
-            else SetScores(f"val/{s.name}/", s.num_generations, s.reward, s.answer_field)
+            else SetScores(f"{stage}/{s.name}/", s.num_generations, s.reward, s.answer_field)
             for s in sets
         ]
 

@@ -3,7 +3,7 @@ among ranks without repeats.
 
 `ValidationSet` names a data source (e.g. GSM8K's test split, a MATH-500-style file) that the data module
 serves as one more validation loader; `GRPOModule` scores its completions with the set's own reward (or
-its numeric answer column) and logs `val/<name>/accuracy`, `val/<name>/pass@k`, ... per set, as verl
+its numeric answer column) and logs `val/<name>/accuracy`, `val/<name>/pass_at_k`, ... per set, as verl
 reports per `data_source`. The data module's own validation rows keep the plain `val/accuracy` names.
 
 Under DDP, Lightning's `DistributedSampler` pads the ranks' shares to equal length by repeating rows, which
@@ -183,7 +183,8 @@ class SetScores:
     """One validation set's metrics: its accuracy metric, sample count, checker and completion lengths.
 
     Args:
-        prefix: "val/" for the data module's own set, "val/<name>/" for a `ValidationSet`.
+        prefix: "val/" for the data module's own set, "val/<name>/" for a `ValidationSet` ("test/...",
+            "test/<name>/" in `trainer.test`).
         num_generations: samples per problem.
         reward: the judging function, or None for the numeric answer check.
         answer_column: the numeric check's column (None: the data module's, found by the module).
@@ -214,7 +215,7 @@ class SetScores:
     @property
     def name(self) -> str | None:
         """The set's name, as its metrics carry it (`val/<name>/...`); None for the data module's own rows."""
-        return self.prefix.removeprefix("val/").removesuffix("/") or None
+        return self.prefix.split("/", 1)[1].removesuffix("/") or None
 
     def update_answers(
         self, counted: Sequence[bool], lengths: Tensor, completions: Sequence[str], answers: Sequence

@@ -251,7 +251,23 @@ def checked_reward_functions(
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
     check_reward_weights(weights, funcs)
+    check_reward_names(funcs)
     return funcs, weights
+
+
+def check_reward_names(reward_funcs: Sequence[Callable]) -> None:
+    """Each reward function's name (`reward_name`) is its own: its metrics (`train/rewards/<name>`), its
+    column in the completions panel and dynamic sampling's metric go by it. `ValueError` naming both."""
+    first_of: dict[str, int] = {}
+    for i, fn in enumerate(reward_funcs):
+        name = reward_name(fn)
+        if name in first_of:
+            raise ValueError(
+                f"model.reward_funcs[{i}] is named {name!r}, as reward_funcs[{first_of[name]}] is: each "
+                "reward's metrics go by its name (train/rewards/<name>); give one a name of its own (a "
+                "function of another name, or a __name__ set on the object)"
+            )
+        first_of[name] = i
 
 
 def _raised(fn: Callable, err: Exception, inputs: RewardInputs) -> RuntimeError:

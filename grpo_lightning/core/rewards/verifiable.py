@@ -18,6 +18,7 @@ Extraction is deliberately conservative, because a reward that can be gamed will
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -310,8 +311,11 @@ class LengthPenalty:
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
-    """`fn.__name__` if it has one, else its class name in snake_case (`MyReward` -> `my_reward`)."""
+    """`fn.__name__` if it has one; a `functools.partial` (Hydra's `_partial_: true`) without one of its own,
+    its function's name; else its class name in snake_case (`MyReward` -> `my_reward`)."""
     name = getattr(fn, "__name__", None)
     if isinstance(name, str):
         return name
+    if isinstance(fn, functools.partial):
+        return reward_name(fn.func)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", type(fn).__name__).lower()
