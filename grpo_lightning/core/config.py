@@ -261,8 +261,9 @@ class GRPOConfig:
     model (flash attention, sliding-window layers) keeps the padded passes, with a warning
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
-    generation_backend: Literal["auto", "eager", "static"] = "auto"
-    """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
+    generation_backend: Literal["auto", "eager", "static", "vllm"] = "auto"
+    """How rollouts are decoded (`grpo_lightning.core.generation.backends`, one entry per engine).
+    "eager": `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
     weights in the compute dtype, LoRA adapters unmerged, embeddings and norms as the policy holds them,
@@ -277,7 +278,10 @@ class GRPOConfig:
     degrades). Both paths stop decoding finished rows: once at most half of a batch of more than 8 rows is
     live, the live rows go on alone, with the same sampling (`sampling.generate_completions`,
     tests/test_row_compaction.py); a compiled step keeps its rows in their bucket (one graph per bucket).
-    "auto": "static" on CUDA, compiled; "eager" elsewhere, never compiled. Measured on a 2-core CPU with
+    "vllm": a colocated vLLM engine on every rank, pushed the policy's weights before each rollout after
+    they changed (`grpo_lightning.core.generation.vllm_engine`; options `vllm_*` below).
+    "auto": "vllm" on CUDA where vLLM imports, else "static" on CUDA, compiled; "eager" elsewhere, never
+    compiled. Measured on a 2-core CPU with
     SmolLM2-135M-Instruct in float32, 2 threads (BENCHMARKS.md, "Decoding"; `python benchmarks/decoding.py
     --model models/smollm2-135m-instruct --threads 2 --calls 2 --generations 1,4,8`, 2026-12-01, quiet):
     compiling took 27-32 s per batch shape and then decoded no faster (70-106 ms per step against eager's
@@ -287,6 +291,32 @@ class GRPOConfig:
     demo's config does). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
     back to "eager" with one warning.
+    """
+    # ------------------------------------------------------------------------------------------------ vllm
+    vllm_max_model_len: PositiveInt | None = None
+    """`generation_backend: vllm`: the longest prompt + completion one request may hold (vLLM's
+    `max_model_len`); None: max_prompt_length + max_completion_length, or the model's
+    `max_position_embeddings` without a max_prompt_length. TRL: `vllm_max_model_length`.
+    """
+    vllm_kv_cache_gb: PositiveFloat | None = None
+    """`generation_backend: vllm`: the KV pool in GB per rank (vLLM's `kv_cache_memory_bytes`). None: on CUDA
+    vLLM sizes it from `vllm_gpu_memory_utilization`; on CPU 1 GB (vLLM's own CPU default,
+    `VLLM_CPU_KVCACHE_SPACE`, is several GB). The pre-flight's memory estimate counts it.
+    """
+    vllm_gpu_memory_utilization: Annotated[float, Range("> 0, <= 1")] = 0.3
+    """`generation_backend: vllm` on CUDA: the share of each GPU's memory vLLM takes for its weights and KV
+    pool when `vllm_kv_cache_gb` is None, beside the trainer's; 0.3 as TRL's colocate default. TRL:
+    `vllm_gpu_memory_utilization`.
+    """
+    vllm_enable_sleep_mode: bool = False
+    """`generation_backend: vllm` on CUDA: between rollouts vLLM frees its KV pool and offloads its weights
+    to CPU memory (`LLM.sleep(level=1)`), and wakes before the next push, so the update has the GPU to
+    itself; costs the offload and reload each step. Ignored on CPU (sleep mode is CUDA-only). TRL:
+    `vllm_enable_sleep_mode`.
+    """
+    vllm_enforce_eager: bool = False
+    """`generation_backend: vllm`: no `torch.compile` of vLLM's model and no CUDA graphs: a faster start,
+    slower decoding (vLLM's `enforce_eager`). TRL: none.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state
