@@ -95,7 +95,12 @@ REFUSED = {
         "ref_model_mixup_alpha": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,
         "cpu_offload": NOT_A_FLAG,
-        "generation_backend": st.sampled_from(["vllm", "Static", "compiled", "", None, True]),
+        "generation_backend": st.sampled_from(["VLLM", "Static", "compiled", "", None, True]),
+        "vllm_max_model_len": ints_below(1) | st.just(1.5) | st.just("512"),
+        "vllm_kv_cache_gb": below(0, inclusive=True) | NOT_A_NUMBER.filter(lambda v: v is not None),
+        "vllm_gpu_memory_utilization": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
+        "vllm_enable_sleep_mode": NOT_A_FLAG,
+        "vllm_enforce_eager": NOT_A_FLAG,
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),
