@@ -143,7 +143,7 @@ def rollout_of(
     """The `Rollout` of vLLM's `RequestOutput`s, one per prompt of `prompt_ids` `[N, P]`: N*G rows,
     completions right-padded with the pad id, each drawn token's processed log-prob (0 after the end; None
     greedy)."""
-    rows = [list(c) for out in outputs for c in out.outputs]
+    rows = [c for out in outputs for c in out.outputs]
     if not do_sample:  # one greedy completion per prompt, repeated to the group
         rows = [row for row in rows for _ in range(G)]
     device = prompt_ids.device
