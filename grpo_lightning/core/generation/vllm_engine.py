@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
@@ -333,6 +334,10 @@ class VLLMEngine(RolloutEngine):
         """Write the policy's current weights into vLLM: everything under full fine-tuning; under LoRA the
         base at the first push and the adapter every time."""
         weights = self.weights(model)  # a collective under FSDP2: iterated to the end
+        if isinstance(model, FSDPModule):
+            # A unit's gathered tensors are freed once the source moves to the next unit, while vLLM may
+            # still hold some until their layer is complete: it gets copies, one unit's at a time.
+            weights = ((name, tensor.detach().clone()) for name, tensor in weights)
         if self.adapter_name is None:
             self._reload(weights)
             return
