@@ -13,7 +13,6 @@ from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.preflight import rollout_memory
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
-from tests.vllm.helpers import scored
 
 VLLM = dict(generation_backend="vllm", vllm_kv_cache_gb=0.05, vllm_enforce_eager=True)
 
@@ -31,8 +30,10 @@ class CheckedModule(GRPOModule):
         def checked_sample(prompts, num_generations, do_sample=True):
             rollout, completions = sample(prompts, num_generations, do_sample)
             if do_sample:
-                gap = rollout.sampler_logprobs - scored(self.policy, rollout, self.grpo.temperature)
-                assert gap[rollout.completion_mask.bool()].abs().max() < 1e-5
+                with torch.no_grad():  # the loss's scorer: inside the root's forward under FSDP2
+                    logprobs, _ = self.rollouts.scorer(self.policy, rollout, slice(None))
+                gap = (rollout.sampler_logprobs - logprobs)[rollout.completion_mask.bool()]
+                assert gap.abs().max() < 1e-5
             self.rollouts_sampled += 1
             return rollout, completions
 
