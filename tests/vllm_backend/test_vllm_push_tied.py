@@ -1,5 +1,5 @@
-"""The push is exact after 3 AdamW steps of full fine-tuning, in float32, with an untied LM head (one engine
-for the module); `test_vllm_push_tied.py` repeats it with a tied head, which vLLM's CPU build must repack."""
+"""The push is exact after 3 AdamW steps of full fine-tuning with the LM head tied to the embedding (one
+engine for the module): vLLM's CPU build packs the head's weight at load, and the push repacks it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.vllm.helpers import adamw_steps, engine_for, sampled_gap
+from tests.vllm_backend.helpers import adamw_steps, engine_for, sampled_gap
 
 
 @pytest.fixture(scope="module")
-def model(vllm_model_dir):
-    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+def model(vllm_tied_dir):
+    return AutoModelForCausalLM.from_pretrained(vllm_tied_dir, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def engine(model):
 
 
 def test_three_adamw_steps_pushed_exactly(engine, model):
-    assert not model.config.tie_word_embeddings
+    assert model.config.tie_word_embeddings
     assert sampled_gap(engine, model) < 1e-5, "the first push: vLLM started from random weights"
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     adamw_steps(model)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.generation.engines import SamplingSettings
 from tests.test_static_rollout import eager_greedy
-from tests.vllm.helpers import MASK, PROMPTS, engine_for, sampled_gap, scored
+from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for, sampled_gap, scored
 
 DRAWS = 4000
 CHI2_Z = 3.09  # the normal quantile of p = 0.999: the test fails by chance once in a thousand runs

@@ -12,17 +12,15 @@ from grpo_lightning.core.generation.vllm_engine import vllm_unavailable
 from grpo_lightning.offline.tiny import save_tiny
 from tests.helpers import gsm8k_rows
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+PROBLEM = vllm_unavailable()
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    ours = [item for item in items if str(item.path).startswith(HERE)]
-    if not ours or (problem := vllm_unavailable()) is None:
+def pytest_runtest_setup(item) -> None:
+    if PROBLEM is None:
         return
     if os.environ.get("GRPO_VLLM_TESTS") == "1":
-        raise pytest.UsageError(f"GRPO_VLLM_TESTS=1 but {problem}")
-    for item in ours:
-        item.add_marker(pytest.mark.skip(reason=f"{problem}: `make test-vllm` runs these"))
+        pytest.fail(f"GRPO_VLLM_TESTS=1 but {PROBLEM}", pytrace=False)
+    pytest.skip(f"{PROBLEM}: `make test-vllm` runs these")
 
 
 def _texts() -> list[str]:

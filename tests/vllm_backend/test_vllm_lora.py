@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.io.models import LoraOptions, apply_lora
-from tests.vllm.helpers import MASK, PROMPTS, adamw_steps, engine_for, sampled_gap, scored
+from tests.vllm_backend.helpers import MASK, PROMPTS, adamw_steps, engine_for, sampled_gap, scored
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.distributed import close_process_group
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
 from tests.test_distributed import launch, strategy_for
-from tests.vllm.test_vllm_module import CheckedModule
+from tests.vllm_backend.test_vllm_module import CheckedModule
 
 
 def train_on_rank(cfg: dict) -> None:
