@@ -33,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings  # noqa: E402
 from grpo_lightning.core.generation.inference_copy import CopyPrecision, copy_precision, own_weights  # noqa: E402
-from grpo_lightning.core.generation.sampling import completion_logprobs  # noqa: E402
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.static_engine import StaticEngine  # noqa: E402
 from grpo_lightning.io.models import LoraOptions, apply_lora  # noqa: E402
 

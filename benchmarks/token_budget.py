@@ -54,15 +54,6 @@ import torch  # noqa: E402
 from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
     token_budget_micro_batches,
 )
-from grpo_lightning.core.algorithm.update import (  # noqa: E402
-    MicroBatchSums,
-    OneProcess,
-    build_trajectory,
-    logprobs_in_micro_batches,
-    micro_batch_losses,
-    micro_batches,
-    mini_batch_denominators,
-)
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.core.generation.engines import LogProbScorer  # noqa: E402
 from grpo_lightning.core.generation.packing import (  # noqa: E402
@@ -70,7 +61,16 @@ from grpo_lightning.core.generation.packing import (  # noqa: E402
     pack_rows,
     scores_per_position,
 )
+from grpo_lightning.core.ranks import OneProcess  # noqa: E402
 from grpo_lightning.core.types import Rollout, ScoredGroups  # noqa: E402
+from grpo_lightning.core.update import (  # noqa: E402
+    MicroBatchSums,
+    build_trajectory,
+    logprobs_in_micro_batches,
+    micro_batch_losses,
+    micro_batches,
+    mini_batch_denominators,
+)
 from grpo_lightning.offline.tiny import build_model  # noqa: E402
 
 

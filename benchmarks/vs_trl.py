@@ -324,7 +324,7 @@ def run_ours(
 def run_floor(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
     from transformers import AutoModelForCausalLM
 
-    from grpo_lightning.core.generation.sampling import completion_logprobs
+    from grpo_lightning.core.generation.logprobs import completion_logprobs
     from grpo_lightning.io.models import load_tokenizer
 
     torch.manual_seed(0)

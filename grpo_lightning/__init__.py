@@ -35,7 +35,7 @@ _PUBLIC = {
     "kl_penalty": "grpo_lightning.core.algorithm.loss",
     "kl_in_reward": "grpo_lightning.core.algorithm.loss",
     "Trajectory": "grpo_lightning.core.types",
-    "build_trajectory": "grpo_lightning.core.algorithm.update",
+    "build_trajectory": "grpo_lightning.core.update",
     # rollouts
     "Rollout": "grpo_lightning.core.types",
     "RolloutEngine": "grpo_lightning.core.generation.engines",
@@ -47,12 +47,12 @@ _PUBLIC = {
     "GSM8KAccuracyCallback": "grpo_lightning.training.evaluation",
     "ValidationResultsWriter": "grpo_lightning.training.evaluation",
     "generate_answers": "grpo_lightning.training.evaluation",
-    "CollapseMonitor": "grpo_lightning.training.monitoring",
-    "CompletionsPanel": "grpo_lightning.training.monitoring",
+    "CollapseMonitor": "grpo_lightning.training.monitors",
+    "CompletionsPanel": "grpo_lightning.training.monitors",
     "Preflight": "grpo_lightning.training.preflight",
     "RewardAuditCallback": "grpo_lightning.training.audit_callback",
     "InterruptCheckpoint": "grpo_lightning.training.resume",
-    "ExportBestCallback": "grpo_lightning.io.export",
+    "ExportBestCallback": "grpo_lightning.training.export_best",
     "export_policy": "grpo_lightning.io.export",
 }
 __all__ = ["__version__", *_PUBLIC]

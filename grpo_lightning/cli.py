@@ -40,9 +40,9 @@ from grpo_lightning.config_checks import check_config_files, plain_value_error, 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
-from grpo_lightning.io.checkpoints import comparable_hparams
+from grpo_lightning.io.checkpoints import check_checkpoint_folder, comparable_hparams, read_checkpoint
 from grpo_lightning.io.distributed import close_process_group
-from grpo_lightning.io.export import check_checkpoint_folder, export_policy, read_checkpoint
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
@@ -213,6 +213,8 @@ class GRPOCLI(LightningCLI):
         # Listed in --help; `main` runs it before LightningCLI, as it is not a Trainer method.
         prepare = LightningArgumentParser(description=PREPARE_SMOLLM2_HELP)
         prepare.add_argument("folder", nargs="?", default=DEFAULT_SMOLLM2_DIR, help="where to write it")
+        # jsonargparse adds subcommands through its private action alone (no public call after parsing is
+        # set up); LightningCLI's own subcommands are added the same way.
         parser._subcommands_action.add_subcommand(PREPARE_SMOLLM2, prepare, help=PREPARE_SMOLLM2_HELP)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -222,6 +224,7 @@ class GRPOCLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": "grpo_lightning.training.data.GSM8KDataModule"}})
 
     def _parse_ckpt_path(self) -> None:
+        # LightningCLI's private hook: no public one reads --ckpt_path before the classes are built.
         # Replaces LightningCLI's own, which lets the checkpoint's hyper-parameters replace whatever the
         # command line and config set (silently) and shows torch.load's traceback for a broken file. Here:
         # the file is read once, memory-mapped, with errors naming it; an option left at its default takes

@@ -27,7 +27,7 @@ from gpu_check_shared import ROLLOUT_SHAPES, Check, quiet_trainer
 from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation import sampling
+from grpo_lightning.core.generation import logprobs, sampling
 from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.static_engine import StaticEngine
@@ -92,7 +92,7 @@ def check_on_policy(
         )
         T = rollout.completion_ids.size(1)
         with torch.no_grad():
-            scored, _ = sampling.completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T)
+            scored, _ = logprobs.completion_logprobs(model, rollout.input_ids, rollout.attention_mask, T)
             logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits
     mask = rollout.completion_mask.bool()  # [B, T]
     diff = (rollout.sampler_logprobs - scored)[mask].abs()
@@ -134,7 +134,7 @@ def check_lora_small_updates(device: str, tiny: bool) -> Check:
 
     def scored(model) -> torch.Tensor:
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-            return sampling.completion_logprobs(model, ids, torch.ones_like(ids), length // 2)[0].flatten()
+            return logprobs.completion_logprobs(model, ids, torch.ones_like(ids), length // 2)[0].flatten()
 
     shares = []
     for scale in (0.0, 1e-4, 1e-3, 1e-2):
@@ -230,7 +230,7 @@ def check_head_gradients(shape: dict, device: str) -> list[Check]:
         head.weight.grad = None
         h = hidden.clone().requires_grad_()
         with torch.autocast(device, dtype=torch.bfloat16):
-            lp, _ = sampling.completion_logprobs(
+            lp, _ = logprobs.completion_logprobs(
                 HeadOnly(h), ids, torch.ones_like(ids), rows, max_logits_elements=elements
             )
         (lp * weights).sum().backward()

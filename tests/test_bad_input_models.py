@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from grpo_lightning.io.export import export_policy, read_checkpoint
+from grpo_lightning.io.checkpoints import read_checkpoint
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import check_loaded_model
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import cli_error, copy_model, one_error_line

@@ -1,6 +1,7 @@
 """Bad options end in one line naming the option and its rule, before any weights load: the module's and
-the data module's options, the Trainer's own knobs under manual optimisation, and values of the wrong type
-on the command line or in a YAML config (`cli.py` exits with status 2, no traceback)."""
+the data module's options, the Trainer's own knobs under manual optimisation (`training.trainer_options`),
+and values of the wrong type on the command line or in a YAML config (`cli.py` exits with status 2, no
+traceback)."""
 
 import json
 import math

@@ -1,7 +1,7 @@
 """Nothing a user keeps is ever destroyed: exports replace only an earlier export (`--overwrite`), results
 files only earlier results (`--results.overwrite`), checkpoints never land over another file, and the
-scripts' outputs never replace an earlier run's silently. The data-safety test gives a folder holding a
-model, checkpoints and a user's file as every output path of every command that writes."""
+scripts' outputs (`demo.outputs`) never replace an earlier run's silently. The data-safety test gives a
+folder holding a model, checkpoints and a user's file as every output path of every command that writes."""
 
 import json
 import os
@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import reference_answer
-from grpo_lightning.io.export import EXPORT_MARKER, ExportBestCallback, check_export_folder, export_policy
+from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint
 from tests.helpers import (

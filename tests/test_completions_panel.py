@@ -10,9 +10,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
-from grpo_lightning.training import monitoring
+from grpo_lightning.training import monitors
+from grpo_lightning.training.completions_table import completion_rows, console_table
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.monitoring import CompletionsPanel, RolloutRecord, completion_rows, console_table
+from grpo_lightning.training.monitoring import RolloutRecord
+from grpo_lightning.training.monitors import CompletionsPanel
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 
 
@@ -125,7 +127,7 @@ def test_fit_prints_completions_and_writes_them_beside_the_csv_metrics(
     tiny_model_dir, tmp_path, capsys, monkeypatch, rich
 ):
     if not rich:
-        monkeypatch.setattr(monitoring, "_print_rich", lambda *args: False)
+        monkeypatch.setattr(monitors, "print_rich_table", lambda *args: False)
     module = tiny_module(tiny_model_dir, reward_funcs=[length_reward], log_completions_every=2)
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0, logger=logger, log_every_n_steps=1)

@@ -96,6 +96,8 @@ REFUSED = {
         "ref_model_sync_steps": ints_below(1) | NOT_A_NUMBER,
         "cpu_offload": NOT_A_FLAG,
         "generation_backend": st.sampled_from(["VLLM", "Static", "compiled", "", None, True]),
+        "importance_sampling_mode": st.sampled_from(["token", "sequence", "Token_Truncate", "", None]),
+        "importance_sampling_floor": below(0, inclusive=True) | above(1, inclusive=False),
         "vllm_max_model_len": ints_below(1) | st.just(1.5) | st.just("512"),
         "vllm_kv_cache_gb": below(0, inclusive=True) | NOT_A_NUMBER.filter(lambda v: v is not None),
         "vllm_gpu_memory_utilization": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,

@@ -32,11 +32,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.core.algorithm.update import micro_batches
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.core.types import Rollout
+from grpo_lightning.core.update import micro_batches
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,
@@ -45,9 +45,10 @@ from grpo_lightning.io.distributed import (
     is_sharded,
     shard_model,
 )
-from grpo_lightning.io.export import ExportBestCallback, export_policy
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.io.rows import collate_rows
+from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.types import Rollout, ScoredGroups, cat_rollouts
 from grpo_lightning.io.rows import collate_rows
 from grpo_lightning.offline.tiny import build_model

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import grpo_lightning.core.algorithm.update
+import grpo_lightning.core.update
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.training.module import GRPOModule
 from tests.test_dynamic_sampling import G, StepSpy, fit_on_rows, rows
 
@@ -68,13 +68,13 @@ def test_the_kl_moves_from_the_loss_into_the_advantages(tiny_model_dir, monkeypa
             p.add_(0.05 * torch.randn_like(p))
 
     betas = []
-    loss = grpo_lightning.core.algorithm.update.grpo_loss
+    loss = grpo_lightning.core.update.grpo_loss
 
     def recording_loss(*args, **kwargs):
         betas.append(kwargs["beta"])
         return loss(*args, **kwargs)
 
-    monkeypatch.setattr(grpo_lightning.core.algorithm.update, "grpo_loss", recording_loss)
+    monkeypatch.setattr(grpo_lightning.core.update, "grpo_loss", recording_loss)
 
     @torch.no_grad()
     def logprobs_before_the_update(rollout, mask):

@@ -6,8 +6,11 @@ inside functions included), and the tables of docs/architecture.md, checked agai
 - no arrow runs up a layer (core < io < training < demo, offline < the entry points): core imports nothing
   from io or training, io nothing from training, the library layers nothing from demo or offline, and
   only the entry points import `training.module`;
+- core is a stack: its files and subpackages in one order (`CORE_ORDER`), each importing only its own unit
+  and the units below it, so no circle runs between them, at folder level either;
 - no import circle among the package's files;
-- docs/architecture.md's tables name every .py file of the package, and no file that is not there.
+- docs/architecture.md's tables name every .py file of the package, and no file that is not there;
+- its "Where each file is tested" table gives each file the tests that import or name it.
 """
 
 from __future__ import annotations
@@ -98,6 +101,57 @@ def test_only_the_entry_points_import_the_module(module):
     assert not [m for m in imports(module) if m.startswith(ENTRY_POINTS)]
 
 
+# Core's units, bottom to top: the shared types and helpers; rewards (what a completion is worth), and the
+# accuracy metrics that read their answer extraction; generation (sampling and log-probs); the algorithm's
+# maths (advantages, loss, schedules); the config, which composes the options of the units below (their
+# registries, the sampling settings); and the update of a rollout, the one core unit that reads the config.
+CORE_ORDER = (
+    "grpo_lightning.core",
+    "grpo_lightning.core.types",
+    "grpo_lightning.core.options",
+    "grpo_lightning.core.ranks",
+    "grpo_lightning.core.rng",
+    "grpo_lightning.core.memory",
+    "grpo_lightning.core.rewards",
+    "grpo_lightning.core.metrics",
+    "grpo_lightning.core.generation",
+    "grpo_lightning.core.algorithm",
+    "grpo_lightning.core.config",
+    "grpo_lightning.core.update",
+)
+
+
+def core_unit(module: str) -> str:
+    """The unit of `CORE_ORDER` that holds the core module `module` (a file, or a file of a subpackage)."""
+    units = [u for u in CORE_ORDER if module == u or module.startswith(u + ".")]
+    return max(units, key=len)
+
+
+def test_core_order_names_every_core_unit():
+    top = {".".join(m.split(".")[:3]) for m in CORE}
+    assert top | {"grpo_lightning.core"} == set(CORE_ORDER)
+    assert core_unit("grpo_lightning.core.generation.sampling") == "grpo_lightning.core.generation"
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_only_its_own_unit_and_those_below(module):
+    rank = CORE_ORDER.index(core_unit(module))
+    above = sorted(
+        m for m in own_imports(module) if layer(m) == "core" and CORE_ORDER.index(core_unit(m)) > rank
+    )
+    assert not above, f"{module} ({core_unit(module)}) imports {above} from a unit above it in CORE_ORDER"
+
+
+def test_core_units_form_no_circle():
+    graph: dict[str, set[str]] = {}
+    for module in CORE:
+        unit = core_unit(module)
+        graph.setdefault(unit, set()).update(
+            core_unit(m) for m in own_imports(module) if layer(m) == "core" and core_unit(m) != unit
+        )
+    assert circles(graph) == []
+
+
 # Each layer may import its own and those below it: core < io < training < demo, offline < the entry points.
 LEVELS = {"core": 0, "io": 1, "training": 2, "demo": 3, "offline": 3, None: 4}
 
@@ -161,3 +215,39 @@ def test_architecture_tables_name_every_file_of_the_tree():
     named = architecture_paths()
     assert in_tree - named == set(), "files missing from docs/architecture.md"
     assert named - in_tree == set(), "docs/architecture.md names files that do not exist"
+
+
+def tested_in() -> dict[str, list[str]]:
+    """docs/architecture.md's "Where each file is tested" table: package file -> its test files."""
+    tables = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = tables.split("## Where each file is tested", 1)[1]
+    rows = re.findall(r"^\| `(grpo_lightning/[\w/]+\.py)` \| (.+) \|$", section, re.M)
+    return {path: re.findall(r"`(tests/(?:vllm_backend/)?test_\w+\.py)`", tests) for path, tests in rows}
+
+
+def imports_or_names(test_file: str, module: str) -> bool:
+    """Whether `test_file` imports `module` (anywhere, `from a import b` counting `a.b`) or names it
+    (`core.types`, or its dotted path)."""
+    source = (ROOT / test_file).read_text(encoding="utf-8")
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    short = module.removeprefix("grpo_lightning.")
+    return module in found or module in source or f"`{short}`" in source or f"`{short}." in source
+
+
+def test_every_file_of_the_package_names_where_it_is_tested():
+    table = tested_in()
+    files = {str(p.relative_to(ROOT)) for m, p in FILES.items() if p.name != "__init__.py"}
+    assert set(table) == files, "the tested-in table must name every file of the package, and only those"
+    packing = "grpo_lightning.core.generation." + "packing"
+    assert not imports_or_names("tests/test_layers.py", packing)  # the check can fail
+    for path, tests in table.items():
+        module = module_name(ROOT / path)
+        assert tests, f"{path}: no test named"
+        for test in tests:
+            assert (ROOT / test).is_file(), f"{path}: {test} does not exist"
+            assert imports_or_names(test, module), f"{path}: {test} neither imports nor names {module}"

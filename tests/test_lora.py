@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.models import LoraOptions, ModelOptions, load_model
 from grpo_lightning.training.module import GRPOModule

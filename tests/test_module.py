@@ -1,4 +1,5 @@
-"""End to end: `cli.py fit` on a tiny random model, and the module's own contracts."""
+"""End to end: `cli.py fit` on a tiny random model, and the module's own contracts, its validation
+(`training.validation`) included."""
 
 import math
 import os
@@ -166,7 +167,7 @@ def test_validate_then_fit_with_validation(tiny_model_dir, tmp_path):
 def test_num_iterations_reuses_one_rollout_for_several_updates(tiny_model_dir, tmp_path, monkeypatch):
     """mu = 2: one rollout, two optimizer steps, the second against the sampling policy's log-probs."""
 
-    import grpo_lightning.core.algorithm.update as module_file
+    import grpo_lightning.core.update as module_file
     from grpo_lightning.training.data import GSM8KDataModule
 
     seen_old = []

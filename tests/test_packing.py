@@ -9,23 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from grpo_lightning.core.algorithm.update import (
-    MicroBatchSums,
-    OneProcess,
-    logprobs_in_micro_batches,
-    micro_batch_losses,
-    micro_batches,
-    mini_batch_denominators,
-)
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.packing import (
     PackedLogProbScorer,
     pack_rows,
     packed_completion_logprobs,
     packing_unsupported,
 )
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.ranks import OneProcess
 from grpo_lightning.core.types import Rollout
+from grpo_lightning.core.update import (
+    MicroBatchSums,
+    logprobs_in_micro_batches,
+    micro_batch_losses,
+    micro_batches,
+    mini_batch_denominators,
+)
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, sliding_window_model, tiny_module
 from tests.test_share_prompt import PlainSGD, float64_norms, grads, load_tiny, make_rollout

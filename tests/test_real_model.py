@@ -1,4 +1,5 @@
-"""One GRPO step of the real SmolLM2-135M-Instruct (from the PyPI package, no hub) on a GSM8K prompt."""
+"""One GRPO step of the real SmolLM2-135M-Instruct (from the PyPI package through `offline.smollm2`, no
+hub) on a GSM8K prompt."""
 
 import math
 

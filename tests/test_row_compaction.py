@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from grpo_lightning.core.generation.engines import EagerEngine
-from grpo_lightning.core.generation.sampling import COMPACT_LIVE_SHARE, SamplingSettings, completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
+from grpo_lightning.core.generation.sampling import COMPACT_LIVE_SHARE, SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.offline.tiny import build_model
 from tests.helpers import sliding_window_model

@@ -1,7 +1,7 @@
 """A run is reproducible from its folder: `fit` saves its whole config beside its logs and checkpoints,
 `validate` and `export` take that config and a checkpoint and nothing else, `load_from_checkpoint(ckpt)`
 needs no arguments, `--ckpt_path last` resumes the newest checkpoint or refuses in one line, and the
-Trainer's Lightning options behave the same from Python as from the CLI."""
+Trainer's Lightning options behave the same from Python as from the CLI (`training.trainer_options`)."""
 
 from __future__ import annotations
 

@@ -15,13 +15,8 @@ from transformers import (
 )
 
 from grpo_lightning.core.generation import sampling
-from grpo_lightning.core.generation.sampling import (
-    InverseCDFSampler,
-    SamplingSettings,
-    _token_logprobs_and_entropy,
-    completion_logprobs,
-    generate_completions,
-)
+from grpo_lightning.core.generation.logprobs import _token_logprobs_and_entropy, completion_logprobs
+from grpo_lightning.core.generation.sampling import InverseCDFSampler, SamplingSettings, generate_completions
 from grpo_lightning.io.models import LoraOptions, apply_lora
 
 

@@ -17,12 +17,11 @@ from transformers import (
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import rows_share_prompts
+from grpo_lightning.core.generation.logprobs import completion_logprobs, position_ids
 from grpo_lightning.core.generation.sampling import (
     Rollout,
     SamplingSettings,
-    completion_logprobs,
     generate_completions,
-    position_ids,
     prefill_groups,
 )
 from grpo_lightning.core.generation.shared_prompt import (

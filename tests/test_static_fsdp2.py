@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from grpo_lightning.core.generation.sampling import completion_logprobs
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,
@@ -29,7 +29,7 @@ from grpo_lightning.io.distributed import (
 )
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from tests.helpers import arithmetic_data, quiet_trainer, static_module
-from tests.test_static_rollout import engine, prompts, tiny
+from tests.test_static_engine import engine, prompts, tiny
 
 
 def test_fsdp2_module_generates_on_a_copy_of_the_trained_weights(tiny_model_dir):

@@ -15,7 +15,7 @@ from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, quiet_trainer, sliding_window_model, static_module
-from tests.test_static_rollout import assert_copy_holds, eager_greedy
+from tests.test_static_engine import assert_copy_holds, eager_greedy
 
 
 def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):

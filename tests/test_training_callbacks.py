@@ -25,10 +25,12 @@ from grpo_lightning.core.rewards.verifiable import (
     reference_answer,
 )
 from grpo_lightning.training.audit_callback import RewardAuditCallback
+from grpo_lightning.training.completions_table import completions_table
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.monitoring import CollapseMonitor, RolloutRecord, completions_table
+from grpo_lightning.training.monitoring import RolloutRecord
+from grpo_lightning.training.monitors import CollapseMonitor
 from tests.helpers import GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 
 VAL_KEYS = ("accuracy", "accuracy_strict", "pass@k", "pass@k_strict", "maj@k", "maj@k_strict", "format")

@@ -23,9 +23,9 @@ from grpo_lightning.core.metrics import RewardAccuracy
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from grpo_lightning.core.rewards.verifiable import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.core.rewards.verifiable import format_reward
+from grpo_lightning.training.completions_table import completions_table
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.monitoring import completions_table
 from tests.helpers import quiet_trainer
 
 G, MAX_TOKENS, STEPS = 2, 6, 2

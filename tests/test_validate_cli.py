@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
-from grpo_lightning.io.export import ExportBestCallback
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
+from grpo_lightning.training.export_best import ExportBestCallback
 from tests.helpers import GSM8K_DIR, gsm8k_rows
 
 QWEN_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gsm8k_qwen2.5_0.5b.yaml")

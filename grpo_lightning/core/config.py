@@ -7,6 +7,7 @@ implements them) and its range (`Range`), which jsonargparse reads and `--help` 
 """
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
@@ -14,11 +15,13 @@ from grpo_lightning.core.algorithm.loss import (
     K1_IN_LOSS,
     Baseline,
     ImportanceSamplingLevel,
+    ImportanceSamplingMode,
     KLEstimator,
     LossType,
     ScaleRewards,
 )
 from grpo_lightning.core.algorithm.schedules import ScheduleType
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.options import Range, check_fields, option_error
 
 # The ranges several options share.
@@ -129,6 +132,18 @@ class GRPOConfig:
     importance_sampling_cap: Annotated[float, Range(">= 1", why="below 1 it shrinks on-policy tokens")] = 2.0
     """The truncation C of `importance_sampling_correction`'s weights; 2.0 as Yao et al. 2025 (TRL's
     `vllm_importance_sampling_clip_max` defaults to 3.0, verl's `rollout_is_threshold` to 2.0).
+    """
+    importance_sampling_mode: ImportanceSamplingMode = "token_truncate"
+    """How `importance_sampling_correction` bounds the ratio pi_old / pi_sampler, as TRL's
+    `vllm_importance_sampling_mode`: "token_truncate" (each token's ratio clipped into
+    [importance_sampling_floor, importance_sampling_cap], Yao et al.'s TIS), "token_mask" (a token whose
+    ratio is outside drops out of the loss), "sequence_truncate" / "sequence_mask" (one ratio per
+    completion, the product over its tokens, clipped, or the whole completion dropped; TRL's default with
+    vLLM is "sequence_mask"). `core.algorithm.loss.importance_weights`.
+    """
+    importance_sampling_floor: Annotated[float, Range("> 0, <= 1")] | None = None
+    """The lower bound of `importance_sampling_mode`'s ratio (a floor for the truncate modes, below it
+    masked for the mask modes); None: no lower bound. TRL: `vllm_importance_sampling_clip_min`.
     """
     epsilon: PositiveFloat = 0.2
     """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
@@ -262,33 +277,19 @@ class GRPOConfig:
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
     generation_backend: Literal["auto", "eager", "static", "vllm"] = "auto"
-    """How rollouts are decoded (`grpo_lightning.core.generation.backends`, one entry per engine).
-    "eager": `generate` on the training policy with a dynamic KV cache
+    """How rollouts are decoded (`grpo_lightning.core.generation.backends`, one entry per engine). "eager":
+    `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
-    weights in the compute dtype, LoRA adapters unmerged, embeddings and norms as the policy holds them,
-    under the trainer's autocast), refreshed in place once before each rollout after the weights changed;
-    on CUDA its decoding step is compiled once (`torch.compile` with CUDA graphs, through transformers'
-    `CompileConfig`), on CPU it runs uncompiled (`grpo_lightning.core.generation.static_engine`). Same
-    sampling (each drawn token's log-prob is the scorer's, tests/test_static_rollout.py); costs the copy
-    (on every rank under FSDP2, refreshed one unit at a time) and one KV cache for the largest batch, both
-    in the pre-flight's memory estimate, and a compile warm-up (tens of seconds) per batch shape. Logs
-    `rollout/tokens_per_second`, `rollout/ms_per_decoding_step` and what compiling did
-    (`rollout/recompiles`, `rollout/cudagraph_skips`, ...; a warning names the cause once if the fast path
-    degrades). Both paths stop decoding finished rows: once at most half of a batch of more than 8 rows is
-    live, the live rows go on alone, with the same sampling (`sampling.generate_completions`,
-    tests/test_row_compaction.py); a compiled step keeps its rows in their bucket (one graph per bucket).
-    "vllm": a colocated vLLM engine on every rank, pushed the policy's weights before each rollout after
-    they changed (`grpo_lightning.core.generation.vllm_engine`; options `vllm_*` below).
-    "auto": "vllm" on CUDA where vLLM imports, else "static" on CUDA, compiled; "eager" elsewhere, never
-    compiled. Measured on a 2-core CPU with
-    SmolLM2-135M-Instruct in float32, 2 threads (BENCHMARKS.md, "Decoding"; `python benchmarks/decoding.py
-    --model models/smollm2-135m-instruct --threads 2 --calls 2 --generations 1,4,8`, 2026-12-01, quiet):
-    compiling took 27-32 s per batch shape and then decoded no faster (70-106 ms per step against eager's
-    72-102), and the uncompiled static path was 5-10% slower than eager for 2 to 8 rows, 13% faster for 16;
-    on the demo's rollouts, rows ending at EOS and finished rows dropped (`--natural`), static was 1-3%
-    ahead. Not enough to hold a second copy of the weights by default: on CPU, ask for "static" (as the
-    demo's config does). A model
+    weights in the compute dtype, LoRA adapters unmerged, under the trainer's autocast), refreshed in place
+    once before each rollout after the weights changed, its decoding step compiled once with CUDA graphs on
+    CUDA and run uncompiled on CPU (`grpo_lightning.core.generation.static_engine`); it costs the copy and
+    one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch shape. Both stop
+    decoding finished rows once at most half of a batch of more than 8 rows is live. "vllm": a colocated
+    vLLM engine on every rank, pushed the policy's weights before each rollout after they changed
+    (`grpo_lightning.core.generation.vllm_engine`; options `vllm_*` below). "auto" (the default): "vllm"
+    on CUDA where vLLM imports, else "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no
+    faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
     back to "eager" with one warning.
     """
@@ -339,6 +340,21 @@ class GRPOConfig:
     def optimizer_steps_per_batch(self) -> int:
         """The optimizer steps of one training step: num_iterations x steps_per_generation."""
         return self.num_iterations * self.steps_per_generation
+
+    def sampling_settings(
+        self, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
+    ) -> SamplingSettings:
+        """The settings of the training rollouts: their lengths, temperature, top-p and top-k."""
+        return SamplingSettings(
+            max_new_tokens=self.max_completion_length,
+            min_new_tokens=self.min_completion_length,
+            eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=pad_token_id,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            share_prompt=share_prompt,
+        )
 
     def __post_init__(self) -> None:
         check_fields(self)

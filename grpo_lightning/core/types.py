@@ -2,14 +2,14 @@
 
 1. `Rollout`: G sampled completions per prompt (the generation engines, `core/generation/`).
 2. `ScoredGroups`: a rollout with its rewards (`core/rewards/scoring.py`); dynamic sampling stacks several.
-3. `Trajectory`: a scored rollout with everything the loss reads (`core/algorithm/update.py`).
+3. `Trajectory`: a scored rollout with everything the loss reads (`core/update.py`).
 
 Pure torch: nothing here knows about Lightning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +56,6 @@ class Rollout:
             truncated=self.truncated[rows],
             sampler_logprobs=None if self.sampler_logprobs is None else self.sampler_logprobs[rows, :T],
         )
-
-    def rows(self, rows: Tensor) -> Rollout:
-        """`rows` alone, every column kept."""
-        return Rollout(**{f.name: _rows(getattr(self, f.name), rows) for f in fields(Rollout)})
-
-
-def _rows(tensor: Tensor | None, rows: Tensor) -> Tensor | None:
-    return None if tensor is None else tensor[rows]
 
 
 def _pad_columns(x: Tensor, width: int, value: int, left: bool) -> Tensor:
@@ -115,7 +107,7 @@ class ScoredGroups:
         rows = (groups[:, None] * G + torch.arange(G, device=groups.device)).reshape(-1)  # [n*G]
         return ScoredGroups(
             prompts=[self.prompts[i] for i in groups.tolist()],
-            rollout=self.rollout.rows(rows),
+            rollout=self.rollout.select(rows),
             completions=[self.completions[i] for i in rows.tolist()],
             rewards_per_func=self.rewards_per_func[rows],
             rewards=self.rewards[rows],
@@ -161,7 +153,7 @@ class Trajectory:
         return self.rollout.completion_mask
 
     def select(self, rows: Tensor, trim: bool = False) -> Trajectory:
-        """The trajectory of `rows` alone (e.g. a mini-batch's groups, `batching.group_rows`), advantages
+        """The trajectory of `rows` alone (e.g. a mini-batch's groups, `update.group_rows`), advantages
         as computed over the whole rollout. `trim`: padded only to the rows' own longest prompt and
         completion (`Rollout.select`), the `[b, T]` tensors cut to the same columns; the loss is the same,
         as the columns dropped are padding in every row."""

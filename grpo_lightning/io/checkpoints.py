@@ -1,6 +1,8 @@
 """Checkpoint files: what `load_from_checkpoint(ckpt)` needs with no arguments, in plain Python values that
 `torch.load(weights_only=True)` reads without importing grpo-lightning (`portable_hparams`); written whole or
-not at all (`AtomicCheckpointIO`).
+not at all (`AtomicCheckpointIO`); and read back: a checkpoint file or sharded folder checked and loaded onto
+the CPU (`read_checkpoint`, `check_checkpoint_folder`), its policy weights checked against the model
+(`check_fits`) and loaded (`load_policy_weights`).
 
 The module's hyper-parameters hold the policy and tokenizer as their paths or hub ids, the reward functions as
 import paths ("package.module.function"), and the option dataclasses as dicts. `GRPOModule` accepts each of
@@ -15,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import itertools
 import os
+import pickle
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -33,7 +37,9 @@ __all__ = [
     "comparable_hparams",
     "import_object",
     "import_path",
+    "load_policy_weights",
     "portable_hparams",
+    "read_checkpoint",
     "register_safe_globals",
     "resolve_callable",
 ]
@@ -203,3 +209,106 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 )
                 raise OSError(err.errno, message) from err
             raise
+
+
+def read_checkpoint(path: str, **load_kwargs) -> dict:
+    """`torch.load` a Lightning checkpoint file onto the CPU; anything else raises one `ValueError` naming it.
+
+    What `torch.load` raises for a truncated or foreign file (a zip or unpickling error, whose text may
+    advise loading with `weights_only=False`) is replaced: never advise unsafe loading of an unknown file.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", **load_kwargs)
+    except FileNotFoundError:
+        raise  # its message names the file already
+    except Exception as err:  # on damaged bytes torch.load raises zip, pickle, OS, index, ... errors
+        # The library's own text is left out: it may advise weights_only=False, or describe zip internals.
+        if isinstance(err, pickle.UnpicklingError) and "unsupported global" in str(err).lower():
+            why = "it holds Python objects that safe loading refuses (not a checkpoint grpo-lightning wrote)"
+        else:
+            why = "truncated, corrupt or not a PyTorch checkpoint"
+        raise ValueError(
+            f"checkpoint {path!r} cannot be read: {why} ({type(err).__name__} in torch.load)"
+        ) from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
+    return checkpoint
+
+
+def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
+    """Copy the weights under `prefix` in a Lightning checkpoint's `state_dict` into `model`, in place.
+
+    `ckpt_path` is a checkpoint file, or the folder that a sharded strategy (FSDP2 through
+    `ModelParallelStrategy`) writes: from a folder only the policy's tensors are read, in this one process,
+    with no process group (no consolidated copy of the whole checkpoint, optimizer states included).
+    Strict: the checkpoint must hold every weight of `model` and nothing else under `prefix`.
+    """
+    if os.path.isdir(ckpt_path):
+        check_checkpoint_folder(ckpt_path)
+        state = _sharded_checkpoint_weights(ckpt_path, prefix)
+    else:
+        # weights_only=True: a checkpoint handed to `export` cannot run code. Our option dataclasses in its
+        # hyper-parameters are allow-listed, as for resuming.
+        register_safe_globals()
+        full = read_checkpoint(ckpt_path, weights_only=True)["state_dict"]
+        state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
+    named = {
+        prefix + key: tensor for key, tensor in model.state_dict().items()
+    }  # as the checkpoint names them
+    check_fits(named, {prefix + key: tensor for key, tensor in state.items()}, ckpt_path)
+    model.load_state_dict(state, strict=True)
+
+
+def check_fits(
+    expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], ckpt_path: str
+) -> None:
+    """Refuse a checkpoint whose weights do not fit the model, naming the first tensor of another shape (or
+    the first one missing or extra) in one line, instead of `load_state_dict`'s dump of every mismatch."""
+    shapes = (
+        f"{key} has shape {list(tensor.shape)} in the checkpoint but {list(expected[key].shape)} here"
+        for key, tensor in given.items()
+        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape)
+    )
+    missing = (f"it has no {key}" for key in expected if key not in given)
+    extra = (f"it holds {key}, which this model lacks" for key in given if key not in expected)
+    wrong = next(itertools.chain(shapes, missing, extra), None)
+    if wrong is not None:
+        raise ValueError(
+            f"checkpoint {ckpt_path!r} does not fit this model: {wrong}; it was trained from another model "
+            "or with other LoRA options: set model.policy and model.lora to the run's own"
+        )
+
+
+def check_checkpoint_folder(path: str) -> None:
+    """A folder given as a checkpoint must be a sharded (distributed) checkpoint; an exported model folder is
+    named as what it is."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return
+    if any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
+        raise ValueError(
+            f"checkpoint {path!r} is a model folder (save_pretrained, as export writes), not a Lightning "
+            f"checkpoint: use it as the policy (--model.policy {path}); a checkpoint is a .ckpt file or a "
+            "sharded checkpoint's folder"
+        )
+    raise ValueError(
+        f"checkpoint {path!r} is a folder without .metadata: not a sharded checkpoint; give a .ckpt file"
+    )
+
+
+def _sharded_checkpoint_weights(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The full tensors under `state_dict.<prefix>` of a distributed (DCP) checkpoint folder, on CPU."""
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+
+    reader = FileSystemReader(path)
+    # DCP flattens the nested checkpoint dict: a weight is stored as "state_dict.policy.model.norm.weight".
+    stored = reader.read_metadata().state_dict_metadata
+    flat_prefix = "state_dict." + prefix
+    weights = {
+        key.removeprefix(flat_prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(flat_prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    load({"state_dict": {prefix + k: v for k, v in weights.items()}}, storage_reader=reader, no_dist=True)
+    return weights

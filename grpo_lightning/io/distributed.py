@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
-from grpo_lightning.core.algorithm.update import OneProcess
 from grpo_lightning.core.generation.vllm_engine import shutdown_engines
+from grpo_lightning.core.ranks import OneProcess
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -209,7 +209,7 @@ def ranks_of(strategy: Any) -> StrategyRanks | OneProcess:
 
 
 class StrategyRanks:
-    """`core.algorithm.update.Ranks` over the processes of a Lightning strategy (any object with its
+    """`core.ranks.Ranks` over the processes of a Lightning strategy (any object with its
     `reduce`, `all_gather`, `world_size`, `global_rank` and `root_device`)."""
 
     def __init__(self, strategy: Any) -> None:

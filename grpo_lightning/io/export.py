@@ -3,142 +3,29 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. A LoRA policy
 is either merged into its base weights (a plain model) or saved as the adapter alone, which transformers
 loads on top of the base model named in `adapter_config.json`. Any module works: it is only an object
-holding the model and the tokenizer as attributes (`resolve_attr` follows a dotted path to one).
-`ExportBestCallback` exports the best checkpoint's policy this way at the end of `fit`.
+holding the model and the tokenizer as attributes. `training.export_best.ExportBestCallback` exports the best
+checkpoint's policy this way at the end of `fit`.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import os
-import pickle
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 
-import lightning as L
-import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.io.checkpoints import register_safe_globals
-from grpo_lightning.io.distributed import is_sharded
+from grpo_lightning.io.checkpoints import load_policy_weights
 
 __all__ = [
     "EXPORT_MARKER",
-    "ExportBestCallback",
     "check_export_folder",
     "export_policy",
-    "load_policy_weights",
-    "read_checkpoint",
-    "resolve_attr",
 ]
-
-
-def read_checkpoint(path: str, **load_kwargs) -> dict:
-    """`torch.load` a Lightning checkpoint file onto the CPU; anything else raises one `ValueError` naming it.
-
-    What `torch.load` raises for a truncated or foreign file (a zip or unpickling error, whose text may
-    advise loading with `weights_only=False`) is replaced: never advise unsafe loading of an unknown file.
-    """
-    try:
-        checkpoint = torch.load(path, map_location="cpu", **load_kwargs)
-    except FileNotFoundError:
-        raise  # its message names the file already
-    except Exception as err:  # on damaged bytes torch.load raises zip, pickle, OS, index, ... errors
-        # The library's own text is left out: it may advise weights_only=False, or describe zip internals.
-        if isinstance(err, pickle.UnpicklingError) and "unsupported global" in str(err).lower():
-            why = "it holds Python objects that safe loading refuses (not a checkpoint grpo-lightning wrote)"
-        else:
-            why = "truncated, corrupt or not a PyTorch checkpoint"
-        raise ValueError(
-            f"checkpoint {path!r} cannot be read: {why} ({type(err).__name__} in torch.load)"
-        ) from err
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"checkpoint {path!r} is not a Lightning checkpoint: it has no state_dict")
-    return checkpoint
-
-
-def load_policy_weights(model: torch.nn.Module, ckpt_path: str, prefix: str = "policy.") -> None:
-    """Copy the weights under `prefix` in a Lightning checkpoint's `state_dict` into `model`, in place.
-
-    `ckpt_path` is a checkpoint file, or the folder that a sharded strategy (FSDP2 through
-    `ModelParallelStrategy`) writes: from a folder only the policy's tensors are read, in this one process,
-    with no process group (no consolidated copy of the whole checkpoint, optimizer states included).
-    Strict: the checkpoint must hold every weight of `model` and nothing else under `prefix`.
-    """
-    if os.path.isdir(ckpt_path):
-        check_checkpoint_folder(ckpt_path)
-        state = _sharded_checkpoint_weights(ckpt_path, prefix)
-    else:
-        # weights_only=True: a checkpoint handed to `export` cannot run code. Our option dataclasses in its
-        # hyper-parameters are allow-listed, as for resuming.
-        register_safe_globals()
-        full = read_checkpoint(ckpt_path, weights_only=True)["state_dict"]
-        state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
-    if not state:
-        raise ValueError(f"checkpoint {ckpt_path!r}: no weights under {prefix!r} in its state_dict")
-    named = {
-        prefix + key: tensor for key, tensor in model.state_dict().items()
-    }  # as the checkpoint names them
-    check_fits(named, {prefix + key: tensor for key, tensor in state.items()}, ckpt_path)
-    model.load_state_dict(state, strict=True)
-
-
-def check_fits(
-    expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], ckpt_path: str
-) -> None:
-    """Refuse a checkpoint whose weights do not fit the model, naming the first tensor of another shape (or
-    the first one missing or extra) in one line, instead of `load_state_dict`'s dump of every mismatch."""
-    shapes = (
-        f"{key} has shape {list(tensor.shape)} in the checkpoint but {list(expected[key].shape)} here"
-        for key, tensor in given.items()
-        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape)
-    )
-    missing = (f"it has no {key}" for key in expected if key not in given)
-    extra = (f"it holds {key}, which this model lacks" for key in given if key not in expected)
-    wrong = next(itertools.chain(shapes, missing, extra), None)
-    if wrong is not None:
-        raise ValueError(
-            f"checkpoint {ckpt_path!r} does not fit this model: {wrong}; it was trained from another model "
-            "or with other LoRA options: set model.policy and model.lora to the run's own"
-        )
-
-
-def check_checkpoint_folder(path: str) -> None:
-    """A folder given as a checkpoint must be a sharded (distributed) checkpoint; an exported model folder is
-    named as what it is."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return
-    if any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
-        raise ValueError(
-            f"checkpoint {path!r} is a model folder (save_pretrained, as export writes), not a Lightning "
-            f"checkpoint: use it as the policy (--model.policy {path}); a checkpoint is a .ckpt file or a "
-            "sharded checkpoint's folder"
-        )
-    raise ValueError(
-        f"checkpoint {path!r} is a folder without .metadata: not a sharded checkpoint; give a .ckpt file"
-    )
-
-
-def _sharded_checkpoint_weights(path: str, prefix: str) -> dict[str, torch.Tensor]:
-    """The full tensors under `state_dict.<prefix>` of a distributed (DCP) checkpoint folder, on CPU."""
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
-
-    reader = FileSystemReader(path)
-    # DCP flattens the nested checkpoint dict: a weight is stored as "state_dict.policy.model.norm.weight".
-    stored = reader.read_metadata().state_dict_metadata
-    flat_prefix = "state_dict." + prefix
-    weights = {
-        key.removeprefix(flat_prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in stored.items()
-        if key.startswith(flat_prefix) and isinstance(meta, TensorStorageMetadata)
-    }
-    load({"state_dict": {prefix + k: v for k, v in weights.items()}}, storage_reader=reader, no_dist=True)
-    return weights
 
 
 def export_policy(
@@ -331,93 +218,3 @@ def _write_folder(out_dir: str, write: Callable[[str], object]) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def resolve_attr(obj: object, path: str) -> object:
-    """`getattr` along a dotted path: `"model.backbone"` -> `obj.model.backbone`."""
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-class ExportBestCallback(L.Callback):
-    """At the end of `fit`, loads the best checkpoint's policy weights into the module (as
-    `trainer.test(ckpt_path="best")` would) and exports them with `export_policy`: `save_pretrained` model and
-    tokenizer in `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained`.
-
-    The best checkpoint is the `best_model_path` of the first `ModelCheckpoint` that monitors a metric (a
-    run may also keep the latest weights with an unmonitored one); without one, or when no validation ran,
-    the final weights are exported, with a warning. A sharded (FSDP) policy is not exported here: the
-    warning gives the `grpo-lightning export` command that reads the checkpoint folder in one process.
-
-    Args:
-        out_dir: where to write. Default `<trainer.log_dir or default_root_dir>/export`.
-        merge_lora: merge a LoRA adapter into the weights (a plain model) or save the adapter alone.
-        model_attr / tokenizer_attr: where the module keeps the model and the tokenizer.
-        overwrite: replace an earlier export in `out_dir` whole at the end. Default False: a non-empty
-            folder is refused when `fit` starts, before any training. Either way a folder that is not an
-            earlier export, or that is or holds the policy's folder, this run's logs or checkpoints, or the
-            working directory, is refused then (`check_export_folder`).
-    """
-
-    def __init__(
-        self,
-        out_dir: str | None = None,
-        merge_lora: bool = True,
-        model_attr: str = "policy",
-        tokenizer_attr: str = "tokenizer",
-        overwrite: bool = False,
-    ) -> None:
-        self.out_dir = out_dir
-        self.overwrite = overwrite
-        self.merge_lora = merge_lora
-        self.model_attr = model_attr
-        self.tokenizer_attr = tokenizer_attr
-        self.exported_from: str | None = None  # the checkpoint exported, None for the final weights
-
-    def _out_dir(self, trainer: L.Trainer) -> str:
-        return self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
-
-    def _protected(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str | None]:
-        """What the export folder must not be or hold: where the model came from and this run's files."""
-        protected = sources_of(pl_module, self.model_attr, self.tokenizer_attr)
-        protected["the checkpoint this run resumes from"] = trainer.ckpt_path
-        protected["this run's logs"] = trainer.log_dir if trainer.loggers else None
-        if not trainer.loggers:
-            protected["this run's checkpoints"] = os.path.join(trainer.default_root_dir, "checkpoints")
-        for i, callback in enumerate(trainer.checkpoint_callbacks):
-            protected[f"this run's checkpoints ({type(callback).__name__} {i})"] = callback.dirpath
-        return protected
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":  # refused now rather than after training
-            check_export_folder(self._out_dir(trainer), self.overwrite, self._protected(trainer, pl_module))
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
-        best = (monitored[0].best_model_path if monitored else "") or None
-        if best is None:
-            rank_zero_warn(
-                "ExportBestCallback: no best checkpoint (no monitor, or no validation ran): "
-                "exporting the final weights"
-            )
-        out_dir = self._out_dir(trainer)
-        if is_sharded(resolve_attr(pl_module, self.model_attr)):
-            # Each rank holds a shard: the export reads the checkpoint folder in one process instead.
-            rank_zero_warn(
-                "ExportBestCallback: the policy is sharded (FSDP), so nothing was exported; export in one "
-                f"process: grpo-lightning export --config <this run's config> --ckpt_path "
-                f"{best or '<a checkpoint>'} --out {out_dir}"
-            )
-            return
-        if trainer.is_global_zero:
-            export_policy(
-                pl_module,
-                out_dir,
-                ckpt_path=best,
-                merge_lora=self.merge_lora,
-                model_attr=self.model_attr,
-                tokenizer_attr=self.tokenizer_attr,
-                overwrite=self.overwrite,
-                protected=self._protected(trainer, pl_module),
-            )
-            rank_zero_info(f"exported {'the final weights' if best is None else best} to {out_dir}")
-        self.exported_from = best

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import nullcontext
-from dataclasses import replace
+from operator import attrgetter
 
 import lightning as L
 import torch
@@ -33,7 +33,6 @@ from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import gathered_for_generation
-from grpo_lightning.io.export import resolve_attr
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
@@ -63,14 +62,7 @@ def generate_answers(
             pad_token_id=pad,
         )
         engine = EagerEngine(settings)
-    settings = replace(
-        engine.settings,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-    )
+    settings = engine.settings.for_evaluation(max_new_tokens, temperature)
     sampler = PromptSampler(PromptEncoder(tokenizer), engine, settings)
     _, completions = sampler.sample(model, prompts, num_generations, do_sample=num_generations > 1)
     return completions
@@ -144,8 +136,8 @@ class GSM8KAccuracyCallback(L.Callback):
 
     def evaluate(self, pl_module: L.LightningModule, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """Score this rank's shard of the subset; the returned metrics are global when DDP is running."""
-        model = resolve_attr(pl_module, self.model_attr)
-        tokenizer = resolve_attr(pl_module, self.tokenizer_attr)
+        model = attrgetter(self.model_attr)(pl_module)
+        tokenizer = attrgetter(self.tokenizer_attr)(pl_module)
         rows = self.data.val_rows[rank::world_size]
         metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
         system_prompt = self.data.hparams.system_prompt

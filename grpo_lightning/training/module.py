@@ -1,7 +1,7 @@
 """GRPOModule: the Lightning glue around sampling, rewards and the GRPO update.
 
 A training step: the policy samples G completions per prompt (`self.rollouts`), the reward functions score
-them, dynamic sampling may wait for more groups, the update (`self.update`, `core/algorithm/update.py`)
+them, dynamic sampling may wait for more groups, the update (`self.update`, `core/update.py`)
 builds the trajectory and hands over each micro-batch's loss, which this module backpropagates and steps.
 """
 
@@ -22,7 +22,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler
-from grpo_lightning.core.algorithm.update import MicroBatchSums, RolloutUpdate, StepGuard
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import check_chat_template
 from grpo_lightning.core.rewards.scoring import (
@@ -30,13 +29,20 @@ from grpo_lightning.core.rewards.scoring import (
     checked_reward_functions,
     score_completions,
     trainer_state,
+    weighted_groups,
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.types import ScoredGroups, Trajectory
-from grpo_lightning.io.checkpoints import as_options, portable_hparams, register_safe_globals, resolve_rewards
+from grpo_lightning.core.types import Trajectory
+from grpo_lightning.core.update import MicroBatchSums, RolloutUpdate, StepGuard
+from grpo_lightning.io.checkpoints import (
+    as_options,
+    check_fits,
+    portable_hparams,
+    register_safe_globals,
+    resolve_rewards,
+)
 from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
-from grpo_lightning.io.export import check_fits
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
@@ -46,12 +52,8 @@ from grpo_lightning.io.models import (
     prepare_models,
 )
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.monitoring import (
-    CollapseMonitor,
-    CompletionsPanel,
-    RolloutRecord,
-    training_step_metrics,
-)
+from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
+from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
@@ -82,7 +84,7 @@ class GRPOModule(L.LightningModule):
     the policy, scores them with the reward functions, turns the rewards into group-relative advantages
     and takes `num_iterations` x `steps_per_generation` optimizer steps on the clipped policy loss (with a
     KL penalty to a frozen reference when `beta > 0`), each on a mini-batch of whole groups
-    (`core.algorithm.update`). Optimisation is manual, so one training step may hold several optimizer
+    (`core.update`). Optimisation is manual, so one training step may hold several optimizer
     steps (each counted in `global_step`) and several micro-batches. `self.rollouts.sample(prompts, G)`
     samples as a training step does.
 
@@ -139,7 +141,9 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        self.group_buffer = GroupBuffer.for_config(grpo, self.reward_names)  # dynamic sampling's groups
+        metric = grpo.dynamic_sampling_metric if grpo.dynamic_sampling else None
+        rounds = grpo.dynamic_sampling_max_rounds
+        self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, rounds)  # dynamic sampling
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
         sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
@@ -267,9 +271,8 @@ class GRPOModule(L.LightningModule):
         inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
-        rewards = (rewards_per_func.nan_to_num(0.0) * self.reward_weights).sum(dim=1)  # [B]
-        scored = ScoredGroups(
-            batch["prompt"], rollout, completions, rewards_per_func, rewards, cfg.num_generations
+        scored = weighted_groups(
+            batch["prompt"], rollout, completions, rewards_per_func, self.reward_weights, cfg.num_generations
         )
         logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:

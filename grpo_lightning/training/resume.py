@@ -249,6 +249,3 @@ def version_checkpoint_folders(trainer: L.Trainer) -> str | None:
         if isinstance(callback, ModelCheckpoint | InterruptCheckpoint) and not callback.dirpath:
             callback.dirpath = folder
     return folder
-
-
-# Lived here in 0.1.0: the generators' states now in `rng`, checkpoint files in `checkpoints`.

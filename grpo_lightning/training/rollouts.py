@@ -23,7 +23,6 @@ from grpo_lightning.core.generation.engines import (
     PromptEncoder,
     PromptSampler,
     RolloutEngine,
-    SamplingSettings,
     warn_if_unteachable,
 )
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
@@ -102,7 +101,7 @@ class PolicyRollouts:
         cfg, policy = self.cfg, self.policy
         device = self.device or next(policy.parameters()).device
         eos, pad = stop_token_ids(policy, self.tokenizer), self.tokenizer.pad_token_id
-        settings = SamplingSettings.of(cfg, eos, pad, self.shares_prompt)
+        settings = cfg.sampling_settings(eos, pad, self.shares_prompt)
         self.engine_precision = self.precision
         # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
         # collective runs per token; one unit at a time for an engine with a copy of its own.

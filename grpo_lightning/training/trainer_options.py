@@ -91,6 +91,8 @@ def check_after_validation(trainer: L.Trainer) -> list[str]:
             and callback._check_on_train_epoch_end is None
             and callback.monitor.startswith(VALIDATION_PREFIX)
         ):
+            # EarlyStopping keeps its constructor's choice in a private attribute, and a callback built by
+            # the user has no public setter for it: None there means "not chosen", so ours is the default.
             callback._check_on_train_epoch_end = False
             done.append(
                 f"EarlyStopping(monitor={callback.monitor!r}) checks after each validation "

@@ -1,5 +1,6 @@
 """The push is exact after 3 AdamW steps of full fine-tuning, in float32, with an untied LM head (one engine
-for the module); `test_vllm_push_tied.py` repeats it with a tied head, which vLLM's CPU build must repack."""
+for the module); `test_vllm_push_tied.py` repeats it with a tied head, which vLLM's CPU build must repack.
+The engine: `core.generation.vllm_engine`."""
 
 from __future__ import annotations
 

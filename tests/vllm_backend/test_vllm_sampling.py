@@ -3,7 +3,8 @@ model with a peaked head (its logits scaled up, so that a few tokens carry most 
 shape, length bounds and stop ids; sampled log-probs equal to the scorer's at temperature 1 and 0.7; first
 tokens drawn with the scorer's softmax (total variation and chi-square over 4000 draws) at temperature 1,
 0.7 and with top-p; the checkpoint's generation config left out; greedy equal to eager greedy; the
-trainer's threads kept."""
+trainer's threads kept.
+The engine: `core.generation.vllm_engine`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.generation.engines import SamplingSettings
-from tests.test_static_rollout import eager_greedy
+from tests.test_static_engine import eager_greedy
 from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for, sampled_gap, scored
 
 DRAWS = 4000

@@ -14,8 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.algorithm.update import Ranks
-from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import ScoredGroups
 
 __all__ = ["GroupBuffer", "informative_groups"]
@@ -52,19 +51,18 @@ class GroupBuffer:
         self._reset()
 
     @classmethod
-    def for_config(cls, cfg: GRPOConfig, reward_names: list[str]) -> GroupBuffer:
-        """The buffer of `cfg`'s dynamic sampling, filtering on the reward function its
-        `dynamic_sampling_metric` names (a column of `rewards_per_func`), or on the weighted total."""
-        metric = cfg.dynamic_sampling_metric
-        if not cfg.dynamic_sampling or metric is None:
-            return cls(cfg.dynamic_sampling_max_rounds)
+    def filtering_on(cls, metric: str | None, reward_names: list[str], max_extra_rounds: int) -> GroupBuffer:
+        """The buffer that filters on the reward function `metric` names (a column of `rewards_per_func`),
+        or on the weighted total when None."""
+        if metric is None:
+            return cls(max_extra_rounds)
         if metric not in reward_names:
             raise ValueError(
                 f"GRPOConfig.dynamic_sampling_metric={metric!r} is not one of the reward functions "
                 f"{reward_names}: name the one that says whether a completion is right, or null for their "
                 "weighted total"
             )
-        return cls(cfg.dynamic_sampling_max_rounds, reward_names.index(metric))
+        return cls(max_extra_rounds, reward_names.index(metric))
 
     def _reset(self) -> None:
         self.kept: list[ScoredGroups] = []

@@ -429,12 +429,70 @@ def truncated_importance_weights(scorer_logprobs: Tensor, sampler_logprobs: Tens
     return log_ratio.exp()  # [B, T] clamped in log space: no overflow before the cap
 
 
+def _bounded_by_truncation(log_ratio: Tensor, floor: float | None, cap: float | None) -> Tensor:
+    """The ratio clipped into [floor, cap] (in log space: no overflow before the cap)."""
+    low = None if floor is None else math.log(floor)
+    high = None if cap is None else math.log(cap)
+    return log_ratio.clamp(min=low, max=high).exp()
+
+
+def _bounded_by_mask(log_ratio: Tensor, floor: float | None, cap: float | None) -> Tensor:
+    """The ratio where it lies in [floor, cap], 0 outside (the token or sequence drops out of the loss)."""
+    ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
+    low, high = floor if floor is not None else 0.0, cap if cap is not None else math.inf
+    outside = (ratio < low) | (ratio > high)
+    return ratio.masked_fill(outside, 0.0)
+
+
+# TRL's `vllm_importance_sampling_mode`: the ratio pi_old / pi_sampler per token or per sequence (the
+# product over its tokens, applied to each of them), truncated into [floor, cap] or masked outside it.
+IMPORTANCE_SAMPLING_MODES = Choices(
+    "importance_sampling_mode",
+    {
+        "token_truncate": (False, _bounded_by_truncation),
+        "token_mask": (False, _bounded_by_mask),
+        "sequence_truncate": (True, _bounded_by_truncation),
+        "sequence_mask": (True, _bounded_by_mask),
+    },
+)
+ImportanceSamplingMode = Literal[tuple(IMPORTANCE_SAMPLING_MODES)]
+
+
+def importance_weights(
+    scorer_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    mode: str = "token_truncate",
+    cap: float | None = 2.0,
+    floor: float | None = None,
+) -> Tensor:
+    """The detached per-token weights `[B, T]` of the sampler correction in `mode`
+    (`IMPORTANCE_SAMPLING_MODES`): token_truncate with no floor is `truncated_importance_weights`.
+
+    Args:
+        scorer_logprobs / sampler_logprobs: `[B, T]` the sampled tokens' log-probs under pi_old and the
+            sampler.
+        mask: `[B, T]` the tokens that count (a sequence's ratio is the product over them).
+        cap / floor: the bounds of the ratio; None: unbounded on that side.
+    """
+    per_sequence, bound = IMPORTANCE_SAMPLING_MODES[mode]
+    log_ratio = (scorer_logprobs.detach() - sampler_logprobs) * mask  # [B, T]
+    if per_sequence:
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]
+    return bound(log_ratio, floor, cap).expand_as(scorer_logprobs)  # [B, T]
+
+
 def logprob_gap_stats(
-    scorer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float | None = None
+    scorer_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    cap: float | None = None,
+    weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """How far the sampler's log-probs are from the scorer's on the `mask`ed tokens: `rollout/logp_gap_mean`
     and `_max` of |scorer - sampler|, `rollout/logp_gap_frac_above` (the share above
-    `LOGP_GAP_THRESHOLD`), and with a `cap` the TIS weights' mean and the share truncated at it."""
+    `LOGP_GAP_THRESHOLD`), and with the correction's `weights` `[B, T]` (or a `cap`: the TIS weights at
+    it) their mean and the share bounded (at the cap, or masked to 0)."""
     mask = mask.bool()  # [B, T]
     gap = (scorer_logprobs.detach() - sampler_logprobs).abs().float()  # [B, T]
     gap = torch.where(mask, gap, torch.zeros((), device=gap.device))  # padding counts nowhere, even NaN
@@ -444,8 +502,10 @@ def logprob_gap_stats(
         "rollout/logp_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
         "rollout/logp_gap_frac_above": ((gap > LOGP_GAP_THRESHOLD) & mask).sum() / tokens,
     }
-    if cap is not None:
+    if weights is None and cap is not None:
         weights = truncated_importance_weights(scorer_logprobs, sampler_logprobs, cap)  # [B, T]
+    if weights is not None:
+        bounded = (weights == 0) | (weights >= cap if cap is not None else torch.zeros_like(mask))
         stats["rollout/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens
-        stats["rollout/is_weight_frac_capped"] = ((weights >= cap) & mask).sum() / tokens
+        stats["rollout/is_weight_frac_capped"] = (bounded & mask).sum() / tokens
     return stats

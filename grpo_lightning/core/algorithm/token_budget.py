@@ -75,11 +75,6 @@ def _split_to(micro_batches: list[list[int]], count: int, group_size: int) -> li
     return micro_batches
 
 
-def padded_tokens(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> int:
-    """Tokens computed when each micro-batch is padded to its own longest row: sum of rows x longest."""
-    return sum(len(rows) * max(lengths[r] for r in rows) for rows in micro_batches)
-
-
 def over_budget(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], max_tokens: int) -> list[int]:
     """Indices of the micro-batches over the budget: each a single unit too long to fit it alone."""
     return [
@@ -87,6 +82,3 @@ def over_budget(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], 
     ]
 
 
-def padding_share(lengths: Sequence[int], padded: int) -> float:
-    """Share of `padded` computed tokens that are padding."""
-    return 1.0 - sum(lengths) / padded

@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.sampling import (
     COMPACT_ABOVE_ROWS,
     SamplingSettings,
-    completion_logprobs,
     generate_completions,
     prefill_groups,
 )

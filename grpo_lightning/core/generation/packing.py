@@ -5,7 +5,7 @@ A rollout is a padded tensor: prompts left-padded to the longest prompt, complet
 longest completion. Its decoder passes (reference, old policy, policy) compute every padding position as if
 it were a token. Here each row's real tokens (its prompt, then its completion but the last token, which
 predicts nothing that is scored) go end to end into lines, and one attention mask keeps the rows apart;
-position ids restart at each row's prompt, as `sampling.position_ids` numbers the padded row. Every real
+position ids restart at each row's prompt, as `logprobs.position_ids` numbers the padded row. Every real
 token then sees exactly the tokens, at exactly the positions, it sees in its padded row, so its log-prob is
 the same up to rounding (tests/test_packing.py checks this in float64).
 
@@ -20,7 +20,7 @@ width squared: lines are as wide as the longest row, twice that, or (shared) a w
 computes the fewest FLOPs (`pack_rows`, `scores_per_position`). Wider lines waste less room at their ends
 and copy a group's prompt fewer times, but every token attends over the whole line.
 
-The LM head then runs on the scored tokens only (`sampling.head_logprobs`), not on the padding after each
+The LM head then runs on the scored tokens only (`logprobs.head_logprobs`), not on the padding after each
 row's end. The mask is a 4-D tensor in the format of the model's attention implementation (boolean for
 sdpa, additive for eager); flash attention takes no such mask, so `packing_unsupported` sends those models
 (and models with sliding-window layers, whose masks differ per layer) to the padded passes.
@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.engines import LogProbScorer, rows_share_prompts
-from grpo_lightning.core.generation.sampling import head_logprobs, not_full_attention
+from grpo_lightning.core.generation.logprobs import HeadOptions, head_logprobs
+from grpo_lightning.core.generation.sampling import not_full_attention
 from grpo_lightning.core.types import Rollout
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 PACKED_ATTENTION = ("sdpa", "eager")  # the attention implementations that take a 4-D mask
 
@@ -227,15 +232,11 @@ def packed_completion_logprobs(
     rollout: Rollout,
     rows: slice,
     group_size: int | None = None,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    max_logits_elements: int = 2**26,
+    **head: Unpack[HeadOptions],
 ) -> tuple[Tensor, Tensor]:
-    """`sampling.completion_logprobs` of `rollout`'s `rows`, packed (`pack_rows`; `group_size`: each
-    group's prompt shared by its completions). Returns `(logprobs, entropies)`, each `[b, T]` float32,
-    0 after each row's end."""
+    """`logprobs.completion_logprobs` of `rollout`'s `rows`, packed (`pack_rows`; `group_size`: each
+    group's prompt shared by its completions; `head`: `head_logprobs`' options). Returns
+    `(logprobs, entropies)`, each `[b, T]` float32, 0 after each row's end."""
     packed = pack_rows(rollout, rows, group_size, scores_per_position(model))
     decoder = model.get_decoder()
     dtype = model.get_input_embeddings().weight.dtype
@@ -247,15 +248,7 @@ def packed_completion_logprobs(
     ).last_hidden_state  # [lines, W, H]
     hidden = hidden.reshape(-1, hidden.size(-1))[packed.source]  # [n, H] the states predicting each token
     targets = rollout.completion_ids[rows][packed.scored]  # [n]
-    logprobs, entropies = head_logprobs(
-        model,
-        hidden[None],
-        targets[None],
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        max_logits_elements=max_logits_elements,
-    )  # [1, n] each
+    logprobs, entropies = head_logprobs(model, hidden[None], targets[None], **head)  # [1, n] each
     zeros = torch.zeros(packed.scored.shape, dtype=logprobs.dtype, device=logprobs.device)  # [b, T]
     return zeros.masked_scatter(packed.scored, logprobs[0]), zeros.masked_scatter(packed.scored, entropies[0])
 

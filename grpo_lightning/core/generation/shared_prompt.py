@@ -8,7 +8,7 @@ and the completions run on top of them as a KV cache:
   captures every layer's keys and values, then a forward of the completions that attends to them. The
   repeat is an index into the prompt tensors, so backward sums the G rows' gradients into the one prompt
   pass, which is exactly the gradient of G separate prompt passes. The log-probs equal
-  `sampling.completion_logprobs` on the concatenated rows up to rounding.
+  `logprobs.completion_logprobs` on the concatenated rows up to rounding.
 - generation (`sampling.prefill_groups`, beside the decoding it feeds): one forward of the distinct
   prompts but their last token into a `DynamicCache`, repeated to G rows; `generate` continues from it
   (vLLM's prefix caching does the same).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -28,13 +29,12 @@ from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from grpo_lightning.core.generation.sampling import (
-    cache_argument,
-    head_logprobs,
-    not_full_attention,
-    position_ids,
-)
+from grpo_lightning.core.generation.logprobs import HeadOptions, head_logprobs, position_ids
+from grpo_lightning.core.generation.sampling import cache_argument, not_full_attention
 from grpo_lightning.core.types import Rollout
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 class _CapturedPrompt(DynamicLayer):
@@ -86,7 +86,9 @@ def _cache_kept_under_checkpointing(decoder: nn.Module) -> Iterator[None]:
     transformers drops any cache inside a checkpointed layer otherwise."""
     layers = _checkpointable_layers(decoder)
     for layer in layers:
-        layer._can_checkpoint_with_cache = True  # an instance attribute over the class's False
+        # transformers' private class flag, set on the instance: no public switch keeps a cache through
+        # a checkpointed layer.
+        layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
@@ -152,13 +154,9 @@ def group_completion_logprobs(
     rollout: Rollout,
     rows: slice,
     num_generations: int,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    max_logits_elements: int = 2**26,
+    **head: Unpack[HeadOptions],
 ) -> tuple[Tensor, Tensor]:
-    """`sampling.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
+    """`logprobs.completion_logprobs` of `rollout`'s `rows`, each group's prompt encoded once.
 
     `rows` may cut groups (a micro-batch smaller than G, or not a multiple of it): every group it touches
     gets one prompt pass. Returns `(logprobs, entropies)`, each `[b, T]` float32, as `completion_logprobs`.
@@ -177,12 +175,4 @@ def group_completion_logprobs(
     hidden = shared_prompt_hidden(
         model, prompt_ids, prompt_mask, row_group, completion_ids, rollout.completion_mask[rows]
     )  # [b, T, H]
-    return head_logprobs(
-        model,
-        hidden,
-        completion_ids,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        max_logits_elements=max_logits_elements,
-    )
+    return head_logprobs(model, hidden, completion_ids, **head)

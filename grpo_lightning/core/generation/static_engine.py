@@ -123,7 +123,9 @@ def _round_up(value: int, multiple: int) -> int:
 def _compile_config(device: torch.device) -> CompileConfig:
     # CUDA graphs on GPU ("reduce-overhead"); dynamic=False: one graph per cache shape, no symbolic sizes.
     config = CompileConfig(dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    # transformers compiles on accelerators only unless told, and only through this private flag: no public
+    # field of CompileConfig sets it.
+    config._compile_all_devices = True
     return config
 
 

@@ -197,6 +197,3 @@ def audit_module_rewards(pl_module: Any, rows: Sequence[dict]) -> AuditReport:
         [r["prompt"] for r in rows] if all("prompt" in r for r in rows) else None,
         getattr(pl_module, "tokenizer", None),
     )
-
-
-# The callback lived here in 0.1.0.

@@ -18,6 +18,7 @@ A reward function is called with keywords only::
 
 A function may be `async def` (or return an awaitable): those of one call run concurrently, as in TRL.
 It must return a list (or tuple) with one real number or `None` (does not apply) per completion.
+`weighted_groups` then weighs the functions' rewards into each completion's total.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import Tensor
 from transformers import TrainerState
 
 from grpo_lightning.core.rewards.verifiable import accuracy_reward, format_reward, reward_name
-from grpo_lightning.core.types import Rollout
+from grpo_lightning.core.types import Rollout, ScoredGroups
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 __all__ = [
@@ -314,3 +315,12 @@ def score_completions(reward_funcs: Sequence[Callable], inputs: RewardInputs) ->
             f"{inputs.completions[i][:200]!r}"
         )
     return Scores(rewards, log.extra, log.metric_means())
+
+
+def weighted_groups(
+    prompts: list, rollout: Rollout, completions: list[str], rewards_per_func: Tensor, weights: Tensor, G: int
+) -> ScoredGroups:
+    """The rollout's groups with their rewards per function `[B, F]` and their weighted total `[B]`, where a
+    function that answered None (NaN, not applicable) counts 0."""
+    rewards = (rewards_per_func.nan_to_num(0.0) * weights).sum(dim=1)  # [B]
+    return ScoredGroups(prompts, rollout, completions, rewards_per_func, rewards, G)

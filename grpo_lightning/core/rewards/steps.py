@@ -434,6 +434,3 @@ class StepReward:
 
 
 step_reward = StepReward()
-
-
-# Lived here in 0.1.0, beside the verifier; now beside the step credit that uses it.

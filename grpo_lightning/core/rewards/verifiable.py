@@ -315,6 +315,3 @@ def reward_name(fn: Callable[..., Any]) -> str:
     if isinstance(name, str):
         return name
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", type(fn).__name__).lower()
-
-
-# The audit lived here in 0.1.0; it is now with its cases and report in `audit`.

@@ -1,10 +1,13 @@
 """The rollout seam: one sampling path for training and `generate_answers`, and an engine that the module
 tells when the weights change and asks to refresh before each rollout."""
 
+from dataclasses import dataclass
+
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine, LogProbScorer, RolloutEngine
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.training.evaluation import generate_answers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer
@@ -91,3 +94,33 @@ def test_the_engine_hears_of_every_weight_change_and_refreshes_before_each_rollo
     assert not torch.equal(engine.refreshed[0], engine.refreshed[1]), "the second rollout's weights moved"
     module.load_state_dict(module.state_dict())
     assert engine.changes == 5, "a checkpoint load is a change"
+
+
+def test_evaluation_builds_its_settings_and_sees_no_training_knob(tiny_model_dir):
+    @dataclass(frozen=True, kw_only=True)
+    class WithKnob(SamplingSettings):
+        repetition_penalty: float = 1.0  # a knob that sampling could gain later
+
+    class Recording(EagerEngine):
+        def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
+            self.seen = settings
+            return super().generate(
+                model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample,
+                settings=settings,
+            )
+
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_completion_length=8))
+    module.configure_model()
+    training = module.rollouts.current_engine().settings
+    knobs = dict(min_new_tokens=3, temperature=0.7, top_p=0.5, top_k=5, repetition_penalty=1.3)
+    engine = Recording(WithKnob(**{**vars(training), **knobs}))
+    policy, tokenizer = module.policy, module.tokenizer
+    generate_answers(policy, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.9, engine=engine)
+    expected = SamplingSettings(
+        max_new_tokens=6,
+        eos_token_ids=training.eos_token_ids,
+        pad_token_id=training.pad_token_id,
+        temperature=0.9,
+        share_prompt=training.share_prompt,
+    )
+    assert type(engine.seen) is SamplingSettings and engine.seen == expected

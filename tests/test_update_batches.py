@@ -11,15 +11,15 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from grpo_lightning.core.algorithm.update import (
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.core.update import (
     build_trajectory,
     group_rows,
     mini_batch_denominators,
     mini_batches,
     shuffled_mini_batches,
 )
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.resume import INTERRUPT_FILENAME
 from tests.helpers import length_reward, quiet_trainer, tiny_module

