@@ -277,7 +277,7 @@ class GRPOConfig:
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
     generation_backend: Literal["auto", "eager", "static", "vllm"] = "auto"
-    """How rollouts are decoded (`grpo_lightning.core.generation.backends`, one entry per engine). "eager":
+    """How rollouts are decoded (`grpo_lightning.training.backends`, one entry per engine). "eager":
     `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear

@@ -17,7 +17,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.backends import EngineRequest, build_engine
 from grpo_lightning.core.generation.engines import (
     LogProbScorer,
     PromptEncoder,
@@ -35,6 +34,7 @@ from grpo_lightning.io.distributed import (
     gathered_for_generation,
     is_sharded,
 )
+from grpo_lightning.training.backends import EngineRequest, build_engine
 
 
 class PolicyRollouts:
