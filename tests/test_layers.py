@@ -222,7 +222,7 @@ def tested_in() -> dict[str, list[str]]:
     tables = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = tables.split("## Where each file is tested", 1)[1]
     rows = re.findall(r"^\| `(grpo_lightning/[\w/]+\.py)` \| (.+) \|$", section, re.M)
-    return {path: re.findall(r"`(tests/test_\w+\.py)`", tests) for path, tests in rows}
+    return {path: re.findall(r"`(tests/(?:vllm_backend/)?test_\w+\.py)`", tests) for path, tests in rows}
 
 
 def imports_or_names(test_file: str, module: str) -> bool:

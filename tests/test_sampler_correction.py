@@ -152,3 +152,30 @@ def test_gap_is_logged_every_step_and_about_zero_for_eager_float32(tiny_model_di
             assert logged["rollout/logp_gap_max"] < 1e-4 and logged["rollout/logp_gap_frac_above"] == 0.0
             assert logged["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
             assert logged["rollout/tokens_per_second"] > 0 and logged["rollout/ms_per_decoding_step"] > 0
+
+
+def test_importance_sampling_modes_bound_tokens_or_sequences_as_trl_does():
+    """TRL 1.16's four modes (`vllm_importance_sampling_mode`) on one batch: ratios per token or per
+    completion (the product over its tokens), clipped into [floor, cap] or zeroed outside it."""
+    from grpo_lightning.core.algorithm.loss import importance_weights
+
+    scorer = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.5, 0.5, 0.0], [-0.2, -0.1, 0.0]])  # ratios e^1.5, e^-0.5, 1; e^0.2, e^0.1
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the last token of row 1 is padding
+    ratio = (scorer - sampler).exp()  # [2, 3]
+    outside = (ratio < 0.7) | (ratio > 2.0)  # [2, 3]
+    weights, bounded = importance_weights(scorer, sampler, mask, "token_truncate", cap=2.0, floor=0.7)
+    torch.testing.assert_close(weights, ratio.clamp(0.7, 2.0))
+    assert torch.equal(bounded, outside)
+    weights, bounded = importance_weights(scorer, sampler, mask, "token_mask", cap=2.0, floor=0.7)
+    torch.testing.assert_close(weights, torch.where(outside, 0.0, ratio))
+    assert torch.equal(bounded, outside)
+    sequence = torch.tensor([1.5 - 0.5, 0.2 + 0.1]).exp()  # [2] the masked tokens' product
+    weights, bounded = importance_weights(scorer, sampler, mask, "sequence_truncate", cap=1.3, floor=None)
+    torch.testing.assert_close(weights, sequence.clamp(max=1.3)[:, None].expand(2, 3))
+    assert bounded.tolist() == [[True] * 3, [False] * 3]  # e^1.0 > 1.3 > e^0.3
+    weights, bounded = importance_weights(scorer, sampler, mask, "sequence_mask", cap=2.0, floor=None)
+    torch.testing.assert_close(weights, torch.tensor([[0.0] * 3, [float(sequence[1])] * 3]))
+    assert bounded.tolist() == [[True] * 3, [False] * 3]
+    plain, _ = importance_weights(scorer, sampler, mask, "token_truncate", cap=2.0)
+    torch.testing.assert_close(plain, truncated_importance_weights(scorer, sampler, 2.0))

@@ -15,6 +15,7 @@ from grpo_lightning.core.algorithm.loss import (
     K1_IN_LOSS,
     Baseline,
     ImportanceSamplingLevel,
+    ImportanceSamplingMode,
     KLEstimator,
     LossType,
     ScaleRewards,
@@ -127,6 +128,18 @@ class GRPOConfig:
     importance_sampling_cap: Annotated[float, Range(">= 1", why="below 1 it shrinks on-policy tokens")] = 2.0
     """The truncation C of `importance_sampling_correction`'s weights; 2.0 as Yao et al. 2025 (TRL's
     `vllm_importance_sampling_clip_max` defaults to 3.0, verl's `rollout_is_threshold` to 2.0).
+    """
+    importance_sampling_mode: ImportanceSamplingMode = "token_truncate"
+    """How `importance_sampling_correction` bounds the ratio pi_old / pi_sampler, as TRL's
+    `vllm_importance_sampling_mode`: "token_truncate" (each token's ratio clipped into
+    [importance_sampling_floor, importance_sampling_cap], Yao et al.'s TIS), "token_mask" (a token whose
+    ratio is outside drops out of the loss), "sequence_truncate" / "sequence_mask" (one ratio per
+    completion, the product over its tokens, clipped, or the whole completion dropped; TRL's default with
+    vLLM is "sequence_mask"). `core.algorithm.loss.importance_weights`.
+    """
+    importance_sampling_floor: Annotated[float, Range("> 0, <= 1")] | None = None
+    """The lower bound of `importance_sampling_mode`'s ratio (a floor for the truncate modes, below it
+    masked for the mask modes); None: no lower bound. TRL: `vllm_importance_sampling_clip_min`.
     """
     epsilon: PositiveFloat = 0.2
     """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
@@ -268,20 +281,49 @@ class GRPOConfig:
     another model (flash attention, a sliding window in any layer) keeps the padded passes, with a warning
     (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
     """
-    generation_backend: Literal["auto", "eager", "static"] = "auto"
-    """How rollouts are decoded. "eager": `generate` on the training policy with a dynamic KV cache
+    generation_backend: Literal["auto", "eager", "static", "vllm"] = "auto"
+    """How rollouts are decoded (`grpo_lightning.training.backends`, one entry per engine). "eager":
+    `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
     weights in the compute dtype, LoRA adapters unmerged, under the trainer's autocast), refreshed in place
     once before each rollout after the weights changed, its decoding step compiled once with CUDA graphs on
     CUDA and run uncompiled on CPU (`grpo_lightning.core.generation.static_engine`); it costs the copy and
     one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch shape. Both stop
-    decoding finished rows once at most half of a batch of more than 8 rows is live. "auto" (the default):
-    "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no faster and the uncompiled copy
-    is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model the static path cannot serve
-    (sliding-window or linear-attention layers, a quantized base, DoRA) falls back to "eager" with one
-    warning; a model with a sliding window (`sliding_window`, or `layer_types`:
+    decoding finished rows once at most half of a batch of more than 8 rows is live. "vllm": a colocated
+    vLLM engine on every rank, pushed the policy's weights before each rollout after they changed
+    (`grpo_lightning.core.generation.vllm_engine`; options `vllm_*` below). "auto" (the default): "vllm"
+    on CUDA where vLLM imports, else "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no
+    faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model
+    the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
+    back to "eager" with one warning; a model with a sliding window (`sliding_window`, or `layer_types`:
     `sampling.not_full_attention`) gets one warning for the three options it turns off.
+    """
+    # ------------------------------------------------------------------------------------------------ vllm
+    vllm_max_model_len: PositiveInt | None = None
+    """`generation_backend: vllm`: the longest prompt + completion one request may hold (vLLM's
+    `max_model_len`); None: max_prompt_length + max_completion_length, or the model's
+    `max_position_embeddings` without a max_prompt_length. TRL: `vllm_max_model_length`.
+    """
+    vllm_kv_cache_gb: PositiveFloat | None = None
+    """`generation_backend: vllm`: the KV pool in GB per rank (vLLM's `kv_cache_memory_bytes`). None: on CUDA
+    vLLM sizes it from `vllm_gpu_memory_utilization`; on CPU 1 GB (vLLM's own CPU default,
+    `VLLM_CPU_KVCACHE_SPACE`, is several GB). The pre-flight's memory estimate counts it.
+    """
+    vllm_gpu_memory_utilization: Annotated[float, Range("> 0, <= 1")] = 0.3
+    """`generation_backend: vllm` on CUDA: the share of each GPU's memory vLLM takes for its weights and KV
+    pool when `vllm_kv_cache_gb` is None, beside the trainer's; 0.3 as TRL's colocate default. TRL:
+    `vllm_gpu_memory_utilization`.
+    """
+    vllm_enable_sleep_mode: bool = False
+    """`generation_backend: vllm` on CUDA: between rollouts vLLM frees its KV pool and offloads its weights
+    to CPU memory (`LLM.sleep(level=1)`), and wakes before the next push, so the update has the GPU to
+    itself; costs the offload and reload each step. Ignored on CPU (sleep mode is CUDA-only). TRL:
+    `vllm_enable_sleep_mode`.
+    """
+    vllm_enforce_eager: bool = False
+    """`generation_backend: vllm`: no `torch.compile` of vLLM's model and no CUDA graphs: a faster start,
+    slower decoding (vLLM's `enforce_eager`). TRL: none.
     """
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state

@@ -93,12 +93,14 @@ def estimate_memory(
     sequences: int = 1,
     tokens: int = 1,
     inference_copy_bytes: int | None = None,
+    kv_pool_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Memory per GPU of a run: `world` processes, FSDP2 when `sharded` (else one device or DDP, each
     holding everything), `reference` a separate frozen copy, `sequences` rollout rows of `tokens` tokens
     per process (the static engine's: its cache's rows and length), compute in `compute_bytes` per value
-    (2 under bf16 or fp16 compute). `inference_copy_bytes`: the static engine's copy; None: eager rollouts
-    on the policy itself."""
+    (2 under bf16 or fp16 compute). `inference_copy_bytes`: the weights a rollout engine holds of its own
+    (the static engine's copy, vLLM's); None: eager rollouts on the policy itself. `kv_pool_bytes`: an
+    engine's KV pool of a size of its own (vLLM's); None: a cache of `sequences` x `tokens`."""
     share = world if sharded else 1
     states = {
         "weights": model.weight_bytes // share,
@@ -120,7 +122,7 @@ def estimate_memory(
     elif sharded:
         estimate.gpu["generate gather"] = model.parameters * compute_bytes
     per_token = 2 * model.layers * model.kv_heads * model.head_dim * compute_bytes
-    estimate.gpu["KV cache"] = per_token * sequences * tokens
+    estimate.gpu["KV cache"] = per_token * sequences * tokens if kv_pool_bytes is None else kv_pool_bytes
     return estimate
 
 

@@ -36,9 +36,9 @@ from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.loss import (
     group_advantages,
     grpo_loss,
+    importance_weights,
     kl_in_reward,
     logprob_gap_stats,
-    truncated_importance_weights,
 )
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
@@ -109,8 +109,8 @@ def build_trajectory(
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
     mask = loss_mask(rollout, cfg.mask_truncated_completions)  # [B, T]
     if old_logprobs is not None and rollout.sampler_logprobs is not None:
-        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
-        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, cap))
+        correction = sampler_correction(cfg, old_logprobs, rollout.sampler_logprobs, mask)  # or None
+        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, None, correction))
     return Trajectory(
         **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
         loss_mask=mask,
@@ -223,17 +223,16 @@ def micro_batch_loss(
     normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`). With the sampler's
     log-probs, the statistics hold the gap to the scorer's, pi_old: the rollout-time log-probs, or with one
     optimizer step per rollout the policy's own (the same weights), so the gap costs no extra pass; with
-    `importance_sampling_correction` the loss weights each token by `truncated_importance_weights`."""
+    `importance_sampling_correction` the loss weights each token by `sampler_correction`'s weights."""
     t = trajectory
     old_logprobs = None if t.old_logprobs is None else t.old_logprobs[rows]  # [b, T]
     weights, gap = None, {}
     if t.rollout.sampler_logprobs is not None:
         scorer = old_logprobs if old_logprobs is not None else logprobs.detach()  # [b, T] pi_old
         sampler = t.rollout.sampler_logprobs[rows]  # [b, T]
-        cap = cfg.importance_sampling_cap if cfg.importance_sampling_correction else None
-        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], cap)
-        if cap is not None:
-            weights = truncated_importance_weights(scorer, sampler, cap)  # [b, T]
+        correction = sampler_correction(cfg, scorer, sampler, t.loss_mask[rows])  # ([b, T], [b, T]) or None
+        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], None, correction)
+        weights = None if correction is None else correction[0]
     loss, stats = grpo_loss(
         logprobs,
         t.token_advantages[rows],
@@ -434,3 +433,15 @@ class StepGuard:
         self.bad_steps = 0
         optimizer.step()
         return True
+
+
+def sampler_correction(
+    cfg: GRPOConfig, scorer: Tensor, sampler: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The weights `[B, T]` of `cfg`'s importance-sampling correction and where its bounds changed them
+    (`loss.importance_weights` in `importance_sampling_mode`, bounded by `importance_sampling_floor` and
+    `_cap`), None when it is off."""
+    if not cfg.importance_sampling_correction:
+        return None
+    bounds = cfg.importance_sampling_cap, cfg.importance_sampling_floor
+    return importance_weights(scorer, sampler, mask, cfg.importance_sampling_mode, *bounds)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
+from grpo_lightning.core.generation.vllm_engine import shutdown_engines
 from grpo_lightning.core.ranks import OneProcess
 
 
@@ -231,6 +232,7 @@ def close_process_group() -> None:
     destructors ("terminate called without an active exception", exit status -6) while a gloo or NCCL
     thread is still running, after the run itself succeeded.
     """
+    shutdown_engines()  # vLLM's first: their shutdown tears the group down, and fails if it is gone
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -39,9 +39,16 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
 
 
 def build_model(
-    vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0, **config
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    **config,
 ) -> LlamaForCausalLM:
-    """A random Llama-architecture causal LM (the architecture of SmolLM2, Llama and, nearly, Qwen2)."""
+    """A random Llama-architecture causal LM (the architecture of SmolLM2, Llama and, nearly, Qwen2);
+    `tie_word_embeddings`: the LM head is the embedding, as SmolLM2's."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -51,7 +58,7 @@ def build_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         **config,
     )
     return LlamaForCausalLM(cfg)

