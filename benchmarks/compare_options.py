@@ -91,6 +91,9 @@ UPDATE_KEYS = (  # logged as train/<key>
     "step_seconds",
 )
 TRAINER_LEFT_OUT = ("logger", "callbacks", "max_time", "enable_checkpointing", "default_root_dir")
+CLI_LEFT_OUT = (
+    "results",
+)  # `cli.py validate`'s results file: the runs here validate through their own evaluation
 WRITER = "benchmarks/compare_options.py"  # the mark of its results files
 # Data options that leave the held-out problems and their prompts alone: an accuracy measured before
 # training holds whatever they are.
@@ -173,7 +176,7 @@ def option_names() -> dict[tuple[str, ...], tuple[str, set[str]]]:
         return set(inspect.signature(cls).parameters) - {"self", "args", "kwargs"}
 
     return {
-        (): ("this script's config", {"seed_everything", "model", "data", "trainer"}),
+        (): ("this script's config", {"seed_everything", "model", "data", "trainer", *CLI_LEFT_OUT}),
         ("model",): ("GRPOModule", arguments(GRPOModule)),
         ("model", "grpo"): ("GRPOConfig", {f.name for f in dataclasses.fields(GRPOConfig)}),
         ("model", "model_options"): ("ModelOptions", {f.name for f in dataclasses.fields(ModelOptions)}),
@@ -190,6 +193,10 @@ def check_keys(config: dict, overrides: list[str]) -> None:
     sections = option_names()
     for item in overrides:
         key = item.partition("=")[0]
+        if key.split(".")[0] in CLI_LEFT_OUT:
+            raise ValueError(
+                f"--set {item!r}: {key.split('.')[0]} is cli.py's; this script writes only --out"
+            )
         if key.startswith("trainer.") and key.removeprefix("trainer.") in TRAINER_LEFT_OUT:
             raise ValueError(
                 f"--set {item!r}: this script leaves {key} out of every run (with the rest of "
