@@ -37,6 +37,11 @@ def unit_longest(lengths, rows, group_size):
     return [max(lengths[s : s + group_size]) for s in starts]
 
 
+def padded_tokens(lengths: list[int], micro_batches: list[list[int]]) -> int:
+    """Tokens computed when each micro-batch is padded to its own longest row: sum of rows x longest."""
+    return sum(len(rows) * max(lengths[r] for r in rows) for rows in micro_batches)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     group_size=st.integers(1, 4),
@@ -44,11 +49,6 @@ def unit_longest(lengths, rows, group_size):
     budget=st.integers(1, 400),
     data=st.data(),
 )
-def padded_tokens(lengths: list[int], micro_batches: list[list[int]]) -> int:
-    """Tokens computed when each micro-batch is padded to its own longest row: sum of rows x longest."""
-    return sum(len(rows) * max(lengths[r] for r in rows) for rows in micro_batches)
-
-
 def test_partition_invariants(group_size, groups, budget, data):
     lengths = data.draw(
         st.lists(st.integers(1, 100), min_size=groups * group_size, max_size=groups * group_size)
