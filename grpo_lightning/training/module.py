@@ -228,7 +228,9 @@ class GRPOModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
-        return [optimizer], [build_scheduler(optimizer, *schedule)]
+        # Stepped after every optimizer step (`_step_schedulers`): a bare scheduler is Lightning's "epoch".
+        scheduler = {"scheduler": build_scheduler(optimizer, *schedule), "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Called before Lightning refuses the Trainer's clipping and accumulation under manual optimisation:
