@@ -294,7 +294,8 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
-        self._epochs_from_steps = self.trainer.max_epochs == -1 and self.trainer.max_steps > 0
+        trainer = self._trainer  # None where a test calls the hook on a module alone
+        self._epochs_from_steps = trainer is not None and trainer.max_epochs == -1 and trainer.max_steps > 0
         if self._epochs_from_steps:
             bound_epochs_by_steps(self.trainer, self.grpo)
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
