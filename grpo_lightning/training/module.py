@@ -228,7 +228,9 @@ class GRPOModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
-        return [optimizer], [build_scheduler(optimizer, *schedule)]
+        # Stepped after every optimizer step (`_step_schedulers`): a bare scheduler is Lightning's "epoch".
+        scheduler = {"scheduler": build_scheduler(optimizer, *schedule), "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Called before Lightning refuses the Trainer's clipping and accumulation under manual optimisation:
@@ -292,7 +294,8 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_start(self) -> None:
-        self._epochs_from_steps = self.trainer.max_epochs == -1 and self.trainer.max_steps > 0
+        trainer = self._trainer  # None where a test calls the hook on a module alone
+        self._epochs_from_steps = trainer is not None and trainer.max_epochs == -1 and trainer.max_steps > 0
         if self._epochs_from_steps:
             bound_epochs_by_steps(self.trainer, self.grpo)
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
