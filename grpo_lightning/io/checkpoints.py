@@ -192,8 +192,8 @@ def _container(value: object) -> object | None:
 def plain_value(value: object, where: str) -> object:
     """`value` in the plain values that `torch.load(weights_only=True)` and every logger read (str, int,
     float, bool, None, and lists and string-keyed dicts of them): Hydra's containers as dicts and lists,
-    tuples as lists, paths as strings, dataclasses as dicts. Anything else raises ValueError naming
-    `where`."""
+    tuples and sets as lists, paths as strings, dataclasses as dicts. Anything else raises ValueError
+    naming `where`."""
     container = _container(value)
     if container is not None:
         value = container
@@ -214,6 +214,8 @@ def plain_value(value: object, where: str) -> object:
         return {key: plain_value(item, f"{where}.{key}") for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [plain_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, set | frozenset):  # a list in a fixed order, for the same checkpoint every run
+        return [plain_value(item, f"{where}[{i}]") for i, item in enumerate(sorted(value, key=repr))]
     raise ValueError(
         f"{where}={value!r} is a {type(value).__name__}: checkpoints and loggers take plain hyper-parameters "
         "(str, int, float, bool, None, lists and dicts of them); pass it as one (a function or class by its "
