@@ -18,6 +18,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.validation import ValidationScoring
 from grpo_lightning.training.validation_sets import COUNTED, SetScores, ValidationSet, rank_share
 from tests.helpers import GSM8K_DIR, gsm8k_rows
 
@@ -121,6 +122,8 @@ def test_each_set_is_scored_on_its_own(tiny_model_dir, tmp_path):
     ] == pytest.approx(3 / 7)
     assert "val/math/maj_at_k" not in results  # a reward's set has accuracy (mean@k) and pass@k
     assert module.validation.scores[1].k == 2 and module.validation.scores[0].k == 1
+    assert isinstance(module.validation, ValidationScoring)
+    assert sorted(module.validation.metric_names(data)) == sorted(results)  # what a monitor may name
     answers = [r["answer"] for r in gsm8k_rows("test", 5)]
     assert [r["answer"] for r in data.val_set_rows[0]] == answers  # the set's own rows, GSM8K's test split
 
