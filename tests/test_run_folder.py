@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -103,6 +104,29 @@ def test_a_folder_holding_another_runs_config_is_refused_before_training(cli_run
     assert exit_info.value.code == 2
     assert f"error: {saved} exists: that folder holds another run's config" in capsys.readouterr().err
     assert saved.read_text() == before and glob.glob(str(saved.parent / "checkpoints" / "*.ckpt")) == [ckpt]
+
+
+def test_two_runs_starting_in_one_folder_at_once_the_second_is_refused(cli_run, capsys):
+    root, config, saved, ckpt = cli_run
+    folder = saved.parent.parent / "version_7"  # both runs given version 7, neither has written its config
+    lock = folder / "config.yaml.lock"
+    other = subprocess.Popen(["sleep", "60"])  # the first run, alive on this host, holding the folder
+    try:
+        folder.mkdir()
+        lock.write_text(f"process {other.pid} on {socket.gethostname()}: cli.py fit\n")
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(config), "--trainer.logger.init_args.version=version_7"])
+    finally:
+        other.kill()
+        other.wait()
+    assert exit_info.value.code == 2
+    assert f"error: the run's config {folder / 'config.yaml'} is being written by another run (process " in (
+        capsys.readouterr().err
+    )
+    # The first run's lock is left as it was; the second wrote no config and no checkpoint (its logger's
+    # empty event file aside).
+    assert lock.read_text() == f"process {other.pid} on {socket.gethostname()}: cli.py fit\n"
+    assert [name for name in os.listdir(folder) if not name.startswith("events.out")] == ["config.yaml.lock"]
 
 
 def test_validate_and_export_take_the_saved_config_and_a_checkpoint_alone(cli_run, capsys):

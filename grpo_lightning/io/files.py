@@ -35,10 +35,11 @@ def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], obj
     """Write `content` (bytes, text as UTF-8, or a function writing to a binary file) to `path` whole: see
     the module's docstring. `what` names the file in the error (`the checkpoint`, `the results file`)."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
-    os.close(fd)
+    temporary = None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+        os.close(fd)
         with open(temporary, "wb") as f:
             if callable(content):
                 content(f)
@@ -50,8 +51,9 @@ def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], obj
             os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, path)
     except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
+        if temporary is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary)
         if isinstance(err, OSError):
             kept = "the earlier file is kept" if os.path.exists(path) else "no partial file left"
             name = f"{what} {path}" if what else path
@@ -145,6 +147,11 @@ class OutputLock:
         for _ in range(2):  # once more after taking over a lock whose holder is gone
             try:
                 fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except PermissionError as err:  # a read-only folder: nothing can be written there
+                where = os.path.dirname(self.lock_path)
+                raise ValueError(
+                    f"{self.option} {self.path}: cannot write in {where} ({err.strerror})"
+                ) from None
             except FileExistsError:
                 other = self._holder()
                 if other is not None:

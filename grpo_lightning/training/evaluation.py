@@ -37,6 +37,7 @@ from grpo_lightning.io.files import OutputLock, write_atomically
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.monitoring import logging_step
+from grpo_lightning.training.output_lock import HoldsOutputLock
 from grpo_lightning.training.validation_sets import COUNTED
 
 __all__ = ["GSM8KAccuracyCallback", "ValidationResultsWriter", "generate_answers"]
@@ -181,7 +182,7 @@ class GSM8KAccuracyCallback(L.Callback):
             pl_module.log(name, value, logger=False, prog_bar=name == f"{self.prefix}accuracy")
 
 
-class ValidationResultsWriter(L.Callback):
+class ValidationResultsWriter(HoldsOutputLock):
     """Writes every validation completion of the last validation run to a JSON-lines file, judged as the
     validation metrics judged it; likewise every completion of a `trainer.test` run (`set` as in
     `test/<name>/accuracy`), and every answer of a `trainer.predict` run (the row's data columns, `sample`,
@@ -208,7 +209,6 @@ class ValidationResultsWriter(L.Callback):
         self.overwrite = overwrite
         self._records: list[dict] = []
         self._checked: str | None = None  # the path checked for this run: later validations rewrite it
-        self._lock: OutputLock | None = None
 
     def _rank_path(self, trainer: L.Trainer) -> str:
         return self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
@@ -217,27 +217,10 @@ class ValidationResultsWriter(L.Callback):
         if self.path is not None:  # before any weights load: never after the validation it is for
             path = self._rank_path(trainer)
             check_results_path(path, self.overwrite)
-            self._lock = OutputLock(path, "results.path")  # held until the run ends: a second run is refused
-            self._lock.acquire()
-            try:
-                check_results_path(path, self.overwrite)  # again: a run holding the lock may have written it
-            except BaseException:
-                self._release()
-                raise
+            # Held until the run ends, a second run is refused; checked again, as a run holding the lock
+            # before may have written it.
+            self.hold_lock(path, "results.path", lambda: check_results_path(path, self.overwrite))
             self._checked = path
-
-    def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._release()
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self._release()
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._records = []

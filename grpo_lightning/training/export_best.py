@@ -11,10 +11,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from grpo_lightning.io.distributed import is_sharded
 from grpo_lightning.io.export import check_export_folder, export_policy, sources_of
-from grpo_lightning.io.files import OutputLock
+from grpo_lightning.training.output_lock import HoldsOutputLock
 
 
-class ExportBestCallback(L.Callback):
+class ExportBestCallback(HoldsOutputLock):
     """At the end of `fit`, loads the best checkpoint's policy weights into the module (as
     `trainer.test(ckpt_path="best")` would) and exports them with `export_policy`: `save_pretrained` model and
     tokenizer in `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained`.
@@ -49,7 +49,6 @@ class ExportBestCallback(L.Callback):
         self.model_attr = model_attr
         self.tokenizer_attr = tokenizer_attr
         self.exported_from: str | None = None  # the checkpoint exported, None for the final weights
-        self._lock: OutputLock | None = None
 
     def _out_dir(self, trainer: L.Trainer) -> str:
         return self.out_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "export")
@@ -69,29 +68,14 @@ class ExportBestCallback(L.Callback):
         if stage != "fit":
             return
         out_dir = self._out_dir(trainer)
+
+        def check() -> None:  # before training, never after it
+            check_export_folder(out_dir, self.overwrite, self._protected(trainer, pl_module))
+
         if trainer.is_global_zero:  # held until the run ends: another run exporting here is refused now
-            self._lock = OutputLock(out_dir, "export folder")
-            self._lock.acquire()
-        try:
-            check_export_folder(
-                out_dir, self.overwrite, self._protected(trainer, pl_module)
-            )  # not after training
-        except BaseException:
-            self._release()
-            raise
-
-    def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._release()
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self._release()
+            self.hold_lock(out_dir, "export folder", check)
+        else:
+            check()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         monitored = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
+from grpo_lightning.training.output_lock import HoldsOutputLock
 from grpo_lightning.training.resume import InterruptCheckpoint
 
 __all__ = ["SaveRunConfig", "checkpoint_roots", "latest_checkpoint", "run_folder"]
@@ -40,24 +41,30 @@ def run_folder(trainer: L.Trainer) -> str:
 FIT_ARGUMENTS = ("ckpt_path", "weights_only", "new_data")
 
 
-class SaveRunConfig(SaveConfigCallback):
+class SaveRunConfig(SaveConfigCallback, HoldsOutputLock):
     """Writes the run's whole config (every default filled in, the seed drawn, options taken from a resumed
     checkpoint) to `config.yaml` in `run_folder` when `fit` starts; nothing for `validate` or `export`, which
     train nothing. `fit`'s own `ckpt_path`, `weights_only` and `new_data` are left out: `validate`,
     `export`, `audit` and `fit` all take the file. A folder that already holds a config (a logger given a
-    fixed version) is refused."""
+    fixed version), or that another run is writing (its `config.yaml.lock`, held until that run ends), is
+    refused."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.already_saved:
             return
         folder = run_folder(trainer)
         path = os.path.join(folder, self.config_filename)
-        taken = trainer.is_global_zero and os.path.exists(path) and not self.overwrite
-        if trainer.strategy.broadcast(taken):  # every rank stops, not rank 0 alone
-            raise ValueError(
-                f"{path} exists: that folder holds another run's config (a logger with a fixed version, "
-                "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
-            )
+        refusal = None
+        if trainer.is_global_zero:
+            # Held until the run ends: two runs starting at once in one folder (both given version 0, or one
+            # checkpoint dirpath) cannot both pass the check below and write their checkpoints together.
+            try:
+                self.hold_lock(path, "the run's config", lambda: self._check_unused(path))
+            except ValueError as err:
+                refusal = str(err)
+        refusal = trainer.strategy.broadcast(refusal)
+        if refusal is not None:  # every rank stops, not rank 0 alone
+            raise ValueError(refusal)
         if trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
             config = self.config.clone()
@@ -70,6 +77,13 @@ class SaveRunConfig(SaveConfigCallback):
                 f"this run's config: {path} (cli.py validate --config {path} --ckpt_path <checkpoint>)"
             )
         self.already_saved = True
+
+    def _check_unused(self, path: str) -> None:
+        if os.path.exists(path) and not self.overwrite:
+            raise ValueError(
+                f"{path} exists: that folder holds another run's config (a logger with a fixed version, "
+                "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
+            )
 
 
 def _as_list(value: object) -> list:
