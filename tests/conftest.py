@@ -35,6 +35,27 @@ SHARED_FIXTURE_FILES = {
 }
 
 
+# The files (or groups) that take longest, started first: no worker then waits alone at the end.
+LONGEST_FIRST = (
+    "two_rank_runs",
+    "tests/test_static_lora.py",
+    "tests/test_static_fsdp2.py",
+    "tests/test_interrupt.py",
+    "tests/test_bad_input_options.py",
+)
+
+
+def work_unit(nodeid: str) -> str:
+    """A test's unit of work under pytest-xdist: its file, or its group of `SHARED_FIXTURE_FILES`."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_FIXTURE_FILES.get(path, path)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    first = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(work_unit(item.nodeid), len(first)))  # stable: file order kept
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's work units: a test file's tests go to one worker (its module-scoped fixtures, a run
@@ -44,8 +65,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SHARED_FIXTURE_FILES.get(path, path)
+            return work_unit(nodeid)
 
     return FileScheduling(config, log)
 

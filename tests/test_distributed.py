@@ -426,6 +426,7 @@ def test_fsdp_matches_single_process_resumes_and_exports(single_run, runs, tiny_
     assert not torch.equal(untouched.lm_head.weight, model.lm_head.weight), "export wrote the untrained model"
 
 
+@pytest.mark.long
 def test_gpu_check_script_runs_on_cpu():
     """The H200 check, on its CPU path: both runs (FSDP2 bf16 with a sharded reference, LoRA) finish, and the
     rollout comparison's engines each write the workload's tokens."""

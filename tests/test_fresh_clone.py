@@ -26,6 +26,7 @@ def test_gsm8k_ships_inside_the_repository():
     assert {"data/gsm8k/train.jsonl", "data/gsm8k/test.jsonl", "data/gsm8k/LICENSE"} <= set(tracked)
 
 
+@pytest.mark.long
 def test_a_fresh_clone_runs_the_offline_configs_first_step(tmp_path, tiny_model_dir):
     """The committed HEAD, cloned into an empty folder, runs `cli.py fit` on the shipped CPU config; only
     the policy is swapped for the tiny model, to keep this to seconds (SmolLM2 itself: test_real_model.py,

@@ -69,6 +69,7 @@ def warm_started():
     return model, tokenizer
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["eager", "static"])
 def test_grpo_raises_heldout_reward(warm_started, backend):
     model, tokenizer = (copy.deepcopy(x) for x in warm_started)

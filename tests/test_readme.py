@@ -70,7 +70,7 @@ def test_the_readme_states_the_two_commands_and_ci_runs_its_test_command():
     words = [c[0] for c in COMMANDS]
     assert ["make", "demo"] in words and ["make", "test"] in words
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
-        assert f.read().strip().splitlines()[-2:] == ["make test", "make test-vllm"]
+        assert f.read().strip().splitlines()[-3:] == ["make test", "make test-long", "make test-vllm"]
     # The quick start comes first, and reaches a trained model's accuracy in its first 80 lines.
     assert re.findall(r"^## (.+)$", TEXT, re.M)[0] == "Quick start"
     assert TEXT[: TEXT.index("**3. Validate")].count("\n") < 80

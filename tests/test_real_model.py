@@ -22,6 +22,7 @@ def test_chat_template_prompt(smollm2_dir):
     assert module.tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.long
 def test_one_grpo_step_on_smollm2(smollm2_dir):
     torch.manual_seed(0)
     module = GRPOModule(
