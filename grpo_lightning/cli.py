@@ -382,15 +382,15 @@ def _drop_leaf(options: dict, dotted: str) -> None:
 
 
 def shows_option_docs(args: object) -> bool:
-    """Whether a command prints the options' descriptions (`--help`, `--print_config`, `--<key>.help`)."""
+    """Whether a command prints the options' descriptions: `--help`, `-h` or `--<key>.help`."""
     words = args if isinstance(args, list) else []
-    return any(w in ("-h", "--help") or w.startswith("--print_config") or w.endswith(".help") for w in words)
+    return any(w in ("-h", "--help") or w.endswith(".help") for w in words)
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
-    # The option dataclasses document each field under its declaration, which `--help` and `--print_config`
-    # show. Reading those docs parses the source of every class in the parser, 4 of a command's 5 seconds
-    # on 2 cores, so only the commands that show them read them.
+    # The option dataclasses document each field under its declaration, which `--help` shows. Reading those
+    # docs parses the source of every class in the parser, 4 of a command's 5 seconds on 2 cores, so only
+    # the commands that show them read them.
     argv = sys.argv[1:] if args is None else args
     set_parsing_settings(docstring_parse_attribute_docstrings=shows_option_docs(argv))
     return GRPOCLI(

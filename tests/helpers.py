@@ -1,6 +1,6 @@
 """What several test files share: the GSM8K rows, dense rewards for random-weight models, a quiet CPU
-Trainer, a small GRPO module on the tiny model, a model that is not all full attention, and the CLI's
-one-line errors."""
+Trainer, a small GRPO module on the tiny model, a model that is not all full attention, the CLI's one-line
+errors and the accuracy metric's names."""
 
 import json
 import os
@@ -15,6 +15,17 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
+
+# What `GSM8KAccuracy` reports, written out here so that a renamed or lost metric fails the tests.
+ACCURACY_KEYS = (
+    "accuracy",
+    "accuracy_strict",
+    "pass_at_k",
+    "pass_at_k_strict",
+    "maj_at_k",
+    "maj_at_k_strict",
+    "format",
+)
 
 # GSM8K (MIT) ships with the repository: data/gsm8k/{train,test}.jsonl.
 GSM8K_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gsm8k")

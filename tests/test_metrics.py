@@ -10,16 +10,7 @@ import torch
 from torchmetrics.utilities.data import dim_zero_sum
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, majority_vote, pass_at_k
-
-KEYS = (
-    "accuracy",
-    "accuracy_strict",
-    "pass_at_k",
-    "pass_at_k_strict",
-    "maj_at_k",
-    "maj_at_k_strict",
-    "format",
-)
+from tests.helpers import ACCURACY_KEYS
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -53,7 +44,7 @@ def test_majority_vote() -> None:
 
 def _values(metric: GSM8KAccuracy) -> dict[str, float]:
     result = metric.compute()
-    assert set(result) == set(KEYS)
+    assert set(result) == set(ACCURACY_KEYS)
     return {key: value.item() for key, value in result.items()}
 
 

@@ -31,17 +31,7 @@ from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.monitoring import RolloutRecord
 from grpo_lightning.training.monitors import CollapseMonitor
-from tests.helpers import GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
-
-VAL_KEYS = (
-    "accuracy",
-    "accuracy_strict",
-    "pass_at_k",
-    "pass_at_k_strict",
-    "maj_at_k",
-    "maj_at_k_strict",
-    "format",
-)
+from tests.helpers import ACCURACY_KEYS, GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 
 
 def tiny_data(**kwargs) -> GSM8KDataModule:
@@ -84,11 +74,11 @@ def test_fit_logs_validation_metrics_panel_and_monitor(tiny_model_dir: str, tmp_
     events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
-    for key in (*VAL_KEYS, "completion_length"):
+    for key in (*ACCURACY_KEYS, "completion_length"):
         assert set(scalars[f"val/{key}"]) == {0, 1}, key  # a validation after each training step, at its step
-    assert all(0.0 <= scalars[f"val/{key}"][1] <= 1.0 for key in VAL_KEYS)
+    assert all(0.0 <= scalars[f"val/{key}"][1] <= 1.0 for key in ACCURACY_KEYS)
     assert 1.0 <= scalars["val/completion_length"][1] <= 8.0
-    for key in VAL_KEYS:
+    for key in ACCURACY_KEYS:
         assert scalars[f"callback/{key}"] == {1: pytest.approx(scalars[f"val/{key}"][1])}, key
 
     record = module.last_rollout

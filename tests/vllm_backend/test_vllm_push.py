@@ -1,5 +1,5 @@
-"""The push is exact after 3 AdamW steps of full fine-tuning, in float32, with an untied LM head (one engine
-for the module); `test_vllm_push_tied.py` repeats it with a tied head, which vLLM's CPU build must repack.
+"""The push is exact after 3 AdamW steps of full fine-tuning, in float32, with an untied LM head and with one
+tied to the embedding, which vLLM's CPU build packs at load and the push repacks (one engine at a time).
 The engine: `core.generation.vllm_engine`."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 from tests.vllm_backend.helpers import adamw_steps, engine_for, sampled_gap
 
 
-@pytest.fixture(scope="module")
-def model(vllm_model_dir):
-    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model(request):
+    folder = request.getfixturevalue({"untied": "vllm_model_dir", "tied": "vllm_tied_dir"}[request.param])
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +24,8 @@ def engine(model):
     engine.close()
 
 
-def test_three_adamw_steps_pushed_exactly(engine, model):
-    assert not model.config.tie_word_embeddings
+def test_three_adamw_steps_pushed_exactly(engine, model, request):
+    assert model.config.tie_word_embeddings == ("[tied]" in request.node.name)
     assert sampled_gap(engine, model) < 1e-5, "the first push: vLLM started from random weights"
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     adamw_steps(model)
