@@ -188,9 +188,7 @@ def run_trl(args: argparse.Namespace, prompts: list) -> list[dict[str, float]]:
 
         def on_step_end(self, *unused, **kwargs) -> None:
             wall, cpu = self.clock.read()
-            push = trainer.lightning_module.rollouts.engine_metrics().get("rollout/push_seconds")
-            pushed = {} if push is None else {"push": push}  # vLLM's, inside generate
-            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts, **pushed})
+            self.steps.append({"seconds": wall, "cpu_seconds": cpu, **self.parts.parts})
 
         def time_parts(self, trainer: GRPOTrainer) -> None:
             trainer._generate = self.parts.wrap("generate", trainer._generate)
