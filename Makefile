@@ -25,7 +25,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 # The long runs (tests marked `long`): GRPO raising held-out reward, a real SmolLM2 step, a fresh clone's first
-# step of every offline config, the GPU check's script on CPU.
+# step of every offline config, the GPU check's script on CPU, SIGTERM and Ctrl-C to a training CLI, the
+# static engine's copy under 2-rank FSDP2.
 test-long: $(VENV)/.installed
 	$(PY) -m pytest -q -m long
 

@@ -96,6 +96,7 @@ def interrupt_cli_fit(model_dir: str, root: str, signum: int) -> tuple[int, str]
         return process.returncode, f.read()
 
 
+@pytest.mark.long
 def test_sigterm_to_a_training_process_checkpoints_and_the_run_resumes(tiny_model_dir, tmp_path):
     root = str(tmp_path)
     status, output = interrupt_cli_fit(tiny_model_dir, root, signal.SIGTERM)
@@ -154,6 +155,7 @@ def test_ctrl_c_finishes_the_step_and_checkpoints_it(tiny_model_dir, tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the user's again
 
 
+@pytest.mark.long
 def test_ctrl_c_to_the_cli_checkpoints_and_exits_130(tiny_model_dir, tmp_path):
     status, output = interrupt_cli_fit(tiny_model_dir, str(tmp_path), signal.SIGINT)
     assert status == EXIT_CTRL_C == 130, output

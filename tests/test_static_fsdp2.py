@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -130,6 +131,7 @@ def largest_unit(model) -> int:
     return max(sum(p.numel() for p in model.parameters()) - sum(per_layer), *per_layer)
 
 
+@pytest.mark.long
 def test_fsdp2_copy_equals_the_gathered_weights_on_every_rank(tmp_path):
     from tests.test_distributed import launch
 
