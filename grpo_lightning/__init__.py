@@ -31,9 +31,9 @@ _PUBLIC = {
     "audit_reward_funcs": "grpo_lightning.core.rewards.audit",
     # the loss and the trajectory it reads
     "grpo_loss": "grpo_lightning.core.algorithm.loss",
-    "group_advantages": "grpo_lightning.core.algorithm.loss",
-    "kl_penalty": "grpo_lightning.core.algorithm.loss",
-    "kl_in_reward": "grpo_lightning.core.algorithm.loss",
+    "group_advantages": "grpo_lightning.core.algorithm.advantages",
+    "kl_penalty": "grpo_lightning.core.algorithm.kl",
+    "kl_in_reward": "grpo_lightning.core.algorithm.kl",
     "Trajectory": "grpo_lightning.core.types",
     "build_trajectory": "grpo_lightning.core.update",
     # rollouts

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from grpo_lightning.core.algorithm.advantages import group_advantages
 from grpo_lightning.core.algorithm.credit import step_credit_penalties, token_char_spans
-from grpo_lightning.core.algorithm.loss import group_advantages
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import accuracy_reward
 from grpo_lightning.core.types import Rollout

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import group_advantages
+from grpo_lightning.core.algorithm.advantages import group_advantages
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.data import GSM8KDataModule

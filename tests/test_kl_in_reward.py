@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_lightning.core.update
-from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
+from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.kl import kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.training.module import GRPOModule

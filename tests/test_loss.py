@@ -8,7 +8,8 @@ from typing import get_args
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import LossType, grpo_loss, kl_penalty
+from grpo_lightning.core.algorithm.kl import kl_penalty
+from grpo_lightning.core.algorithm.loss import LossType, grpo_loss
 
 LOSS_TYPES = get_args(LossType)
 LEVELS = ("token", "sequence")

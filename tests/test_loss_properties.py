@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.algorithm.loss import group_advantages, grpo_loss
+from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.loss import grpo_loss
 from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
 from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
 
 

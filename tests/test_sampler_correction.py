@@ -6,7 +6,8 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.loss import grpo_loss, logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, Trajectory
 from grpo_lightning.core.update import micro_batch_loss
@@ -157,7 +158,7 @@ def test_gap_is_logged_every_step_and_about_zero_for_eager_float32(tiny_model_di
 def test_importance_sampling_modes_bound_tokens_or_sequences_as_trl_does():
     """TRL 1.16's four modes (`vllm_importance_sampling_mode`) on one batch: ratios per token or per
     completion (the product over its tokens), clipped into [floor, cap] or zeroed outside it."""
-    from grpo_lightning.core.algorithm.loss import importance_weights
+    from grpo_lightning.core.algorithm.sampler_correction import importance_weights
 
     scorer = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     sampler = torch.tensor([[-1.5, 0.5, 0.0], [-0.2, -0.1, 0.0]])  # ratios e^1.5, e^-0.5, 1; e^0.2, e^0.1

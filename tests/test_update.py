@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from grpo_lightning.core.algorithm.advantages import group_advantages
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.loss import group_advantages, kl_in_reward
+from grpo_lightning.core.algorithm.kl import kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.core.update import MicroBatchSums, StepGuard, build_trajectory, loss_mask

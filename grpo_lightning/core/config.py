@@ -11,15 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
-from grpo_lightning.core.algorithm.loss import (
-    K1_IN_LOSS,
-    Baseline,
-    ImportanceSamplingLevel,
-    ImportanceSamplingMode,
-    KLEstimator,
-    LossType,
-    ScaleRewards,
-)
+from grpo_lightning.core.algorithm.advantages import Baseline, ScaleRewards
+from grpo_lightning.core.algorithm.kl import K1_IN_LOSS, KLEstimator
+from grpo_lightning.core.algorithm.loss import ImportanceSamplingLevel, LossType
+from grpo_lightning.core.algorithm.sampler_correction import ImportanceSamplingMode
 from grpo_lightning.core.algorithm.schedules import ScheduleType
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.options import Range, check_fields, option_error
@@ -114,7 +109,7 @@ class GRPOConfig:
     """Correct for the rollout engine's sampler not being the policy the loss scores: weight each token's
     policy term by min(pi_old / pi_sampler, importance_sampling_cap), detached (truncated importance
     sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"; `core.algorithm.loss.truncated_importance_weights`). pi_sampler is each token's log-prob as
+    training"; `core.algorithm.sampler_correction.importance_weights`). pi_sampler is each token's log-prob as
     it was drawn (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the
     update; where they are equal nothing changes. Every step logs the gap (`rollout/logp_gap_mean`, `_max`,
     `_frac_above`), and with the correction `rollout/is_weight_mean` and `_frac_capped`. Off by default:
@@ -135,7 +130,7 @@ class GRPOConfig:
     [importance_sampling_floor, importance_sampling_cap], Yao et al.'s TIS), "token_mask" (a token whose
     ratio is outside drops out of the loss), "sequence_truncate" / "sequence_mask" (one ratio per
     completion, the product over its tokens, clipped, or the whole completion dropped; TRL's default with
-    vLLM is "sequence_mask"). `core.algorithm.loss.importance_weights`.
+    vLLM is "sequence_mask"). `core.algorithm.sampler_correction.importance_weights`.
     """
     importance_sampling_floor: Annotated[float, Range("> 0, <= 1")] | None = None
     """The lower bound of `importance_sampling_mode`'s ratio (a floor for the truncate modes, below it

@@ -11,8 +11,8 @@
    as index tensors, each taken out and trimmed to its own longest row (`Rollout.select`).
 4. The loss of each micro-batch (`loss.grpo_loss`) with the whole mini-batch's denominators, so that the
    micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), and
-   the sampler/scorer gap of its tokens (truncated importance weights where asked, `loss.logprob_gap_stats`);
-   their statistics weighted by token share (`MicroBatchSums`).
+   the sampler/scorer gap of its tokens (importance weights where asked,
+   `sampler_correction.logprob_gap_stats`); their statistics weighted by token share (`MicroBatchSums`).
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
 `RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
@@ -32,14 +32,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.algorithm.advantages import group_advantages
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.loss import (
-    group_advantages,
-    grpo_loss,
-    importance_weights,
-    kl_in_reward,
-    logprob_gap_stats,
-)
+from grpo_lightning.core.algorithm.kl import kl_in_reward
+from grpo_lightning.core.algorithm.loss import grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import importance_weights, logprob_gap_stats
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
@@ -89,7 +86,7 @@ def build_trajectory(
     `old_logprobs` and `ref_logprobs`), group advantages (over all `ranks` when given) and step credit
     (`credit.step_credit_penalties`, needs the `tokenizer`). `stats` are earlier metrics of the step
     (dynamic sampling's), extended with those of the options used here, and with `old_logprobs` and the
-    sampler's, the gap between them over the whole rollout (`loss.logprob_gap_stats`; one
+    sampler's, the gap between them over the whole rollout (`sampler_correction.logprob_gap_stats`; one
     update per rollout measures it in the loss instead, which then has the scorer's log-probs)."""
     rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
     stats = dict(stats or {})
@@ -439,8 +436,8 @@ def sampler_correction(
     cfg: GRPOConfig, scorer: Tensor, sampler: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor] | None:
     """The weights `[B, T]` of `cfg`'s importance-sampling correction and where its bounds changed them
-    (`loss.importance_weights` in `importance_sampling_mode`, bounded by `importance_sampling_floor` and
-    `_cap`), None when it is off."""
+    (`sampler_correction.importance_weights` in `importance_sampling_mode`, bounded by
+    `importance_sampling_floor` and `_cap`), None when it is off."""
     if not cfg.importance_sampling_correction:
         return None
     bounds = cfg.importance_sampling_cap, cfg.importance_sampling_floor
