@@ -20,7 +20,7 @@ changed.
   tensors). A bf16 merge, which rounds away a small early update, never happens. Every push resets vLLM's
   prefix cache, whose blocks would otherwise keep the KV of the weights that first filled them.
 - **Precision.** vLLM computes in the trainer's compute dtype (`bf16-mixed`: bfloat16), the policy's own
-  dtype without a 16-bit precision.
+  dtype without a 16-bit precision; a float32 LoRA engine on CUDA in bfloat16 (`serving_dtype`).
 - **Process.** Building the engine keeps the trainer's torch threads, `torch.set_num_threads` and random
   generators as they were (vLLM's CPU worker would set one thread, disable the setter and reseed torch).
   vLLM's shutdown tears down the default process group, so the engine closes when the trainer closes that
@@ -39,6 +39,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -333,7 +334,7 @@ class VLLMEngine(RolloutEngine):
         memory = {"gpu_memory_utilization": o.gpu_memory_utilization}
         if kv_gb is not None:
             memory["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
-        dtype = self.dtype or next(inner.parameters()).dtype
+        dtype = serving_dtype(self.dtype or next(inner.parameters()).dtype, lora=bool(lora), cuda=cuda)
         if o.block_size is not None:
             memory["block_size"] = o.block_size
         launch = _trainer_process_kept(local_rank(device))
@@ -423,6 +424,19 @@ class VLLMEngine(RolloutEngine):
 def _repack_lm_head(model: torch.nn.Module) -> None:
     head = model.lm_head
     head.quant_method.process_weights_after_loading(head)
+
+
+def serving_dtype(dtype: torch.dtype, *, lora: bool, cuda: bool) -> torch.dtype:
+    """The dtype vLLM computes in: `dtype`, except a float32 LoRA engine on CUDA, whose LoRA kernels take
+    16-bit only: it serves in bfloat16 (said in one warning)."""
+    if lora and cuda and dtype == torch.float32:
+        warnings.warn(
+            "vLLM's CUDA LoRA kernels take bf16/fp16 only: the float32 policy's rollouts are sampled in "
+            "bfloat16 (precision bf16-mixed computes the loss in bfloat16 too)",
+            stacklevel=2,
+        )
+        return torch.bfloat16
+    return dtype
 
 
 def local_rank(device: torch.device) -> int:
