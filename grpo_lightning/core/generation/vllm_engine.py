@@ -367,7 +367,12 @@ class VLLMEngine(RolloutEngine):
     # -------------------------------------------------------------------------------------------- pushes
     def _push(self, model: PreTrainedModel) -> None:
         """Write the policy's current weights into vLLM: everything under full fine-tuning; under LoRA the
-        base at the first push and the adapter every time."""
+        base and the adapter at the first push, then the adapter alone."""
+        if self.adapter_name is not None and self.lora_request is not None:
+            # The frozen base is in: only the adapter's tensors are gathered, not every unit's weights.
+            adapter = {_adapter_key(n, self.adapter_name): t for n, t in _adapter_weights(model)}
+            self._serve_adapter(model, adapter)
+            return
         weights = self.weights(model)  # a collective under FSDP2: iterated to the end
         if isinstance(model, FSDPModule):
             # A unit's gathered tensors are freed once the source moves to the next unit, while vLLM may
@@ -377,20 +382,15 @@ class VLLMEngine(RolloutEngine):
             self._reload(weights)
             return
         adapter: dict[str, Tensor] = {}
-        first = self.lora_request is None
 
         def base_weights() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in weights:
                 if "lora_" in name:
                     adapter[_adapter_key(name, self.adapter_name)] = tensor.detach().to("cpu", copy=True)
-                elif first:
+                else:
                     yield _checkpoint_name(name), tensor
 
-        if first:
-            self._reload(base_weights())
-        else:
-            for _ in base_weights():
-                pass
+        self._reload(base_weights())
         self._serve_adapter(model, adapter)
 
     def _reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -419,6 +419,17 @@ class VLLMEngine(RolloutEngine):
         # the last push's from the one slot (`load_inplace` would reload it from disk at every step).
         adapter_id = self.lora_request.lora_int_id + 1 if self.lora_request is not None else 1
         self.lora_request = LoRARequest(f"policy-{adapter_id}", adapter_id, folder)
+
+
+def _adapter_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
+    """The LoRA tensors of `model` in full, on the host: under FSDP2 each gathered alone (a collective,
+    in the same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in hf_model(model).named_parameters():
+        if "lora_" in name:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, full.detach().to("cpu", copy=True)
 
 
 def _repack_lm_head(model: torch.nn.Module) -> None:
