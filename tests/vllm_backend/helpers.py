@@ -16,13 +16,15 @@ PROMPTS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])  # [2
 MASK = (PROMPTS != 0).long()  # [2, 6]
 
 
-def engine_for(model: PreTrainedModel, dtype: torch.dtype | None = None, **settings) -> VLLMEngine:
-    """A vLLM engine for `model` (started on its first rollout): 8 new tokens, stop at id 2, pad 0."""
+def engine_for(
+    model: PreTrainedModel, dtype: torch.dtype | None = None, engine: dict | None = None, **settings
+) -> VLLMEngine:
+    """A vLLM engine for `model` (started on its first rollout): 8 new tokens, stop at id 2, pad 0;
+    `engine`: `VLLMSettings` fields over the tests' own."""
     options = dict(max_new_tokens=8, eos_token_ids=(2,), pad_token_id=0)
     sampling = SamplingSettings(**{**options, **settings})
-    return VLLMEngine(
-        sampling, VLLMSettings(max_model_len=64, kv_cache_gb=0.05, enforce_eager=True), dtype=dtype
-    )
+    vllm = {"max_model_len": 64, "kv_cache_gb": 0.05, "enforce_eager": True, **(engine or {})}
+    return VLLMEngine(sampling, VLLMSettings(**vllm), dtype=dtype)
 
 
 def scored(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> Tensor:
@@ -38,9 +40,15 @@ def scored(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -
     return logprobs * rollout.completion_mask
 
 
-def sampled_gap(engine: VLLMEngine, model: PreTrainedModel, G: int = 4, temperature: float = 1.0) -> float:
-    """The largest |sampler - scorer| log-prob over a fresh rollout's tokens."""
-    rollout = engine.generate(model, PROMPTS, MASK, num_generations=G)
+def sampled_gap(
+    engine: VLLMEngine,
+    model: PreTrainedModel,
+    G: int = 4,
+    temperature: float = 1.0,
+    prompts: tuple[Tensor, Tensor] = (PROMPTS, MASK),
+) -> float:
+    """The largest |sampler - scorer| log-prob over a fresh rollout's tokens of `prompts` (ids, mask)."""
+    rollout = engine.generate(model, *prompts, num_generations=G)
     mask = rollout.completion_mask.bool()
     return float((rollout.sampler_logprobs - scored(model, rollout, temperature))[mask].abs().max())
 

@@ -1,6 +1,7 @@
 """LoRA on vLLM stays unmerged and exact: with B at 1e-4, 1e-3 and 1e-2 the engine's log-probs move by
 what the scorer's move (at least 0.99 of the change, float32), and after 3 AdamW steps of the adapter the
-push is exact (one engine for the module)."""
+push is exact, and each push's adapter is loaded once, not at every decoding step (one engine for the
+module)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,23 @@ def test_three_adamw_steps_of_the_adapter_pushed_exactly(engine, model):
     engine.weights_changed()
     assert sampled_gap(engine, model) < 1e-5
     assert engine.lora_request is not None, "the adapter is served, not merged"
+
+
+def test_the_adapter_loads_once_per_push(engine, model, monkeypatch):
+    from vllm.lora.worker_manager import WorkerLoRAManager  # vLLM only in the vLLM job
+
+    loads = []
+    load = WorkerLoRAManager._load_adapter
+
+    def counted(manager, request):
+        loads.append(request.lora_int_id)
+        return load(manager, request)
+
+    monkeypatch.setattr(WorkerLoRAManager, "_load_adapter", counted)
+    set_b(model, 1e-2)
+    engine.weights_changed()
+    rollout = engine.generate(model, PROMPTS, MASK, num_generations=4)
+    assert rollout.completion_mask.sum(1).max() > 1, "several decoding steps"
+    assert len(loads) == 1, f"{len(loads)} adapter loads in one rollout after a push"
+    engine.generate(model, PROMPTS, MASK, num_generations=4)
+    assert len(loads) == 1, "no load without a push"

@@ -15,11 +15,12 @@ changed.
   checkpoint format, so each layer reprocesses them as at load) fed from a `WeightSource`: the policy's
   own tensors, or under FSDP2 one unit gathered at a time, so no second full model is alive on a rank
   during the push. Under LoRA the frozen base goes in once and the adapter stays unmerged: its tensors are
-  written as a PEFT adapter to a folder of the engine's and served through a `LoRARequest`, reloaded in
-  place at every push (vLLM 0.32's `LoRARequest` takes a path, not tensors). A bf16 merge, which rounds
-  away a small early update, never happens.
+  written as a PEFT adapter to a folder of the engine's and served through a `LoRARequest` with a new
+  adapter id at every push, so vLLM loads it once per push (vLLM's `LoRARequest` takes a path, not
+  tensors). A bf16 merge, which rounds away a small early update, never happens. Every push resets vLLM's
+  prefix cache, whose blocks would otherwise keep the KV of the weights that first filled them.
 - **Precision.** vLLM computes in the trainer's compute dtype (`bf16-mixed`: bfloat16), the policy's own
-  dtype without a 16-bit precision.
+  dtype without a 16-bit precision; a float32 LoRA engine on CUDA in bfloat16 (`serving_dtype`).
 - **Process.** Building the engine keeps the trainer's torch threads, `torch.set_num_threads` and random
   generators as they were (vLLM's CPU worker would set one thread, disable the setter and reseed torch).
   vLLM's shutdown tears down the default process group, so the engine closes when the trainer closes that
@@ -38,6 +39,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -103,10 +105,14 @@ class VLLMSettings:
         kv_cache_gb: the KV pool in GB; None: on CUDA vLLM's share of the GPU (`gpu_memory_utilization`),
             on CPU `CPU_KV_CACHE_GB`.
         gpu_memory_utilization: on CUDA, the share of the GPU's memory vLLM takes for weights and KV pool.
-        sleep: on CUDA, free the KV pool and offload the weights between rollouts (`LLM.sleep(level=1)`),
-            woken before the next push.
+        sleep: on CUDA, free the KV pool and the weights between rollouts, woken before the next one: level
+            2 (weights dropped, the next wake pushes them all) under full fine-tuning, level 1 (weights
+            kept on the host) under LoRA, whose frozen base is pushed only once.
         enforce_eager: no `torch.compile` or CUDA graphs (faster start, slower decoding on GPU).
-        seed: vLLM's sampling seed (per engine: per-request seeds crash chunked prefill on CPU).
+        seed: vLLM's sampling seed; each rank's engine adds its rank, so that ranks draw different
+            completions (per engine: per-request seeds crash chunked prefill on CPU).
+        max_num_batched_tokens: the tokens one engine step schedules (prefill chunks included).
+        block_size: the KV cache's block size in tokens, the unit prefix caching reuses; None: vLLM's.
     """
 
     max_model_len: int
@@ -115,6 +121,8 @@ class VLLMSettings:
     sleep: bool = False
     enforce_eager: bool = False
     seed: int = 0
+    max_num_batched_tokens: int = 4096
+    block_size: int | None = None
 
 
 def sampling_params(settings: SamplingSettings, num_generations: int, do_sample: bool):
@@ -209,6 +217,7 @@ class VLLMEngine(RolloutEngine):
         self.lora_request = None
         self.adapter_name: str | None = None
         self.tied_head = False
+        self.on_cuda = False
         self.stale = True  # the policy's weights changed since the last push
         self.sleeping = False
         self.refreshes = 0  # pushes done
@@ -229,17 +238,26 @@ class VLLMEngine(RolloutEngine):
         (a collective under FSDP2: every rank calls it at the same point)."""
         if self.llm is None:
             self._start(model, torch.device(device))
-        if not self.stale:
-            return
         if self.sleeping:
-            self.llm.wake_up()
+            # The trainer's allocator may have grown into the memory vLLM freed: its cached blocks go back
+            # first. The weights wake before the push writes them, the KV pool after it.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+        if self.stale:
+            start = time.perf_counter()
+            with torch.no_grad():
+                self._push(model)
+            self.push_seconds = time.perf_counter() - start
+            self.refreshes += 1
+            self.stale = False
+            # vLLM's block hashes carry no weight version: a cached prefix would keep the KV of the weights
+            # that first filled it.
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM kept its prefix cache after a push: a request was still running")
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
-        start = time.perf_counter()
-        with torch.no_grad():
-            self._push(model)
-        self.push_seconds = time.perf_counter() - start
-        self.refreshes += 1
-        self.stale = False
 
     @torch.no_grad()
     def generate(
@@ -267,9 +285,17 @@ class VLLMEngine(RolloutEngine):
         rollout = rollout_of(outputs, prompt_ids, prompt_mask, num_generations, s, do_sample)
         self.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), time.perf_counter() - start)
         if self.options.sleep:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+            self.sleep()
         return rollout
+
+    def sleep(self) -> None:
+        """Free vLLM's memory until the next rollout: level 2 drops the weights (all pushed again at the
+        wake), level 1 under LoRA keeps them on the host (its frozen base is pushed only once)."""
+        lora = self.adapter_name is not None
+        self.llm.sleep(level=1 if lora else 2)
+        self.sleeping = True
+        # Only CUDA frees anything: on CPU sleeping pauses the engine and keeps its weights.
+        self.stale = self.stale or (self.on_cuda and not lora)
 
     def metrics(self) -> dict[str, float]:
         """The last call's speed, the pushes so far and the last one's seconds."""
@@ -303,20 +329,26 @@ class VLLMEngine(RolloutEngine):
             rank = next(r for r in LORA_RANKS if r >= lora_config.r)
             lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
         o = self.options
-        cuda = device.type == "cuda"
+        cuda = self.on_cuda = device.type == "cuda"
         kv_gb = o.kv_cache_gb if o.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
         memory = {"gpu_memory_utilization": o.gpu_memory_utilization}
         if kv_gb is not None:
             memory["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
-        dtype = self.dtype or next(inner.parameters()).dtype
-        with _trainer_process_kept():
+        dtype = serving_dtype(self.dtype or next(inner.parameters()).dtype, lora=bool(lora), cuda=cuda)
+        if o.block_size is not None:
+            memory["block_size"] = o.block_size
+        launch = _trainer_process_kept(local_rank(device))
+        if cuda:
+            torch.cuda.set_device(device)  # vLLM's worker takes `cuda:LOCAL_RANK`, the current device too
+        with launch:
             self.llm = LLM(
                 model=self.folder,
                 skip_tokenizer_init=True,
                 load_format="dummy",  # random weights: the first push writes every one
                 dtype=dtype,
-                seed=o.seed,
+                seed=o.seed + launch.rank,
                 max_model_len=o.max_model_len,
+                max_num_batched_tokens=o.max_num_batched_tokens,
                 enable_prefix_caching=True,
                 generation_config="vllm",
                 logprobs_mode="processed_logprobs",
@@ -328,11 +360,19 @@ class VLLMEngine(RolloutEngine):
                 **lora,
             )
         _OPEN_ENGINES.add(self)
+        served = self.llm.apply_model(lambda m: next(m.parameters()).device)[0]
+        if served.type != device.type or (cuda and served.index != torch.device(device).index):
+            raise RuntimeError(f"vLLM's engine started on {served}, not on this rank's device {device}")
 
     # -------------------------------------------------------------------------------------------- pushes
     def _push(self, model: PreTrainedModel) -> None:
         """Write the policy's current weights into vLLM: everything under full fine-tuning; under LoRA the
-        base at the first push and the adapter every time."""
+        base and the adapter at the first push, then the adapter alone."""
+        if self.adapter_name is not None and self.lora_request is not None:
+            # The frozen base is in: only the adapter's tensors are gathered, not every unit's weights.
+            adapter = {_adapter_key(n, self.adapter_name): t for n, t in _adapter_weights(model)}
+            self._serve_adapter(model, adapter)
+            return
         weights = self.weights(model)  # a collective under FSDP2: iterated to the end
         if isinstance(model, FSDPModule):
             # A unit's gathered tensors are freed once the source moves to the next unit, while vLLM may
@@ -342,20 +382,15 @@ class VLLMEngine(RolloutEngine):
             self._reload(weights)
             return
         adapter: dict[str, Tensor] = {}
-        first = self.lora_request is None
 
         def base_weights() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in weights:
                 if "lora_" in name:
                     adapter[_adapter_key(name, self.adapter_name)] = tensor.detach().to("cpu", copy=True)
-                elif first:
+                else:
                     yield _checkpoint_name(name), tensor
 
-        if first:
-            self._reload(base_weights())
-        else:
-            for _ in base_weights():
-                pass
+        self._reload(base_weights())
         self._serve_adapter(model, adapter)
 
     def _reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -369,8 +404,8 @@ class VLLMEngine(RolloutEngine):
             self.llm.apply_model(_repack_lm_head)
 
     def _serve_adapter(self, model: PreTrainedModel, adapter: dict[str, Tensor]) -> None:
-        """Save the adapter's tensors as a PEFT adapter in the engine's folder and serve it, reloaded in
-        place (one adapter slot for the whole run)."""
+        """Save the adapter's tensors as a PEFT adapter in the engine's folder and serve it under a new id
+        (one adapter slot for the whole run)."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -380,7 +415,21 @@ class VLLMEngine(RolloutEngine):
             {k: v.contiguous() for k, v in adapter.items()}, os.path.join(folder, "adapter_model.safetensors")
         )
         model.peft_config[self.adapter_name].save_pretrained(folder)
-        self.lora_request = LoRARequest("policy", 1, folder, load_inplace=True)
+        # A new id per push: vLLM loads an adapter once, at the first step that asks for its id, and evicts
+        # the last push's from the one slot (`load_inplace` would reload it from disk at every step).
+        adapter_id = self.lora_request.lora_int_id + 1 if self.lora_request is not None else 1
+        self.lora_request = LoRARequest(f"policy-{adapter_id}", adapter_id, folder)
+
+
+def _adapter_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
+    """The LoRA tensors of `model` in full, on the host: under FSDP2 each gathered alone (a collective,
+    in the same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in hf_model(model).named_parameters():
+        if "lora_" in name:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, full.detach().to("cpu", copy=True)
 
 
 def _repack_lm_head(model: torch.nn.Module) -> None:
@@ -388,22 +437,46 @@ def _repack_lm_head(model: torch.nn.Module) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def serving_dtype(dtype: torch.dtype, *, lora: bool, cuda: bool) -> torch.dtype:
+    """The dtype vLLM computes in: `dtype`, except a float32 LoRA engine on CUDA, whose LoRA kernels take
+    16-bit only: it serves in bfloat16 (said in one warning)."""
+    if lora and cuda and dtype == torch.float32:
+        warnings.warn(
+            "vLLM's CUDA LoRA kernels take bf16/fp16 only: the float32 policy's rollouts are sampled in "
+            "bfloat16 (precision bf16-mixed computes the loss in bfloat16 too)",
+            stacklevel=2,
+        )
+        return torch.bfloat16
+    return dtype
+
+
+def local_rank(device: torch.device) -> int:
+    """This process's index among its node's devices: a CUDA device's own index, else `LOCAL_RANK`
+    (set by Lightning and torchrun), else `SLURM_LOCALID` (set by `srun`), else 0."""
+    if device.type == "cuda" and device.index is not None:
+        return device.index
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
+
+
 class _trainer_process_kept:
     """Around vLLM's start-up in the trainer's process: its torch threads, `torch.set_num_threads`, random
     generators and garbage collector kept as they were, and the variables vLLM's `external_launcher` reads
-    (rank, world size, rendezvous) set from the trainer's process group, or for one process without one."""
+    (rank, world size, local rank, rendezvous) set from the trainer's process group and `local_rank`, or for
+    one process without a group."""
+
+    def __init__(self, local_rank: int) -> None:
+        dist = torch.distributed
+        grouped = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+        self.local_rank = local_rank
 
     def __enter__(self) -> None:
         self.threads, self.set_threads = torch.get_num_threads(), torch.set_num_threads
         self.rng = capture_rng_states()
-        dist = torch.distributed
-        grouped = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-        launch = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
-        }
+        launch = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(self.local_rank)}
         launch["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
         launch["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
         launch["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(self.threads))  # unset, vLLM sets 1

