@@ -302,3 +302,23 @@ def test_ids_and_masks_equal_trls_tool_call_loop(tokenizer, case):
         assert rollout.tool_mask[row, :n].tolist() == trl_mask[row]
         assert rollout.sampler_logprobs[row, :n].tolist() == trl_logprobs[row]
     assert (counts.calls, counts.failures) == (trl_calls, trl_failures) == (1, 0)
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_packed_scoring_of_a_multi_turn_rollout_equals_the_padded_one(tiny_model_dir, tokenizer, group_size):
+    """A multi-turn completion_mask stays 1 on a prefix (tool tokens are context the scorer attends to), the
+    holes are in tool_mask alone: packed rows score every model token as the padded pass does."""
+    from grpo_lightning.core.generation.engines import LogProbScorer
+    from grpo_lightning.core.generation.packing import PackedLogProbScorer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rollout, _, _ = run(tokenizer, G=2)
+    n = int(rollout.completion_mask[0].sum())
+    assert (rollout.tool_mask[0, :n] == 0).any() and rollout.tool_mask[0, n - 1] == 1  # a hole inside
+    rows = slice(0, rollout.completion_ids.size(0))
+    with torch.no_grad():
+        padded, _ = LogProbScorer(num_generations=2)(model, rollout, rows)
+        packed, _ = PackedLogProbScorer(num_generations=2, share_prompt=group_size == 2)(model, rollout, rows)
+    own = (rollout.completion_mask * rollout.tool_mask).bool()  # [B, T] the loss's tokens
+    torch.testing.assert_close(packed[own], padded[own], atol=1e-4, rtol=0)
+    torch.testing.assert_close(packed, padded * rollout.completion_mask, atol=1e-4, rtol=0)
