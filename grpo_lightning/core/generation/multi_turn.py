@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.tools.calls import ToolCallCounts, ToolOptions, ToolRunner, parse_tool_calls
+from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, parse_tool_calls
 from grpo_lightning.core.tools.schemas import template_renders_tools
 from grpo_lightning.core.tools.turns import check_prefix_preserving, tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
@@ -45,18 +45,16 @@ class _Sample:
 
 class ToolRollouts:
     """Multi-turn rollouts of `runner`'s tools through `engine`, the chat template of `tokenizer` rendering
-    the tool turns. Checks once that the template renders conversations as prefixes of the next
-    (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
+    the tool turns, bounded by the runner's `ToolOptions`. Checks once that the template renders
+    conversations as prefixes of the next (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
 
     def __init__(
         self,
         engine: RolloutEngine,
         tokenizer: PreTrainedTokenizerBase,
         runner: ToolRunner,
-        options: ToolOptions | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
-        self.options = options or runner.options
         self.template_has_tools = template_renders_tools(tokenizer, list(runner.schemas.values()))
         check_prefix_preserving(tokenizer, self.template_has_tools)
 
@@ -100,7 +98,7 @@ class ToolRollouts:
         later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
-        limit = self.options.max_tool_calling_iterations
+        limit = self.runner.options.max_tool_calling_iterations
         while live and (limit is None or rounds < limit):
             calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
             live = [i for i in live if calls[i]]
