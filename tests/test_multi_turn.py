@@ -181,6 +181,19 @@ def test_the_budget_covers_every_turn_and_rolls_back_a_tool_turn_that_would_pass
     assert int(rollout.completion_mask.sum(1).max()) <= budget
 
 
+def test_a_tool_turn_that_would_fill_the_models_context_is_rolled_back(tokenizer):
+    engine = ScriptedEngine(tokenizer, settings_of(tokenizer, 1000))
+    tools = ToolRollouts(engine, tokenizer, ToolRunner([calculator]))
+    ids, mask = PromptEncoder(tokenizer).encode([[{"role": "user", "content": "p0"}]], "cpu")
+    _, own = expected_row(tokenizer, "p0", RESULTS["p0"])
+    first, tool = own.index(0), own.count(0)
+    model = torch.nn.Linear(1, 1)
+    for room, length in ((first + tool, first), (first + tool + 1, len(own))):
+        model.config = SimpleNamespace(max_position_embeddings=int(mask.sum()) + room)
+        rollout, _ = tools.generate(model, ids, mask, num_generations=1)
+        assert int(rollout.completion_mask.sum()) == length
+
+
 def test_max_tool_calling_iterations_bounds_the_rounds(tokenizer):
     rollout, counts, engine = run(tokenizer, G=1, max_tool_calling_iterations=1)
     assert engine.batches == [3, 2]  # one round of calls

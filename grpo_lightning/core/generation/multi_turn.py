@@ -7,8 +7,9 @@ the rows whose last turn ended (an end-of-sequence token) with tool calls, runs 
 and the next assistant header, never a re-tokenised transcript) and samples the next turn of those rows
 alone, each from its own context; a row whose turn calls nothing, or that ran out of budget, leaves the
 batch. `settings.max_new_tokens` (`max_completion_length`) covers all turns together, tool tokens
-included: a tool turn that would pass it is not appended and its sample ends there; a turn is cut to what
-is left. `ToolOptions.max_tool_calling_iterations` bounds the rounds.
+included: a tool turn that would pass it, or would fill the model's context
+(`config.max_position_embeddings`, as TRL checks), is not appended and its sample ends there; a turn is cut
+to what is left. `ToolOptions.max_tool_calling_iterations` bounds the rounds.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -98,6 +99,7 @@ class ToolRollouts:
         later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
+        context_limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         limit = self.runner.options.max_tool_calling_iterations
         while live and (limit is None or rounds < limit):
             calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
@@ -108,8 +110,11 @@ class ToolRollouts:
             going = []
             for i, row_results in zip(live, results, strict=True):
                 suffix = tool_suffix_ids(self.tokenizer, tool_messages(row_results, self.template_has_tools))
-                if len(samples[i].ids) + len(suffix) > s.max_new_tokens:
-                    continue  # the tool turn would pass the budget: the sample ends with the model's turn
+                length = len(samples[i].ids) + len(suffix)
+                if length > s.max_new_tokens or (
+                    context_limit is not None and len(samples[i].context) + length >= context_limit
+                ):
+                    continue  # the tool turn would not fit: the sample ends with the model's turn
                 samples[i].ids += suffix
                 samples[i].own += [0] * len(suffix)
                 samples[i].logprobs += [0.0] * len(suffix) if sampled else []
