@@ -103,9 +103,10 @@ def test_only_the_entry_points_import_the_module(module):
 
 
 # Core's units, bottom to top: the shared types and helpers; rewards (what a completion is worth), and the
-# accuracy metrics that read their answer extraction; generation (sampling and log-probs); the algorithm's
-# maths (advantages, loss, schedules); the config, which composes the options of the units below (their
-# registries, the sampling settings); and the update of a rollout, the one core unit that reads the config.
+# accuracy metrics that read their answer extraction; the tools a policy calls; generation (sampling and
+# log-probs, the multi-turn loop over the tools); the algorithm's maths (advantages, loss, schedules); the
+# config, which composes the options of the units below (their registries, the sampling settings); and the
+# update of a rollout, the one core unit that reads the config.
 CORE_ORDER = (
     "grpo_lightning.core",
     "grpo_lightning.core.types",
@@ -115,6 +116,7 @@ CORE_ORDER = (
     "grpo_lightning.core.memory",
     "grpo_lightning.core.rewards",
     "grpo_lightning.core.metrics",
+    "grpo_lightning.core.tools",
     "grpo_lightning.core.generation",
     "grpo_lightning.core.algorithm",
     "grpo_lightning.core.config",

@@ -23,11 +23,14 @@ class Rollout:
     prompt_ids: Tensor  # [N*G, P] left-padded
     prompt_mask: Tensor  # [N*G, P]
     completion_ids: Tensor  # [N*G, T] right-padded with the pad token
-    completion_mask: Tensor  # [N*G, T] 1 up to and including the first EOS
+    completion_mask: Tensor  # [N*G, T] 1 up to and including the first EOS (multi-turn: the last turn's)
     truncated: Tensor  # [N*G] bool: no EOS within max_new_tokens
     # [N*G, T] float32: each drawn token's log-prob under the distribution the engine drew it from (after
     # temperature, top-k, top-p and min_new_tokens), 0 after the end; None for greedy or scripted rollouts.
     sampler_logprobs: Tensor | None = None
+    # [N*G, T] 1 on the model's own tokens, 0 on tool-result tokens (multi-turn rollouts with tools, TRL's
+    # `tool_mask`); the loss counts completion_mask * tool_mask. None: every completion token is the model's.
+    tool_mask: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:  # [N*G, P+T]
@@ -55,6 +58,7 @@ class Rollout:
             completion_mask=completion_mask[:, :T],
             truncated=self.truncated[rows],
             sampler_logprobs=None if self.sampler_logprobs is None else self.sampler_logprobs[rows, :T],
+            tool_mask=None if self.tool_mask is None else self.tool_mask[rows, :T],
         )
 
 
@@ -76,6 +80,11 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.cat([_pad_columns(getattr(r, name), width, value, left) for r in rollouts])
 
     sampled = all(r.sampler_logprobs is not None for r in rollouts)
+    with_tools = any(r.tool_mask is not None for r in rollouts)
+
+    def tool_mask(r: Rollout) -> Tensor:  # [n, T_r]: a rollout without tools is the model's throughout
+        return r.completion_mask if r.tool_mask is None else r.tool_mask
+
     return Rollout(
         prompt_ids=stacked("prompt_ids", P, pad_token_id, left=True),  # [sum N*G, P]
         prompt_mask=stacked("prompt_mask", P, 0, left=True),
@@ -83,6 +92,9 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         completion_mask=stacked("completion_mask", T, 0, left=False),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logprobs=stacked("sampler_logprobs", T, 0, left=False) if sampled else None,
+        tool_mask=torch.cat([_pad_columns(tool_mask(r), T, 0, False) for r in rollouts])
+        if with_tools
+        else None,
     )
 
 

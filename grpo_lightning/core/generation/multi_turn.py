@@ -1,0 +1,197 @@
+"""Multi-turn rollouts with tools over any `RolloutEngine`: the model writes a turn, its tool calls run, the
+results' ids are appended, and the model goes on, each sample's ids growing token by token.
+
+For all the group's rows at once: the engine samples the first turn of every row, then each round takes
+the rows whose last turn ended (an end-of-sequence token) with tool calls, runs the calls
+(`tools.calls.ToolRunner`), appends the ids of the tool turn (`tools.turns.tool_suffix_ids`: the results
+and the next assistant header, never a re-tokenised transcript) and samples the next turn of those rows
+alone, each from its own context; a row whose turn calls nothing, or that ran out of budget, leaves the
+batch. `settings.max_new_tokens` (`max_completion_length`) covers all turns together, tool tokens
+included: a tool turn that would pass it, or would fill the model's context
+(`config.max_position_embeddings`, as TRL checks), is not appended and its sample ends there; a turn is cut
+to what is left. `ToolOptions.max_tool_calling_iterations` bounds the rounds.
+
+The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
+what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
+`sampler_logprobs` 0 there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning.core.generation.engines import RolloutEngine
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, parse_tool_calls
+from grpo_lightning.core.tools.schemas import template_renders_tools
+from grpo_lightning.core.tools.turns import check_prefix_preserving, tool_messages, tool_suffix_ids
+from grpo_lightning.core.types import Rollout
+
+
+@dataclass
+class _Sample:
+    """One row's growing completion."""
+
+    context: list[int]  # the prompt's ids, unpadded
+    ids: list[int]
+    own: list[int]  # 1: the model's token, 0: a tool turn's
+    logprobs: list[float]
+    truncated: bool
+    last_turn: list[int]
+
+
+class ToolRollouts:
+    """Multi-turn rollouts of `runner`'s tools through `engine`, the chat template of `tokenizer` rendering
+    the tool turns, bounded by the runner's `ToolOptions`. Checks once that the template renders
+    conversations as prefixes of the next (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        runner: ToolRunner,
+    ) -> None:
+        self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
+        self.template_has_tools = template_renders_tools(tokenizer, list(runner.schemas.values()))
+        check_prefix_preserving(tokenizer, self.template_has_tools)
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+        settings: SamplingSettings | None = None,
+    ) -> tuple[Rollout, ToolCallCounts]:
+        """`num_generations` multi-turn completions for each prompt of `prompt_ids` `[N, P]` (left-padded),
+        prompt i's group in rows i*G .. i*G+G-1, and the calls made and failed in them."""
+        s = settings or self.engine.settings
+        first = self.engine.generate(
+            model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample, settings=s
+        )
+        sampled = first.sampler_logprobs is not None
+        samples = [
+            _Sample(
+                context=prompt[mask.bool()].tolist(),
+                ids=ids[keep.bool()].tolist(),
+                own=[1] * int(keep.sum()),
+                logprobs=logprobs[keep.bool()].tolist() if sampled else [],
+                truncated=bool(truncated),
+                last_turn=ids[keep.bool()].tolist(),
+            )
+            for prompt, mask, ids, keep, truncated, logprobs in zip(
+                first.prompt_ids,  # [B, P]
+                first.prompt_mask,
+                first.completion_ids,  # [B, T]
+                first.completion_mask,
+                first.truncated,  # [B]
+                first.sampler_logprobs if sampled else first.completion_mask,
+                strict=True,
+            )
+        ]
+        calls_before, failures_before = self.runner.counts.calls, self.runner.counts.failures
+        later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
+        live = [i for i, sample in enumerate(samples) if not sample.truncated]
+        rounds = 0
+        context_limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        limit = self.runner.options.max_tool_calling_iterations
+        while live and (limit is None or rounds < limit):
+            calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
+            live = [i for i in live if calls[i]]
+            if not live:
+                break
+            results = self.runner([calls[i] for i in live])
+            going = []
+            for i, row_results in zip(live, results, strict=True):
+                suffix = tool_suffix_ids(self.tokenizer, tool_messages(row_results, self.template_has_tools))
+                length = len(samples[i].ids) + len(suffix)
+                if length > s.max_new_tokens or (
+                    context_limit is not None and len(samples[i].context) + length >= context_limit
+                ):
+                    continue  # the tool turn would not fit: the sample ends with the model's turn
+                samples[i].ids += suffix
+                samples[i].own += [0] * len(suffix)
+                samples[i].logprobs += [0.0] * len(suffix) if sampled else []
+                going.append(i)
+            if not going:
+                break
+            rollout = self._next_turns(model, [samples[i] for i in going], later, do_sample)
+            for row, i in enumerate(going):
+                sample = samples[i]
+                left = s.max_new_tokens - len(sample.ids)
+                keep = rollout.completion_mask[row].bool()  # [T]
+                turn = rollout.completion_ids[row][keep].tolist()[:left]
+                sample.truncated = bool(rollout.truncated[row]) or len(turn) < int(keep.sum())
+                sample.ids += turn
+                sample.own += [1] * len(turn)
+                if sampled:
+                    sample.logprobs += rollout.sampler_logprobs[row][keep].tolist()[:left]
+                sample.last_turn = turn
+            live = [i for i in going if not samples[i].truncated]
+            rounds += 1
+        counts = ToolCallCounts(
+            self.runner.counts.calls - calls_before, self.runner.counts.failures - failures_before
+        )
+        return self._rollout(first, samples, sampled, s.pad_token_id), counts
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _next_turns(
+        self, model: PreTrainedModel, samples: list[_Sample], settings: SamplingSettings, do_sample: bool
+    ) -> Rollout:
+        """One turn for each of `samples`, from its prompt and completion so far, left-padded into one batch,
+        up to the most budget any of them has left (each is cut to its own)."""
+        contexts = [sample.context + sample.ids for sample in samples]
+        width = max(len(ids) for ids in contexts)
+        device = self._device(model)
+        ids = torch.full((len(contexts), width), settings.pad_token_id, dtype=torch.long)  # [b, L]
+        mask = torch.zeros(len(contexts), width, dtype=torch.long)  # [b, L]
+        for row, context in enumerate(contexts):
+            ids[row, width - len(context) :] = torch.tensor(context)
+            mask[row, width - len(context) :] = 1
+        budget = max(settings.max_new_tokens - len(sample.ids) for sample in samples)
+        return self.engine.generate(
+            model,
+            ids.to(device),
+            mask.to(device),
+            num_generations=1,
+            do_sample=do_sample,
+            settings=replace(settings, max_new_tokens=budget),
+        )
+
+    @staticmethod
+    def _device(model: PreTrainedModel) -> torch.device:
+        parameter = next(model.parameters(), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+
+    @staticmethod
+    def _rollout(first: Rollout, samples: list[_Sample], sampled: bool, pad_token_id: int) -> Rollout:
+        T = max(1, max(len(sample.ids) for sample in samples))
+        B, device = len(samples), first.completion_ids.device
+        ids = torch.full((B, T), pad_token_id, dtype=torch.long)  # [B, T]
+        completion_mask = torch.zeros(B, T, dtype=torch.long)  # [B, T] every token of every turn
+        tool_mask = torch.zeros(B, T, dtype=torch.long)  # [B, T] the model's own tokens
+        logprobs = torch.zeros(B, T, dtype=torch.float32)  # [B, T]
+        for row, sample in enumerate(samples):
+            n = len(sample.ids)
+            ids[row, :n] = torch.tensor(sample.ids, dtype=torch.long)
+            completion_mask[row, :n] = 1
+            tool_mask[row, :n] = torch.tensor(sample.own, dtype=torch.long)
+            if sampled:
+                logprobs[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        return Rollout(
+            prompt_ids=first.prompt_ids,  # [B, P]
+            prompt_mask=first.prompt_mask,
+            completion_ids=ids.to(device),
+            completion_mask=completion_mask.to(device),
+            truncated=torch.tensor([sample.truncated for sample in samples], device=device),
+            sampler_logprobs=logprobs.to(device) if sampled else None,
+            tool_mask=tool_mask.to(device),
+        )

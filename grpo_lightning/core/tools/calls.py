@@ -1,0 +1,243 @@
+"""Tool calls from a completion's text to the results the model reads next, and the options that bound them.
+
+The calls are in the Hermes format that Qwen2.5's chat template teaches (and `schemas.hermes_system_prompt`
+teaches where a template has none): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per
+call. Whatever goes wrong reaches the model as the call's result, `{"error": "..."}`, never the trainer as an
+exception: malformed JSON, an unknown tool, arguments that do not fit the tool's schema, a tool that raises.
+Async tools are awaited, all of one batch's together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Annotated
+
+from grpo_lightning.core.options import Range, check_fields
+from grpo_lightning.core.tools.schemas import Tool, is_async_tool, tool_schema, tools_by_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOptions:
+    """How far a multi-turn rollout with tools may go, and how much of each result the model reads."""
+
+    max_tool_calling_iterations: Annotated[int, Range(">= 1")] | None = None
+    """Tool turns per sample at most: after this many rounds of calls the sample ends with the model's last
+    turn. None: no limit (the sample ends with a turn that calls nothing, or at `max_completion_length`).
+    TRL: `GRPOConfig.max_tool_calling_iterations` (None there too); verl: `max_assistant_turns`."""
+
+    max_tool_response_length: Annotated[int, Range(">= 1")] = 256
+    """Characters of each tool result the model reads: a longer one keeps its start and end, this many
+    characters in all, with `TRUNCATION_MARK` between them. verl:
+    `actor_rollout_ref.rollout.multi_turn.max_tool_response_length` (256, with `tool_response_truncate_side:
+    middle`); TRL does not cut results."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+TRUNCATION_MARK = "...(truncated)..."
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """`text` if it has at most `limit` characters, else its first and last `limit // 2`-ish characters (the
+    start gets the odd one) joined by `TRUNCATION_MARK`."""
+    if len(text) <= limit:
+        return text
+    head = (limit + 1) // 2
+    tail = limit - head
+    return text[:head] + TRUNCATION_MARK + (text[-tail:] if tail else "")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One `<tool_call>` block of a completion: the tool's name and arguments, or why it cannot run."""
+
+    name: str | None
+    arguments: dict
+    error: str | None = None  # set: the call is not run and this is its result
+
+
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in `text`, in order: each `<tool_call>` block's JSON object `{"name": str, "arguments":
+    object}` (arguments may also be a string holding that object); a block that is not such JSON, or that
+    is never closed, is a call carrying its error."""
+    calls = []
+    for match in _CALL.finditer(text):
+        body = match.group(1).strip()
+        if not match.group(0).endswith("</tool_call>"):
+            calls.append(ToolCall(None, {}, "the <tool_call> block is not closed by </tool_call>"))
+            continue
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as error:
+            calls.append(ToolCall(None, {}, f"the tool call is not valid JSON: {error}"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolCall(None, {}, 'a tool call must be a JSON object with a string "name"'))
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as error:
+                arguments = error
+        if not isinstance(arguments, dict):
+            message = f'the "arguments" of {call["name"]!r} must be a JSON object'
+            calls.append(ToolCall(call["name"], {}, message))
+            continue
+        calls.append(ToolCall(call["name"], arguments))
+    return calls
+
+
+_JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+def _type_matches(value: object, spec: dict) -> bool:
+    kinds = spec.get("type")
+    if kinds is None:
+        return True
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        allowed = _JSON_TYPES.get(kind, (object,))
+        if isinstance(value, bool) and bool not in allowed:  # JSON's true is not an integer
+            continue
+        if isinstance(value, allowed):
+            return True
+    return False
+
+
+def argument_error(arguments: dict, schema: dict) -> str | None:
+    """Why `arguments` do not fit a tool's JSON `schema`, or None: an argument it lacks, one it requires that
+    is missing, or a value of another JSON type (an integer passes for a number)."""
+    function = schema["function"]
+    parameters = function.get("parameters", {})
+    properties = parameters.get("properties", {})
+    unknown = sorted(set(arguments) - set(properties))
+    if unknown:
+        takes = ", ".join(properties)
+        return f"{function['name']} takes no argument {', '.join(unknown)} (it takes: {takes})"
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"{function['name']} needs the argument {', '.join(missing)}"
+    for name, value in arguments.items():
+        spec = properties[name]
+        if not _type_matches(value, spec):
+            return f"{function['name']}'s argument {name} must be of type {spec['type']}, got {value!r}"
+    return None
+
+
+def result_text(result: object) -> str:
+    """A tool's result as the model reads it: a string as it is, anything else as JSON (`str` of what JSON
+    cannot hold)."""
+    if isinstance(result, str):
+        return result
+    return json.dumps(result, ensure_ascii=False, default=str)
+
+
+def error_text(message: str) -> str:
+    """A failed call's result: `{"error": message}` as JSON."""
+    return result_text({"error": message})
+
+
+@dataclass
+class ToolCallCounts:
+    """Calls made and failed, over the rows of a rollout: TRL's `tools/call_frequency` (calls per row) and
+    `tools/failure_frequency` (failed calls per call, 0 without calls)."""
+
+    calls: int = 0
+    failures: int = 0
+
+    def metrics(self, rows: int) -> dict[str, float]:
+        return {
+            "tools/call_frequency": self.calls / max(rows, 1),
+            "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0,
+        }
+
+
+def _run_coroutines(coroutines: list) -> list:
+    """The coroutines' results (or the exceptions they raised), awaited together; from a thread of its own
+    when this one already runs an event loop (a notebook's)."""
+
+    async def gathered() -> list:
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gathered())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gathered()).result()
+
+
+class ToolRunner:
+    """Runs the tool calls of a batch of completions: `tools` by name, their schemas checked once here.
+
+    Each result is a string (`result_text`) cut to `options.max_tool_response_length` (`truncate_middle`);
+    a call that cannot run or raises gives `{"error": ...}`, and `counts` adds up calls and failures.
+    """
+
+    def __init__(self, tools: Sequence[Tool], options: ToolOptions | None = None) -> None:
+        self.tools = tools_by_name(tools)
+        self.schemas = {name: tool_schema(tool) for name, tool in self.tools.items()}
+        self.options = options or ToolOptions()
+        self.counts = ToolCallCounts()
+
+    def __call__(self, calls_per_row: Sequence[Sequence[ToolCall]]) -> list[list[tuple[str, str]]]:
+        """Each row's `(tool name, result text)` per call, in the calls' order; the async tools of every row
+        awaited together."""
+        results: list[list[tuple[str, str] | None]] = [[None] * len(calls) for calls in calls_per_row]
+        pending = []  # (row, index, name, coroutine)
+        for row, calls in enumerate(calls_per_row):
+            for index, call in enumerate(calls):
+                self.counts.calls += 1
+                name = call.name or "unknown"
+                problem = call.error
+                if problem is None and call.name not in self.tools:
+                    problem = f"no tool is named {call.name!r} (tools: {', '.join(self.tools)})"
+                if problem is None:
+                    problem = argument_error(call.arguments, self.schemas[call.name])
+                if problem is not None:
+                    results[row][index] = self._failed(name, problem)
+                    continue
+                try:
+                    outcome = self.tools[name](**call.arguments)
+                except Exception as error:  # the model's call failed: it reads why, the trainer goes on
+                    results[row][index] = self._failed(name, _describe(error))
+                    continue
+                if is_async_tool(self.tools[name]):
+                    pending.append((row, index, name, outcome))
+                else:
+                    results[row][index] = (name, self._cut(result_text(outcome)))
+        outcomes = _run_coroutines([coroutine for *_, coroutine in pending]) if pending else []
+        for (row, index, name, _), outcome in zip(pending, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                results[row][index] = self._failed(name, _describe(outcome))
+            else:
+                results[row][index] = (name, self._cut(result_text(outcome)))
+        return results  # type: ignore[return-value]  every slot is filled above
+
+    def _failed(self, name: str, message: str) -> tuple[str, str]:
+        self.counts.failures += 1
+        return name, self._cut(error_text(message))
+
+    def _cut(self, text: str) -> str:
+        return truncate_middle(text, self.options.max_tool_response_length)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
