@@ -59,6 +59,7 @@ from grpo_lightning.io.models import (
     prepare_models,
 )
 from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.lr_schedulers import step_schedulers
 from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
 from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
@@ -220,7 +221,7 @@ class GRPOModule(L.LightningModule):
         """AdamW at `grpo.learning_rate` with the schedule of `grpo.lr_scheduler_type`. A subclass may return
         any form Lightning accepts (an optimizer alone, a list, a dict with `lr_scheduler` and its `interval`
         and `frequency`), with one optimizer: the module steps each scheduler as Lightning would under
-        automatic optimisation (`_step_schedulers`)."""
+        automatic optimisation (`training.lr_schedulers`)."""
         cfg, trainer = self.grpo, self.trainer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
@@ -228,7 +229,7 @@ class GRPOModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
-        # Stepped after every optimizer step (`_step_schedulers`): a bare scheduler is Lightning's "epoch".
+        # Stepped after every optimizer step (`step_schedulers`): a bare scheduler is Lightning's "epoch".
         scheduler = {"scheduler": build_scheduler(optimizer, *schedule), "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
@@ -357,35 +358,11 @@ class GRPOModule(L.LightningModule):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                self._step_schedulers("step")
+                step_schedulers(self.trainer, "step")
                 self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
             if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
                 break
         return stats, grad_norm
-
-    def _step_schedulers(self, interval: str) -> None:
-        """Step the schedulers of `configure_optimizers` whose `interval` is `interval` ("step": after an
-        optimizer step that changed the weights; "epoch": at a training epoch's end), each when the steps or
-        epochs done are a multiple of its `frequency`, `ReduceLROnPlateau` with its `monitor`'s latest value:
-        as Lightning steps them under automatic optimisation, which it leaves to a module that optimises
-        manually."""
-        trainer = self.trainer
-        done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != interval or done % config.frequency:
-                continue
-            if not config.reduce_on_plateau:
-                config.scheduler.step()
-                continue
-            value = trainer.callback_metrics.get(config.monitor)
-            if value is not None:
-                config.scheduler.step(float(value))
-            elif config.strict:
-                raise ValueError(
-                    f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is "
-                    f"not logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): "
-                    "monitor a metric logged before it steps, or set its 'strict': False to skip those steps"
-                )
 
     def _trainer_state(self, batch_idx: int) -> TrainerState:
         """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
@@ -410,7 +387,7 @@ class GRPOModule(L.LightningModule):
         return sums.values, self.step_guard.clip_and_step(*step)
 
     def on_train_epoch_end(self) -> None:
-        self._step_schedulers("epoch")
+        step_schedulers(self.trainer, "epoch")
         if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
             bound_epochs_by_steps(self.trainer, self.grpo)
 
