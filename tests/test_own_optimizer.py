@@ -103,10 +103,10 @@ def test_step_schedulers_steps_only_those_due_at_this_interval():
     every_second = LRSchedulerConfig(halving(optimizer), interval="step", frequency=2)
     per_epoch = LRSchedulerConfig(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.1), interval="epoch")
     trainer = SimpleNamespace(global_step=1, current_epoch=0, lr_scheduler_configs=[every_second, per_epoch])
-    step_schedulers(trainer, "step")  # step 1: not a multiple of 2
+    step_schedulers(trainer, "step", {})  # step 1: not a multiple of 2
     assert optimizer.param_groups[0]["lr"] == pytest.approx(LR)
     trainer.global_step = 2
-    step_schedulers(trainer, "step")
+    step_schedulers(trainer, "step", {})
     assert optimizer.param_groups[0]["lr"] == pytest.approx(LR / 2)
-    step_schedulers(trainer, "epoch")
+    step_schedulers(trainer, "epoch", {})
     assert optimizer.param_groups[0]["lr"] == pytest.approx(LR / 20)
