@@ -106,6 +106,12 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
     budget = budget_of(trainer)
     data.setup("fit")
     check_fit(trainer, module, data)  # what fit checks first, before the evaluation's minutes
+    if not data.val_rows:  # every number the demo reports is an accuracy on them
+        raise ValueError(
+            f"--data.val_size {data.hparams.val_size}: the demo measures held-out accuracy before and after "
+            "training on the held-out rows, and there are none; give --data.val_size 1 or more, or train "
+            "without measuring with cli.py fit"
+        )
     if before is None:
         module.configure_model()
         before = evaluate(module, data, trainer.strategy.root_device)

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.demo.outputs import run_script
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.run_checks import check_monitors, check_run_length, logged_metric_names
 from tests.helpers import cli_error, digit_reward, one_error_line, quiet_trainer, tiny_module
@@ -207,3 +208,23 @@ def test_compare_options_refuses_bad_flags_before_its_first_step(tiny_model_dir,
         COMPARE.main(["--config", str(config), "--out", str(out), *flags])
     assert str(error.value).startswith(message)
     assert not os.path.exists(tmp_path / "runs")  # nothing trained, nothing written
+
+
+def test_the_demo_without_held_out_rows_is_refused_before_any_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    config = tmp_path / "demo.yaml"
+    config.write_text(
+        f"trainer: {{accelerator: cpu, logger: false, default_root_dir: {tmp_path / 'demo'}}}\n"
+        f"model: {{policy: {tiny_model_dir}}}\n"
+        "data: {source: arithmetic, val_size: 2}\n"
+    )
+    with pytest.raises(SystemExit) as exit_info:  # was a ZeroDivisionError traceback after training
+        run_script(DEMO.main, ["--config", str(config), "--data.val_size", "0"])
+    assert exit_info.value.code == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: --data.val_size 0: the demo measures held-out accuracy before and after training on the "
+        "held-out rows, and there are none; give --data.val_size 1 or more, or train without measuring with "
+        "cli.py fit"
+    )
+    assert not os.path.exists(tmp_path / "demo" / "summary.json")

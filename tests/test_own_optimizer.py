@@ -3,10 +3,14 @@ the learning rate of every step asserted, with a torch optimizer other than Adam
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
+from grpo_lightning.training.lr_schedulers import step_schedulers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, length_reward, quiet_trainer, tiny_module
 
@@ -92,3 +96,17 @@ def test_two_optimizers_are_refused_in_one_line(tiny_model_dir):
     module = tiny_module(tiny_model_dir, cls, reward_funcs=[length_reward])
     with pytest.raises(ValueError, match=r"^configure_optimizers returned 2 optimizers \(SGD, Adam\): "):
         quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, arithmetic_data(6))
+
+
+def test_step_schedulers_steps_only_those_due_at_this_interval():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    every_second = LRSchedulerConfig(halving(optimizer), interval="step", frequency=2)
+    per_epoch = LRSchedulerConfig(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.1), interval="epoch")
+    trainer = SimpleNamespace(global_step=1, current_epoch=0, lr_scheduler_configs=[every_second, per_epoch])
+    step_schedulers(trainer, "step", {})  # step 1: not a multiple of 2
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(LR)
+    trainer.global_step = 2
+    step_schedulers(trainer, "step", {})
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(LR / 2)
+    step_schedulers(trainer, "epoch", {})
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(LR / 20)

@@ -59,6 +59,12 @@ from grpo_lightning.io.models import (
     prepare_models,
 )
 from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.lr_schedulers import (
+    Monitored,
+    reading_schedulers,
+    step_monitored,
+    step_schedulers,
+)
 from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
 from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
@@ -165,6 +171,8 @@ class GRPOModule(L.LightningModule):
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
         self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
+        self.scheduler_monitors: dict[int, Monitored] = {}  # `configure_optimizers` sets them
+        self._steps_at_batch_start = 0
         sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
         self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
 
@@ -216,11 +224,19 @@ class GRPOModule(L.LightningModule):
             self.reference.eval()  # frozen: never dropout, whatever Lightning asks of the module
         return self
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # A subclass's own `configure_optimizers` is checked and its schedulers' monitors kept, as ours.
+        super().__init_subclass__(**kwargs)
+        if "configure_optimizers" in vars(cls):
+            cls.configure_optimizers = reading_schedulers(vars(cls)["configure_optimizers"])
+
+    @reading_schedulers
     def configure_optimizers(self) -> OptimizerLRScheduler:
         """AdamW at `grpo.learning_rate` with the schedule of `grpo.lr_scheduler_type`. A subclass may return
         any form Lightning accepts (an optimizer alone, a list, a dict with `lr_scheduler` and its `interval`
-        and `frequency`), with one optimizer: the module steps each scheduler as Lightning would under
-        automatic optimisation (`_step_schedulers`)."""
+        and `frequency`, a `ReduceLROnPlateau` with its `monitor`), with one optimizer over the policy's
+        weights: the module steps each scheduler as Lightning would under automatic optimisation
+        (`training.lr_schedulers`)."""
         cfg, trainer = self.grpo, self.trainer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
@@ -228,7 +244,7 @@ class GRPOModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
-        # Stepped after every optimizer step (`_step_schedulers`): a bare scheduler is Lightning's "epoch".
+        # Stepped after every optimizer step (`step_schedulers`): a bare scheduler is Lightning's "epoch".
         scheduler = {"scheduler": build_scheduler(optimizer, *schedule), "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
@@ -277,7 +293,7 @@ class GRPOModule(L.LightningModule):
             self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
 
     def on_fit_start(self) -> None:
-        check_one_optimizer(self.trainer)
+        check_one_optimizer(self.trainer, self.policy)
         self.rollouts.weights_changed()  # whatever changed the policy since, the first rollout samples it
         self.on_validation_start()
         ranks = ranks_of(self.trainer.strategy)
@@ -290,8 +306,12 @@ class GRPOModule(L.LightningModule):
         self.rollouts.place(self.device, self.trainer.precision)
 
     def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
+        self._steps_at_batch_start = self.global_step  # for the schedulers that wait for its metrics
         if self.reference_sync is not None:  # before the rollout that the reference's log-probs are for
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
+
+    def on_train_batch_end(self, outputs: Tensor | None, batch: dict[str, list], batch_idx: int) -> None:
+        step_monitored(self.trainer, self._steps_at_batch_start, self.scheduler_monitors)
 
     def on_train_start(self) -> None:
         trainer = self._trainer  # None where a test calls the hook on a module alone
@@ -357,35 +377,11 @@ class GRPOModule(L.LightningModule):
             stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
             if grad_norm is not None:
                 self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                self._step_schedulers("step")
+                step_schedulers(self.trainer, "step", self.scheduler_monitors)
                 self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
             if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
                 break
         return stats, grad_norm
-
-    def _step_schedulers(self, interval: str) -> None:
-        """Step the schedulers of `configure_optimizers` whose `interval` is `interval` ("step": after an
-        optimizer step that changed the weights; "epoch": at a training epoch's end), each when the steps or
-        epochs done are a multiple of its `frequency`, `ReduceLROnPlateau` with its `monitor`'s latest value:
-        as Lightning steps them under automatic optimisation, which it leaves to a module that optimises
-        manually."""
-        trainer = self.trainer
-        done = trainer.global_step if interval == "step" else trainer.current_epoch + 1
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != interval or done % config.frequency:
-                continue
-            if not config.reduce_on_plateau:
-                config.scheduler.step()
-                continue
-            value = trainer.callback_metrics.get(config.monitor)
-            if value is not None:
-                config.scheduler.step(float(value))
-            elif config.strict:
-                raise ValueError(
-                    f"lr_scheduler {type(config.scheduler).__name__} monitors {config.monitor!r}, which is "
-                    f"not logged yet (logged: {', '.join(sorted(trainer.callback_metrics)) or 'nothing'}): "
-                    "monitor a metric logged before it steps, or set its 'strict': False to skip those steps"
-                )
 
     def _trainer_state(self, batch_idx: int) -> TrainerState:
         """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
@@ -410,7 +406,7 @@ class GRPOModule(L.LightningModule):
         return sums.values, self.step_guard.clip_and_step(*step)
 
     def on_train_epoch_end(self) -> None:
-        self._step_schedulers("epoch")
+        step_schedulers(self.trainer, "epoch", self.scheduler_monitors)
         if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
             bound_epochs_by_steps(self.trainer, self.grpo)
 

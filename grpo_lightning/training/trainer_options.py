@@ -15,7 +15,8 @@ the module's hook that Lightning calls before it checks these options):
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
 options (`optimizer_steps_in_run`).
 
-`configure_optimizers` may return one optimizer in any form Lightning accepts (`check_one_optimizer`).
+`configure_optimizers` may return one optimizer over the policy's weights in any form Lightning accepts
+(`check_one_optimizer`; its schedulers are checked and stepped in `training.lr_schedulers`).
 
 Lightning's tools that do not apply to a module that samples its own batches and optimises manually are
 refused when the Trainer attaches it, in one line naming what to use instead (`refuse_unsupported_tools`):
@@ -38,6 +39,7 @@ from __future__ import annotations
 import math
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     EarlyStopping,
@@ -174,14 +176,30 @@ def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
     )
 
 
-def check_one_optimizer(trainer: L.Trainer) -> None:
-    """GRPO steps one optimizer over the policy: `configure_optimizers` returning several is refused."""
+def check_one_optimizer(trainer: L.Trainer, policy: torch.nn.Module) -> None:
+    """GRPO steps one optimizer over the policy: `configure_optimizers` returning several is refused, and so
+    is one holding weights that are not the policy's (the loss gives them no gradient) or none of its
+    trainable ones (it would train nothing)."""
     if len(trainer.optimizers) != 1:
         names = [type(optimizer).__name__ for optimizer in trainer.optimizers]
         raise ValueError(
             f"configure_optimizers returned {len(names)} optimizers ({', '.join(names) or 'none'}): "
             "GRPOModule steps one, over the policy's trainable weights (parameter groups give parts of "
             "them their own options)"
+        )
+    optimizer = trainer.optimizers[0]
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    policy_params = {id(p): p.requires_grad for p in policy.parameters()}
+    foreign = sum(id(p) not in policy_params for p in held)
+    name, fix = type(optimizer).__name__, "give it [p for p in self.policy.parameters() if p.requires_grad]"
+    if foreign:
+        raise ValueError(
+            f"configure_optimizers returned {name} holding {foreign} of its {len(held)} weights outside the "
+            f"policy: the GRPO loss gives them no gradient; {fix}"
+        )
+    if not any(policy_params[id(p)] for p in held):
+        raise ValueError(
+            f"configure_optimizers returned {name} over none of the policy's trainable weights: {fix}"
         )
 
 
