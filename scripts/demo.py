@@ -143,7 +143,10 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
         "threads": torch.get_num_threads(),
         "eval_seconds": round(before["seconds"] + after["seconds"], 1),
     }
-    accuracy = [(0, summary["accuracy_before"]), (trainer.global_step, summary["accuracy_after"])]
+    accuracy = [
+        (0, summary["accuracy_before"], summary["accuracy_before_se"]),
+        (trainer.global_step, summary["accuracy_after"], summary["accuracy_after_se"]),
+    ]
     curve = {"seed": summary["seed"], "reward": history.reward, "accuracy": accuracy}
     return summary, before, trainer.default_root_dir, curve
 

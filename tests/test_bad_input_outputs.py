@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import reference_answer
+from grpo_lightning.demo.curves import write_curves
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
@@ -556,3 +557,25 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_export_and_results(
         "is kept"
     )
     assert files_of(tmp_path) == earlier  # byte for byte, and no temporary file or folder left
+
+
+def test_the_demo_picture_draws_the_evaluations_it_ran_not_a_line_between_them(tmp_path):
+    """Two held-out evaluations, at steps 0 and 20, drawn as points with their standard errors: the accuracy
+    panel between them stays blank (a line there would read as a measured trajectory)."""
+    pytest.importorskip("matplotlib")  # the `[plot]` extra; the suite installs it
+    import matplotlib.image
+
+    reward = [(step, 0.5) for step in range(1, 21)]
+    run = {"seed": 0, "reward": reward, "accuracy": [(0, 0.2, 0.04), (20, 0.6, 0.05)]}
+    path = write_curves(str(tmp_path / "curves.png"), [run])
+    assert json.loads((tmp_path / "curves.json").read_text())["runs"][0]["accuracy"][1] == [20, 0.6, 0.05]
+    image = matplotlib.image.imread(path)[..., :3]
+    bottom = image[image.shape[0] // 2 :]
+    red = bottom[..., 0] - bottom[..., 2] > 0.2
+    columns = red.any(axis=0).nonzero()[0]
+    width = image.shape[1]
+    middle = red[:, int(0.35 * width) : int(0.65 * width)]
+    assert not middle.any(), "a line joins the two evaluations"
+    assert columns.min() < 0.3 * width and columns.max() > 0.7 * width  # both evaluations drawn
+    rows = red.any(axis=1).nonzero()[0]
+    assert rows.max() - rows.min() > 0.2 * bottom.shape[0]  # 20% to 60% with their error bars

@@ -176,15 +176,16 @@ def check_curves(folder, runs: list[dict]) -> None:
     for curve, run in zip(curves, runs, strict=True):
         ((step, reward),) = curve["reward"]  # one rollout, whose 2 optimizer steps end at step 2
         assert step == 2 and 0.0 <= reward <= 2.0  # accuracy + format rewards
-        assert curve["accuracy"] == [[0, run["accuracy_before"]], [2, run["accuracy_after"]]]
+        before = [0, run["accuracy_before"], run["accuracy_before_se"]]
+        assert curve["accuracy"] == [before, [2, run["accuracy_after"], run["accuracy_after_se"]]]
     image = matplotlib.image.imread(folder / "curves.png")  # [H, W, RGBA] in 0..1
     inches, dpi = curves_module.FIGURE_INCHES, curves_module.DPI
     assert image.shape[:2] == (int(inches[1] * dpi), int(inches[0] * dpi))
     top, bottom = image[: image.shape[0] // 2, :, :3], image[image.shape[0] // 2 :, :, :3]
     blue = top[..., 2] - top[..., 0] > 0.2  # the reward's points and legend, any seed's shade
-    red = bottom[..., 0] - bottom[..., 2] > 0.2  # the accuracy lines from step 0 to step 2
+    red = bottom[..., 0] - bottom[..., 2] > 0.2  # the accuracy points at step 0 and step 2
     assert blue.sum() > 30 and not (bottom[..., 2] - bottom[..., 0] > 0.2).any()
-    assert red.sum() > 300 and not (top[..., 0] - top[..., 2] > 0.2).any()
+    assert red.sum() > 30 and not (top[..., 0] - top[..., 2] > 0.2).any()
 
 
 def load_script(name: str, path: str):

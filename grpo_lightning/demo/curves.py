@@ -1,4 +1,6 @@
-"""The demo's picture: the training reward and the held-out accuracy over optimizer steps, one line per seed.
+"""The demo's picture: the training reward over optimizer steps, one line per seed, and the held-out
+accuracies measured (before and after training), each a point with its standard error: nothing is measured
+between them, so no line joins them.
 
 `RewardHistory` records `train/reward` after every training step; `write_curves` draws the runs into one
 PNG (matplotlib, the `[plot]` extra: `pip install -e ".[plot]"`) and writes the numbers beside it as JSON,
@@ -34,8 +36,9 @@ class RewardHistory(L.Callback):
 def write_curves(path: str, runs: list[dict]) -> str | None:
     """Draw `runs` into the PNG `path` and write their numbers to `<path without .png>.json`.
 
-    Each run is `{"seed": ..., "reward": [(step, reward), ...], "accuracy": [(step, accuracy), ...]}`
-    (the held-out accuracy before training at step 0, and after it at its last step). Returns `path`, or None
+    Each run is `{"seed": ..., "reward": [(step, reward), ...], "accuracy": [(step, accuracy, se), ...]}`
+    (the held-out accuracy before training at step 0, and after it at its last step, with their binomial
+    standard errors). Returns `path`, or None
     when matplotlib is not installed (the JSON is written either way)."""
     with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
         json.dump({"runs": runs}, f, indent=2)
@@ -56,12 +59,23 @@ def write_curves(path: str, runs: list[dict]) -> str | None:
                 steps, values, color=REWARD_COLOR, alpha=shade, linewidth=1.5, marker="o", ms=3, label=label
             )
         if run["accuracy"]:
-            steps, values = zip(*run["accuracy"], strict=True)
-            bottom.plot(steps, [100 * v for v in values], color=ACCURACY_COLOR, alpha=shade, linewidth=2.5)
-            bottom.scatter(steps, [100 * v for v in values], color=ACCURACY_COLOR, alpha=shade, zorder=3)
+            steps, values, errors = zip(*run["accuracy"], strict=True)
+            percent = [100 * v for v in values]
+            bars = [100 * e for e in errors]
+            # Points and their error bars only: a line between two evaluations would read as measured.
+            bottom.errorbar(
+                steps,
+                percent,
+                yerr=bars,
+                fmt="o",
+                linestyle="none",
+                color=ACCURACY_COLOR,
+                alpha=shade,
+                capsize=4,
+            )
     top.set_ylabel("training reward (mean per step)")
     top.legend(loc="lower right", fontsize="small")
-    bottom.set_ylabel("held-out strict accuracy (%)")
+    bottom.set_ylabel("held-out strict accuracy (%, ± SE)")
     bottom.set_xlabel("optimizer step")
     for axes in (top, bottom):
         axes.grid(alpha=0.3)
