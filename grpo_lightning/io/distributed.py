@@ -232,7 +232,7 @@ def close_process_group() -> None:
     destructors ("terminate called without an active exception", exit status -6) while a gloo or NCCL
     thread is still running, after the run itself succeeded.
     """
-    shutdown_engines()  # vLLM's first: their shutdown tears the group down, and fails if it is gone
+    shutdown_engines()  # vLLM's first: their shutdown fails if the group is gone (and keeps it alive)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

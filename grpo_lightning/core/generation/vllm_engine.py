@@ -32,6 +32,7 @@ says in one line what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -214,6 +215,7 @@ class VLLMEngine(RolloutEngine):
         self.settings, self.options, self.dtype, self.weights = settings, options, dtype, weights
         self.llm = None  # started by the first `refresh`, on the policy it sees
         self.folder: str | None = None  # the config vLLM starts from, and the adapter it serves
+        self.joined_trainer_group = False  # whether vLLM started inside the trainer's process group
         self.lora_request = None
         self.adapter_name: str | None = None
         self.tied_head = False
@@ -302,9 +304,12 @@ class VLLMEngine(RolloutEngine):
         return {**self.last_speed, "weight_pushes": float(self.refreshes), "push_seconds": self.push_seconds}
 
     def close(self) -> None:
-        """Shut vLLM down (it tears down the default process group with it) and delete its folder."""
+        """Shut vLLM down and delete its folder. vLLM's shutdown destroys the default process group; one
+        that was there before the engine started is the trainer's, and is kept (a rebuilt engine, or the
+        trainer's next collective, needs it)."""
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            with _default_group_kept() if self.joined_trainer_group else contextlib.nullcontext():
+                self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -338,6 +343,7 @@ class VLLMEngine(RolloutEngine):
         if o.block_size is not None:
             memory["block_size"] = o.block_size
         launch = _trainer_process_kept(local_rank(device))
+        self.joined_trainer_group = launch.grouped  # vLLM then runs in the trainer's process group
         if cuda:
             torch.cuda.set_device(device)  # vLLM's worker takes `cuda:LOCAL_RANK`, the current device too
         with launch:
@@ -469,7 +475,7 @@ class _trainer_process_kept:
 
     def __init__(self, local_rank: int) -> None:
         dist = torch.distributed
-        grouped = dist.is_available() and dist.is_initialized()
+        self.grouped = grouped = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
         self.local_rank = local_rank
 
@@ -500,6 +506,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """Inside: `torch.distributed.destroy_process_group()` of the default group does nothing (vLLM's
+    shutdown calls it at its end); its own groups are destroyed as it asks."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_but_the_default(group: object = None) -> None:
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_but_the_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def shutdown_engines() -> None:
