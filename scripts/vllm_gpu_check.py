@@ -27,13 +27,14 @@ import tempfile
 import threading
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_lightning.core.generation.engines import SamplingSettings  # noqa: E402
 from grpo_lightning.core.generation.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
+from grpo_lightning.offline.tiny import build_qwen2  # noqa: E402
 
 PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp")
 PART_TIMEOUT_S = 240
@@ -49,23 +50,9 @@ def report(name: str, ok: bool, value: object) -> None:
 
 def qwen2(dtype: torch.dtype) -> Qwen2ForCausalLM:
     """A random Qwen2 (q/k/v biases, as the GPU configs' models) with heads of 64 dimensions."""
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+    return build_qwen2(512, 256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256).to(
+        DEVICE, dtype
     )
-    model = Qwen2ForCausalLM(config).to(DEVICE, dtype)
-    with torch.no_grad():  # biases start at 0: random ones, so that a bias the push missed shows
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.normal_(0, 0.5)
-    return model
 
 
 def engine(model, **options) -> VLLMEngine:
