@@ -68,7 +68,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from grpo_lightning.core.config import GRPOConfig  # noqa: E402
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig  # noqa: E402
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget  # noqa: E402
 from grpo_lightning.demo.heldout import heldout_correct, paired_gain_se, seed_spread  # noqa: E402
 from grpo_lightning.demo.outputs import claim_output, run_script, write_json  # noqa: E402
@@ -178,7 +178,7 @@ def option_names() -> dict[tuple[str, ...], tuple[str, set[str]]]:
     return {
         (): ("this script's config", {"seed_everything", "model", "data", "trainer", *CLI_LEFT_OUT}),
         ("model",): ("GRPOModule", arguments(GRPOModule)),
-        ("model", "grpo"): ("GRPOConfig", {f.name for f in dataclasses.fields(GRPOConfig)}),
+        ("model", "grpo"): ("GRPOConfig", {f.name for f in dataclasses.fields(GRPOConfig)} | set(FLAT_NAMES)),
         ("model", "model_options"): ("ModelOptions", {f.name for f in dataclasses.fields(ModelOptions)}),
         ("model", "lora"): ("LoraOptions", {f.name for f in dataclasses.fields(LoraOptions)}),
         ("data",): ("GSM8KDataModule", arguments(GSM8KDataModule)),

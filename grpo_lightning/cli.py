@@ -40,6 +40,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from grpo_lightning.cli_sections import sectioned_argv
 from grpo_lightning.config_checks import check_config_files, plain_value_error, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
@@ -49,6 +50,7 @@ from grpo_lightning.io.checkpoints import (
     check_module_checkpoint,
     comparable_hparams,
     read_checkpoint,
+    sectioned_hparams,
 )
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import export_policy
@@ -236,8 +238,10 @@ class GRPOCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
-        check_config_files(sys.argv[1:] if args is None else args)  # a section of the wrong type, named
-        super().parse_arguments(parser, args)
+        argv = sys.argv[1:] if args is None else args
+        check_config_files(argv)  # a section of the wrong type, named
+        sectioned = sectioned_argv(argv)  # TRL's (flat) option names, by their sections' keys
+        super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -279,6 +283,7 @@ class GRPOCLI(LightningCLI):
         saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
         saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and _not_for_the_config(v))}
+        saved = sectioned_hparams(saved)  # options stored by their flat names: by sections
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
         defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
         conflicts = [
@@ -354,7 +359,8 @@ def _refuse_other_data(ckpt_path: str, checkpoint: dict, data: Namespace) -> Non
 
 
 def _dotted(options: dict, dotted: str) -> object:
-    """The value at "grpo.top_p" in nested option dataclasses or dicts; None where a level is None."""
+    """The value at "grpo.sampling.top_p" in nested option dataclasses or dicts; None where a level is
+    None."""
     value: object = options
     for key in dotted.split("."):
         value = plain_options(value)

@@ -118,9 +118,11 @@ def plain_value_error(message: str) -> str:
     if own:  # the class's own complaint about the value
         return f"{match['key']}: {own[0]}" if match["key"] else own[0]
     value = match["value"]
-    words = " or ".join(
-        _type_word(t, value is not None and _not_finite(value)) for t in _TYPE.findall(match["types"])
-    )
+    if value is not None:  # a union inside a union (an `Alias` around `X | None`) repeats the value
+        value = value.rpartition("Given value: ")[2]
+    tokens = [t for t in _TYPE.findall(match["types"]) if t not in ("typing.Optional", "typing.Union")]
+    finite = value is not None and _not_finite(value)
+    words = " or ".join(dict.fromkeys(_type_word(t, finite) for t in tokens))
     where = match["key"] or "a value"
     return f"{where}={value}: expected {words}" if value is not None else f"{where}: expected {words}"
 

@@ -63,7 +63,7 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
     assert fit_refused(
         tiny_model_dir,
         tmp_path,
-        match=r"model.grpo.lr_scheduler_type='linear' decays over the run, whose length is unknown",
+        match=r"model.grpo.optimizer.lr_scheduler_type='linear' decays over the run, whose length is unknown",
         max_steps=-1,
         max_epochs=-1,
         grpo={"lr_scheduler_type": "linear"},
@@ -73,7 +73,9 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
 def test_runs_that_cannot_do_what_was_asked_are_refused_or_warned_before_any_weights_load(
     tiny_model_dir, tmp_path, capsys, no_weights
 ):
-    with pytest.raises(ValueError, match=r"^GRPOConfig.learning_rate=0: must be > 0 \(at 0 no weight ever"):
+    with pytest.raises(
+        ValueError, match=r"^GRPOConfig.optimizer.learning_rate=0: must be > 0 \(at 0 no weight ever"
+    ):
         GRPOConfig(learning_rate=0)
     with pytest.warns(UserWarning, match="importance_sampling_cap=3.0 has no effect without importance_"):
         GRPOConfig(importance_sampling_cap=3.0)
@@ -83,7 +85,8 @@ def test_runs_that_cannot_do_what_was_asked_are_refused_or_warned_before_any_wei
     assert fit_refused(
         tiny_model_dir,
         tmp_path,
-        match=r"^model.grpo.max_prompt_length=512 \+ max_completion_length=100000 = 100512 tokens per row "
+        match=r"^model.grpo.max_prompt_length=512 \+ max_completion_length=100000 = 100512 tokens "
+        r"per row "
         r"exceed the 1024 positions of the policy \(max_position_embeddings in its config\): lower "
         r"max_completion_length to at most 512$",
         grpo={"max_completion_length": 100000},
@@ -175,8 +178,11 @@ def test_a_monitor_one_typo_away_from_a_logged_metric_is_refused(logged, data):
         (["--threads", "-1"], "--threads -1: must be >= 1"),
         (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
         (["--variants", "baseline", "baseline"], "--variants names 'baseline' twice"),
-        (["--set", "model.grpo.top_p=2"], "GRPOConfig.top_p=2: must be > 0 and <= 1"),
-        (["--variants", "step_credit", "--step_credit", "-1"], "GRPOConfig.step_credit=-1.0: must be >= 0"),
+        (["--set", "model.grpo.sampling.top_p=2"], "GRPOConfig.sampling.top_p=2: must be > 0 and <= 1"),
+        (
+            ["--variants", "step_credit", "--step_credit", "-1"],
+            "GRPOConfig.advantages.step_credit=-1.0: must be >= 0",
+        ),
         (["--cpu_budget", "0"], "CPUTimeBudget.max_cpu_seconds=0.0: must be > 0 or None"),
         (["--set", "data.batch_size=0"], "data.batch_size=0: must be >= 1"),
         (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),

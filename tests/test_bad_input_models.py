@@ -361,10 +361,10 @@ def test_a_sliding_window_model_is_scored_on_padded_rows_with_one_warning(tiny_m
         engine = module.rollouts.build_engine()
     assert decisions == (False, False) and isinstance(engine, EagerEngine)
     assert [str(w.message) for w in caught] == [
-        "grpo.share_prompt, grpo.packed_sequences, grpo.generation_backend='static': its attention layers "
-        "are not all full attention (MistralConfig.sliding_window=4: every layer attends to its last 4 "
-        "tokens only); every prompt is encoded G times; the passes run padded rows; rollouts use eager "
-        "decoding"
+        "grpo.scoring.share_prompt, grpo.scoring.packed_sequences, grpo.engine.backend='static': its "
+        "attention layers are not all full attention (MistralConfig.sliding_window=4: every layer attends to "
+        "its last 4 tokens only); every prompt is encoded G times; the passes run padded rows; rollouts use "
+        "eager decoding"
     ]
 
     g = torch.Generator().manual_seed(0)

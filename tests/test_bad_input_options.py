@@ -50,7 +50,7 @@ from tests.test_own_optimizer import LR, OwnOptimizer, StepLearningRates, halvin
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ("--model.grpo.loss_type=ppo", "model.grpo.loss_type='ppo': must be one of grpo, bnpo, dapo"),
+        ("--model.grpo.loss_type=ppo", "model.grpo.loss.loss_type='ppo': must be one of grpo, bnpo, dapo"),
         ("--model.policy=/no/such/model", "model path '/no/such/model' does not exist"),
     ],
 )
@@ -64,10 +64,10 @@ def test_bad_option_is_one_line_before_weights_load(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"num_generations": 1}, "GRPOConfig.num_generations=1: must be >= 2"),
-        ({"epsilon": 0.0}, "GRPOConfig.epsilon=0.0: must be > 0"),
-        ({"beta": -0.1}, "GRPOConfig.beta=-0.1: must be >= 0"),
-        ({"max_completion_length": 0}, "GRPOConfig.max_completion_length=0: must be > 0"),
+        ({"num_generations": 1}, "GRPOConfig.sampling.num_generations=1: must be >= 2"),
+        ({"epsilon": 0.0}, "GRPOConfig.loss.epsilon=0.0: must be > 0"),
+        ({"beta": -0.1}, "GRPOConfig.kl.beta=-0.1: must be >= 0"),
+        ({"max_completion_length": 0}, "GRPOConfig.sampling.max_completion_length=0: must be > 0"),
     ],
 )
 def test_bad_option_names_itself_and_its_rule(options, message):
@@ -77,7 +77,7 @@ def test_bad_option_names_itself_and_its_rule(options, message):
 
 
 def test_dr_grpo_without_a_length(tiny_model_dir, tmp_path, capsys, no_weights):
-    with pytest.raises(ValueError, match="GRPOConfig.max_completion_length=None: must be > 0"):
+    with pytest.raises(ValueError, match="GRPOConfig.sampling.max_completion_length=None: must be > 0"):
         GRPOConfig(loss_type="dr_grpo", max_completion_length=None)
     err = cli_error(
         fit_args(
@@ -196,7 +196,11 @@ class TestOptionsTheLightningWay:
         )
         trainer, grpo = lightning_way.trainer, lightning_way.model.grpo
         assert trainer.accumulate_grad_batches == 1 and trainer.gradient_clip_val is None
-        assert (lightning_way.datamodule.hparams.batch_size, grpo.micro_batch_size, grpo.max_grad_norm) == (
+        assert (
+            lightning_way.datamodule.hparams.batch_size,
+            grpo.update.micro_batch_size,
+            grpo.optimizer.max_grad_norm,
+        ) == (
             4,
             4,
             0.5,
@@ -213,11 +217,11 @@ class TestOptionsTheLightningWay:
             (
                 ["--trainer.gradient_clip_val=0.5", "--trainer.gradient_clip_algorithm=value"],
                 "trainer.gradient_clip_algorithm='value': GRPOModule clips the gradients by their global "
-                "norm only, with model.grpo.max_grad_norm",
+                "norm only, with model.grpo.optimizer.max_grad_norm",
             ),
             (
                 ["--trainer.gradient_clip_val=0.5", "--model.grpo.max_grad_norm=2.0"],
-                "trainer.gradient_clip_val=0.5 and model.grpo.max_grad_norm=2.0 disagree",
+                "trainer.gradient_clip_val=0.5 and model.grpo.optimizer.max_grad_norm=2.0 disagree",
             ),
             (
                 ["--trainer.max_steps=abc"],
@@ -329,8 +333,13 @@ NOT_FINITE = ["inf", "-inf", "nan", "NaN", "Infinity"]
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     option=st.sampled_from(
-        ["model.grpo.learning_rate", "model.grpo.temperature", "model.grpo.max_grad_norm", "model.grpo.delta"]
-        + ["trainer.gradient_clip_val", "model.grpo.advantage_clip", "data.batch_size", "trainer.max_steps"]
+        [
+            "model.grpo.optimizer.learning_rate",
+            "model.grpo.sampling.temperature",
+            "model.grpo.optimizer.max_grad_norm",
+            "model.grpo.loss.delta",
+        ]
+        + ["trainer.gradient_clip_val", "model.grpo.advantages.clip", "data.batch_size", "trainer.max_steps"]
     ),
     value=st.sampled_from(NOT_FINITE),
 )

@@ -11,42 +11,91 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpo_lightning.core.config import INERT_UNLESS, GRPOConfig
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.generation.backends import EngineOptions
+from grpo_lightning.core.generation.vllm_engine import VLLMOptions
+from grpo_lightning.core.options import declared_annotation, declared_rule, default_at, section_class
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget
 from tests.test_heldout import load_script
 
 COMPARE = load_script("compare_options", "benchmarks/compare_options.py")
 
-# A value other than the default for each option that needs another, and the setting that gives it effect.
-SET_ALONE = {
-    "ref_model_sync_steps": (st.integers(1, 511), {"sync_ref_model": True, "beta": 0.1}),
-    "ref_model_mixup_alpha": (st.floats(0, 0.59), {"sync_ref_model": True, "beta": 0.1}),
-    "dynamic_sampling_max_rounds": (st.integers(0, 8), {"dynamic_sampling": True}),
-    "dynamic_sampling_metric": (st.sampled_from([None, "format_reward"]), {"dynamic_sampling": True}),
-    "min_lr_ratio": (st.floats(0.01, 1), {"lr_scheduler_type": "cosine"}),
-    "kl_estimator": (st.sampled_from(["k2"]), {"beta": 0.1}),
-    "use_bias_correction_kl": (st.just(False), {"beta": 0.1}),
-    "importance_sampling_cap": (
-        st.floats(1, 10).filter(lambda c: c != 2.0),
-        {"importance_sampling_correction": True},
-    ),
+# The options of each optional section, by their flat names, and the switch that turns the section on: all
+# derived from the sections' declarations, so an option added to such a section is covered here unasked.
+SWITCHES = {entry.path: name for name, entry in FLAT_NAMES.items() if entry.switch}
+IN_OPTIONAL = {
+    name: SWITCHES[entry.path[:1]]
+    for name, entry in FLAT_NAMES.items()
+    if not entry.switch and entry.path[:1] in SWITCHES
+}
+ENABLES = {"sync_ref_model": {"beta": 0.1}}  # what a switch needs beside it to be valid
+
+
+def section_of(path: tuple[str, ...]) -> type:
+    """The section class that holds the option at `path`."""
+    cls = GRPOConfig
+    for key in path[:-1]:
+        cls = section_class(declared_annotation(cls, key))
+    return cls
+
+
+def other_value(path: tuple[str, ...], draw) -> object:
+    """A valid value other than the default for the option at `path`, from its annotation's rule."""
+    rule = declared_rule(section_of(path), path[-1])
+    default = default_at(GRPOConfig, path)
+    candidates = list(rule.choices) or [True, False, 1, 2, 3, 5, 0.5, 0.9, 1.5, "format_reward", None]
+    allowed = [v for v in candidates if v != default and rule.problem(v) is None]
+    return draw(st.sampled_from([v for v in allowed if not isinstance(v, bool) or bool in rule.kinds]))
+
+
+@given(option=st.sampled_from(sorted(IN_OPTIONAL)), data=st.data(), enabled=st.booleans())
+def test_an_option_of_a_section_that_is_off_is_warned_naming_its_switch(option, data, enabled):
+    assert {"dynamic_sampling", "importance_sampling_correction", "sync_ref_model"} <= set(SWITCHES.values())
+    switch = IN_OPTIONAL[option]
+    value = other_value(FLAT_NAMES[option].path, data.draw)
+    on = {switch: True, **ENABLES.get(switch, {})} if enabled else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = GRPOConfig(**{option: value, **on})
+    said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    if enabled:
+        assert said == [] and getattr(config, option) == value
+    else:
+        assert said == [f"GRPOConfig.{option}={value!r} has no effect without {switch}: true"]
+        assert getattr(config, FLAT_NAMES[switch].key) is None  # the section stays off
+
+
+# Options inside a section that need another option of theirs: the rule each section states.
+NEEDS = {
+    "kl_estimator": ("k2", {"beta": 0.1}, "beta > 0"),
+    "use_bias_correction_kl": (False, {"beta": 0.1}, "beta > 0 and the KL in the loss"),
+    "min_lr_ratio": (0.1, {"lr_scheduler_type": "cosine"}, "lr_scheduler_type: linear or cosine"),
+    **{
+        name: (value, {"generation_backend": "auto"}, "engine.backend: vllm (or auto)")
+        for name, value in (
+            ("vllm_max_model_len", 64),
+            ("vllm_kv_cache_gb", 2.0),
+            ("vllm_gpu_memory_utilization", 0.5),
+            ("vllm_enable_sleep_mode", True),
+            ("vllm_enforce_eager", True),
+        )
+    },
 }
 
 
-@given(option=st.sampled_from(sorted(SET_ALONE)), data=st.data(), enabled=st.booleans())
-def test_an_option_without_the_one_it_needs_is_warned_naming_both(option, data, enabled):
-    assert set(SET_ALONE) == set(INERT_UNLESS)
-    values, needed = SET_ALONE[option]
-    value = data.draw(values)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        GRPOConfig(**{option: value, **(needed if enabled else {})})
-    said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
-    if enabled:
-        assert said == []
-    else:
-        assert said == [f"GRPOConfig.{option}={value!r} has no effect without {INERT_UNLESS[option][0]}"]
-        assert next(iter(needed)) in said[0]  # the option that gives it effect is named
+@pytest.mark.parametrize("option", sorted(NEEDS))
+def test_an_option_without_the_one_it_needs_in_its_section_is_warned(option):
+    vllm = {n for n, e in FLAT_NAMES.items() if e.path[:2] == ("engine", "vllm")}
+    assert {n for n in NEEDS if n.startswith("vllm_")} == vllm  # every option of the vLLM engine's section
+    assert EngineOptions().vllm == VLLMOptions()
+    value, needed, named = NEEDS[option]
+    alone = {"generation_backend": "eager"} if option.startswith("vllm_") else {}
+    for others, expect in ((alone, True), (needed, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            GRPOConfig(**{option: value, **others})
+        said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+        assert (len(said) == 1 and named in said[0] and repr(value) in said[0]) if expect else said == []
 
 
 def results_file(path, config: str, variant: str = "baseline", seed: int = 0, **setup) -> str:

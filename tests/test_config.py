@@ -13,13 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.options import declared_rule
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.options import declared_rule, default_at, section_at
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import cli_error, digit_reward, quiet_trainer
 from tests.test_interrupt import fit_args
+
+# Each section of GRPOConfig by its place ("kl", "engine.vllm").
+SECTIONS = {
+    ".".join(e.path[:-1]): section_at(GRPOConfig, e.path) for e in FLAT_NAMES.values() if not e.switch
+}
+SWITCHED = {e.path[0] for e in FLAT_NAMES.values() if e.switch}
 
 NAN_OR_INF = st.sampled_from([math.nan, math.inf, -math.inf])
 
@@ -125,10 +131,26 @@ OPTION_CLASSES = [GRPOConfig, ModelOptions, LoraOptions]
 
 @pytest.mark.parametrize("options", OPTION_CLASSES, ids=lambda c: c.__name__)
 def test_every_option_declares_its_rule_and_has_refused_values(options):
-    names = {f.name for f in fields(options)}
-    for name in names:
-        declared_rule(options, name)  # an annotation that declares no rule raises TypeError
+    names = set(FLAT_NAMES) if options is GRPOConfig else {f.name for f in fields(options)}
+    for name in names - {n for n, e in FLAT_NAMES.items() if e.switch}:
+        declared_rule(*leaf(options, name))  # an annotation that declares no rule raises TypeError
     assert set(REFUSED[options]) == names  # a new option without refused values fails here
+
+
+def leaf(options: type, name: str) -> tuple[type, str]:
+    """The class and field that declare option `name` of `options` (of a section, for a flat name)."""
+    entry = FLAT_NAMES.get(name) if options is GRPOConfig else None
+    if entry is None:
+        return options, name
+    if entry.switch:
+        return GRPOConfig, entry.path[0]
+    return section_at(GRPOConfig, entry.path), entry.path[-1]
+
+
+def named(options: type, name: str) -> str:
+    """How a message names option `name` of `options`: its place, and its flat name where that differs."""
+    entry = FLAT_NAMES.get(name) if options is GRPOConfig else None
+    return f"{options.__name__}.{name}" if entry is None else f"GRPOConfig.{entry.key}"
 
 
 @pytest.mark.parametrize("options", OPTION_CLASSES, ids=lambda c: c.__name__)
@@ -140,7 +162,9 @@ def test_a_refused_value_names_its_option_and_its_rule(options, data):
     with pytest.raises(ValueError) as error:
         options(**{option: value})
     message = str(error.value)
-    assert message.startswith(f"{options.__name__}.{option}={value!r}: must ")
+    entry = FLAT_NAMES.get(option) if options is GRPOConfig else None
+    alias = f" ({option})" if entry is not None and entry.path[-1] != option and not entry.switch else ""
+    assert message.startswith(f"{named(options, option)}={value!r}{alias}: must "), message
     assert "\n" not in message
 
 
@@ -168,15 +192,19 @@ def test_values_in_range_are_accepted(data):
 
 def test_options_that_depend_on_each_other():
     with pytest.raises(
-        ValueError, match=r"GRPOConfig.min_completion_length=9: must be <= max_completion_length"
+        ValueError, match=r"GRPOConfig.sampling.min_completion_length=9: must be <= max_completion_length"
     ):
         GRPOConfig(min_completion_length=9, max_completion_length=8)
-    with pytest.raises(ValueError, match=r"GRPOConfig.delta=1.2: must be > 1 \+ epsilon_high"):
+    with pytest.raises(ValueError, match=r"GRPOConfig.loss.delta=1.2: must be > 1 \+ epsilon_high"):
         GRPOConfig(delta=1.2)
-    with pytest.raises(ValueError, match="GRPOConfig.use_kl_in_reward=True: needs beta > 0"):
+    with pytest.raises(
+        ValueError, match=r"GRPOConfig.kl.in_reward=True \(use_kl_in_reward\): needs beta > 0"
+    ):
         GRPOConfig(use_kl_in_reward=True)
     assert GRPOConfig(min_completion_length=8, max_completion_length=8, delta=1.5).delta == 1.5
-    with pytest.raises(ValueError, match="GRPOConfig.sync_ref_model=True: needs beta > 0"):
+    with pytest.raises(
+        ValueError, match=r"GRPOConfig.reference_sync \(sync_ref_model: true\): needs beta > 0"
+    ):
         GRPOConfig(sync_ref_model=True)
     with pytest.raises(
         ValueError, match="max_tokens_per_micro_batch=512: set it or micro_batch_size, not both"
@@ -192,12 +220,15 @@ def test_options_that_depend_on_each_other():
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ("--model.grpo.top_p=0", "GRPOConfig.top_p=0.0: must be > 0 and <= 1"),
-        ("--model.grpo.top_p=1.5", "GRPOConfig.top_p=1.5: must be > 0 and <= 1"),
-        ("--model.grpo.max_grad_norm=-1", "GRPOConfig.max_grad_norm=-1.0: must be > 0 or None"),
-        ("--model.grpo.temperature=0", "GRPOConfig.temperature=0.0: must be > 0"),
-        ("--model.grpo.top_k=-1", "GRPOConfig.top_k=-1: must be >= 0"),
-        ("--model.grpo.learning_rate=-1e-5", "GRPOConfig.learning_rate=-1e-05: must be > 0 (at 0 no weight"),
+        ("--model.grpo.top_p=0", "GRPOConfig.sampling.top_p=0.0: must be > 0 and <= 1"),
+        ("--model.grpo.top_p=1.5", "GRPOConfig.sampling.top_p=1.5: must be > 0 and <= 1"),
+        ("--model.grpo.max_grad_norm=-1", "GRPOConfig.optimizer.max_grad_norm=-1.0: must be > 0 or None"),
+        ("--model.grpo.temperature=0", "GRPOConfig.sampling.temperature=0.0: must be > 0"),
+        ("--model.grpo.top_k=-1", "GRPOConfig.sampling.top_k=-1: must be >= 0"),
+        (
+            "--model.grpo.learning_rate=-1e-5",
+            "GRPOConfig.optimizer.learning_rate=-1e-05: must be > 0 (at 0 no weight",
+        ),
         ("--model.lora.r=0", "LoraOptions.r=0: must be >= 1"),
         ("--model.lora.dropout=1", "LoraOptions.dropout=1.0: must be >= 0 and < 1"),
         (
@@ -232,8 +263,8 @@ def test_resume_refuses_an_option_that_differs_from_the_checkpoint(
     args = fit_args(tiny_model_dir, root, 2, f"--ckpt_path={ckpt}", "--model.grpo.num_generations=6")
     err = cli_error([*args, "--model.grpo.top_p=0.9"], capsys)
     assert "error: --ckpt_path" in err
-    assert "model.grpo.num_generations: checkpoint 2, this run 6" in err
-    assert "model.grpo.top_p: checkpoint 1.0, this run 0.9" in err
+    assert "model.grpo.sampling.num_generations: checkpoint 2, this run 6" in err
+    assert "model.grpo.sampling.top_p: checkpoint 1.0, this run 0.9" in err
     assert "options win on resume" in err
 
 
@@ -244,8 +275,8 @@ def test_resume_takes_the_options_left_at_their_defaults_from_the_checkpoint(
     # Without the grpo options: num_generations is at its default (8) here, 2 in the checkpoint.
     args = [a for a in fit_args(tiny_model_dir, root, 1, f"--ckpt_path={ckpt}") if "--model.grpo." not in a]
     cli = build_cli(args)  # max_steps 1: already reached, nothing more is trained
-    assert cli.model.grpo.num_generations == 2
-    assert cli.model.grpo.max_completion_length == 6
+    assert cli.model.grpo.sampling.num_generations == 2
+    assert cli.model.grpo.sampling.max_completion_length == 6
     assert cli.trainer.global_step == 1
 
 
@@ -281,8 +312,8 @@ def test_a_module_resumed_from_python_says_its_options_win(tiny_model_dir, one_s
     with pytest.warns(UserWarning, match="other options, this module's apply") as caught:
         quiet_trainer(limit_val_batches=1).validate(module, datamodule=data, ckpt_path=ckpt)
     message = next(str(w.message) for w in caught if "this module's apply" in str(w.message))
-    assert "grpo.num_generations: checkpoint 2, this module 4" in message
-    assert "grpo.top_p: checkpoint 1.0, this module 0.9" in message
+    assert "grpo.sampling.num_generations: checkpoint 2, this module 4" in message
+    assert "grpo.sampling.top_p: checkpoint 1.0, this module 0.9" in message
     assert "max_completion_length" not in message  # the same on both sides
 
 
@@ -311,7 +342,7 @@ def test_fit_with_no_training_rows_exits_2(tiny_model_dir, tmp_path, capsys):
 
 
 def test_k1_in_the_loss_is_refused_when_the_config_is_built():
-    with pytest.raises(ValueError, match="kl_estimator='k1'.*regularises nothing"):
+    with pytest.raises(ValueError, match=r"kl.estimator='k1' \(kl_estimator\).*regularises nothing"):
         GRPOConfig(beta=0.04, kl_estimator="k1")
     GRPOConfig(beta=0.04, kl_estimator="k1", use_kl_in_reward=True)  # k1 belongs in the reward
     GRPOConfig(beta=0.0, kl_estimator="k1")  # no KL term at all
@@ -354,7 +385,7 @@ def test_every_option_is_documented_where_it_is_declared_and_shown_by_help(tiny_
 # ------------------------------------------------------------------------------------------ one declaration
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
 # String options that name something (a reward function, a file, a data set's column) rather than choose.
-FREE_TEXT = {"dynamic_sampling_metric", "gguf_file", "attn_implementation"}
+FREE_TEXT = {"metric", "gguf_file", "attn_implementation"}  # dynamic_sampling.metric
 DATA_FREE_TEXT = {"config_name", "system_prompt", "question_field", "answer_field"}
 
 
@@ -363,7 +394,7 @@ def option_tables(source: str) -> list[tuple[int, set[str]]]:
     call) in the Python `source` that restates three or more options' own rules: a call (`Rule(...)`), a
     type, or a tuple of constants (a choice set) for each. Tables of rules between options (whose entries
     hold a test of the other options, a lambda) are what rule tables are for."""
-    options = {f.name for f in fields(GRPOConfig)}
+    options = set(FLAT_NAMES) | {f.name for f in fields(GRPOConfig)}
 
     def restates(value: ast.expr) -> bool:
         if isinstance(value, ast.Tuple | ast.List):
@@ -398,8 +429,10 @@ def test_each_option_is_declared_in_one_place():
     for path in sorted(PACKAGE.rglob("*.py")):
         tables = option_tables(path.read_text(encoding="utf-8"))
         assert tables == [], f"{path} restates GRPOConfig's options in a table"
-    for field in fields(GRPOConfig):  # the default passes the rule that its annotation declares
-        assert declared_rule(GRPOConfig, field.name).problem(field.default) is None, field.name
+    for name, entry in FLAT_NAMES.items():  # the default passes the rule that its annotation declares
+        if not entry.switch:
+            rule = declared_rule(*leaf(GRPOConfig, name))
+            assert rule.problem(default_at(GRPOConfig, entry.path)) is None, name
 
 
 def help_of(option_prefix: str, shown: str, name: str) -> str:
@@ -425,7 +458,18 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
         n for n in inspect.signature(GSM8KDataModule).parameters if n not in ("source", "val_sets")
     ]
     owners = [
-        (GRPOConfig, "model.grpo.", shown, FREE_TEXT, [f.name for f in fields(GRPOConfig)], True),
+        *[
+            (
+                section,
+                f"model.grpo.{place}.",
+                shown,
+                FREE_TEXT,
+                [f.name for f in fields(section) if f.name != "vllm"],
+                False,
+            )
+            for place, section in SECTIONS.items()
+            if place.split(".")[0] not in SWITCHED  # an optional section's options: shown once it is on
+        ],
         (
             ModelOptions,
             "model.model_options.",
@@ -441,7 +485,8 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
         for name in names:
             rule, entry = declared_rule(owner, name), help_of(prefix, text, name)
             if rule.choices:
-                assert f"{{{','.join(rule.choices)}}}" in entry, name
+                literal = f"Literal[{', '.join(map(repr, rule.choices))}]"  # an Alias shows the Literal
+                assert f"{{{','.join(rule.choices)}}}" in entry or literal in entry, name
                 choices_seen += 1
             elif rule.kinds == (str,):
                 assert name in free_text, f"{name}: a string option without choices"

@@ -172,7 +172,8 @@ def test_buffer_judges_groups_on_the_named_reward_not_a_shaped_total():
 
 
 def test_dynamic_sampling_metric_must_name_a_reward_function(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"dynamic_sampling_metric='accuracy_reward' .*\['split_reward'\]"):
+    expected = r"dynamic_sampling.metric='accuracy_reward' \(dynamic_sampling_metric\) .*\['split_reward'\]"
+    with pytest.raises(ValueError, match=expected):
         tiny_module(tiny_model_dir, dynamic_sampling=True)  # the default metric, absent from split_reward
     tiny_module(tiny_model_dir, dynamic_sampling=True, dynamic_sampling_metric=None)  # the total: always
     tiny_module(tiny_model_dir)  # without dynamic sampling the option is not read

@@ -155,6 +155,6 @@ def test_offload_without_fsdp2_is_refused_before_weights_load(tiny_model_dir, mo
     monkeypatch.setattr(module_file, "load_model", lambda *args: pytest.fail("weights loaded"))
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(cpu_offload=True))
     with pytest.raises(
-        ValueError, match="^grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallel"
+        ValueError, match="^grpo.run.cpu_offload needs FSDP2: set trainer.strategy to ModelParallel"
     ):
         module.configure_model()

@@ -119,8 +119,8 @@ CORE_ORDER = (
     "grpo_lightning.core.tools",
     "grpo_lightning.core.generation",
     "grpo_lightning.core.algorithm",
-    "grpo_lightning.core.config",
     "grpo_lightning.core.update",
+    "grpo_lightning.core.config",
 )
 
 

@@ -35,20 +35,23 @@ def test_a_compiled_module_is_refused_naming_what_to_compile(module):
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     message = refusal(lambda: trainer.fit(torch.compile(module), arithmetic_data(4)))
     assert message.startswith("torch.compile(module) would trace the rollout's generation")
-    assert "compile the policy's forward alone" in message and "generation_backend: static" in message
+    assert "compile the policy's forward alone" in message and "engine.backend: static" in message
 
 
 def test_the_batch_size_finder_is_refused_naming_the_micro_batch_options(module):
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     message = refusal(lambda: Tuner(trainer).scale_batch_size(module, datamodule=arithmetic_data(4)))
     assert message.startswith("BatchSizeFinder (Tuner.scale_batch_size) cannot size a GRPO step")
-    assert "model.grpo.micro_batch_size" in message
+    assert "model.grpo.update.micro_batch_size" in message
 
 
 def test_the_learning_rate_finder_is_refused_naming_grpo_learning_rate(module):
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     message = refusal(lambda: Tuner(trainer).lr_find(module, datamodule=arithmetic_data(4)))
-    assert message.startswith("LearningRateFinder (Tuner.lr_find)") and "model.grpo.learning_rate" in message
+    assert (
+        message.startswith("LearningRateFinder (Tuner.lr_find)")
+        and "model.grpo.optimizer.learning_rate" in message
+    )
 
 
 def test_the_accumulation_scheduler_is_refused_naming_accumulate_grad_batches(module):

@@ -1,4 +1,4 @@
-"""Padding-free passes (`grpo.packed_sequences`): rows packed end to end into lines give every completion
+"""Padding-free passes (`scoring.packed_sequences`): rows packed end to end into lines give every completion
 token exactly the context it has in its padded row, so the log-probs, the loss and the gradients are the
 padded path's, shared prompt or not."""
 
@@ -210,7 +210,7 @@ def test_a_model_that_cannot_pack_falls_back_with_one_warning(tiny_model_dir):
     module.policy = module.rollouts.policy = sliding_window_model(len(tok))
     with pytest.warns(
         UserWarning,
-        match="grpo.share_prompt, grpo.packed_sequences: its attention layers are not all full attention",
+        match="grpo.scoring.share_prompt, grpo.scoring.packed_sequences: its attention layers are not all",
     ):
         assert module.rollouts.packs_sequences is False
     assert module.rollouts.packs_sequences is False  # decided once

@@ -62,7 +62,7 @@ def test_groups_cut_whole_is_a_problem(tiny_model_dir):
     )
     assert len(report.problems) == 1
     assert report.problems[0].startswith("in 2 of 2 groups all completions sampled before training reached")
-    assert "raise grpo.max_completion_length" in report.problems[0]
+    assert "raise grpo.sampling.max_completion_length" in report.problems[0]
 
 
 @pytest.mark.parametrize(

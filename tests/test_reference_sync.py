@@ -61,7 +61,7 @@ def test_syncs_are_due_once_per_multiple_of_the_interval():
 def test_lora_is_refused_in_one_line(tiny_model_dir):
     grpo = GRPOConfig(beta=0.04, sync_ref_model=True)
     with pytest.raises(
-        ValueError, match="grpo.sync_ref_model with LoRA: the reference is the policy's own base"
+        ValueError, match=r"grpo.reference_sync \(sync_ref_model\) with LoRA: the reference is the policy"
     ):
         GRPOModule(tiny_model_dir, grpo=grpo, lora=LoraOptions(r=4))
 

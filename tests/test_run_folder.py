@@ -90,7 +90,7 @@ def test_fit_saves_its_whole_config_beside_its_logs_and_checkpoints(cli_run):
     assert rewards[1]["init_args"]["limit"] == 4
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
     assert "lightning.pytorch.callbacks.EarlyStopping" in callbacks
-    assert config["model"]["grpo"]["temperature"] == 1.0 and config["seed_everything"] == 0
+    assert config["model"]["grpo"]["sampling"]["temperature"] == 1.0 and config["seed_everything"] == 0
     assert os.path.dirname(os.path.dirname(ckpt)) == str(
         saved.parent
     )  # version_0/{config.yaml, checkpoints/}

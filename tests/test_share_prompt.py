@@ -1,4 +1,4 @@
-"""Encoding each group's prompt once (`grpo.share_prompt`, Prefix Grouper arXiv:2506.05433) changes no
+"""Encoding each group's prompt once (`grpo.scoring.share_prompt`, Prefix Grouper arXiv:2506.05433) changes no
 number: hidden states, log-probs, entropies and gradients equal the unshared path's, and generation from a
 shared prefill draws the same tokens. The 2-process FSDP2 and DDP runs of tests/test_distributed.py compare a
 shared distributed update with an unshared single-process one."""
@@ -280,7 +280,7 @@ def test_a_model_that_cannot_share_falls_back_with_one_warning(tiny_model_dir):
     assert "not all full attention" in sharing_unsupported(module.policy)
     with pytest.warns(
         UserWarning,
-        match="grpo.share_prompt, grpo.packed_sequences: its attention layers are not all full attention",
+        match="grpo.scoring.share_prompt, grpo.scoring.packed_sequences: its attention layers are not all",
     ):
         assert module.rollouts.shares_prompt is False
     assert module.rollouts.shares_prompt is False  # decided once

@@ -40,7 +40,7 @@ def test_backend_choice_and_one_warning_on_fallback(tiny_model_dir, recwarn):
     fallback.rollouts.sample(["2 + 2 ="], 2)
     messages = [str(w.message) for w in recwarn if "attention" in str(w.message)]
     assert messages == [
-        "grpo.packed_sequences, grpo.generation_backend='static': its attention layers are not all full "
+        "grpo.scoring.packed_sequences, grpo.engine.backend='static': its attention layers are not all full "
         "attention (layer_types ['full_attention', 'sliding_attention']); the passes run padded rows; "
         "rollouts use eager decoding"
     ]

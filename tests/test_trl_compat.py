@@ -18,8 +18,9 @@ from trl.rewards import (
     think_format_reward,
 )
 
-from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.metrics import RewardAccuracy
+from grpo_lightning.core.options import default_at
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from grpo_lightning.core.rewards.verifiable import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.core.rewards.verifiable import format_reward
@@ -322,8 +323,15 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
     def ours(option: str):
         head, *rest = option.split(".")
         if head == "model":  # the module's arguments, as its hyper-parameters hold them
+            if rest[0] == "grpo" and rest[1] in FLAT_NAMES:  # a flat name: where it sits in the sections
+                entry = FLAT_NAMES[rest[1]]
+                rest = ["grpo", *entry.path]
+                if entry.switch:
+                    return cli.model.hparams["grpo"][entry.path[0]] is not None
             value = cli.model.hparams[rest[0]]
             for key in rest[1:]:
+                if value is None:  # an option of a section that is off: its default
+                    return default_at(GRPOConfig, tuple(rest[1:]))
                 value = value[key] if isinstance(value, dict) else getattr(value, key)
             return plain(value)
         if head == "data":
@@ -331,7 +339,7 @@ def test_from_trl_table_builds_both_configs(tiny_model_dir, tmp_path):
         return functools.reduce(lambda ns, key: ns[key], option.split("."), cli.config)
 
     our_names = (
-        {f.name for f in dataclasses.fields(GRPOConfig)}
+        set(FLAT_NAMES)
         | {f.name for f in dataclasses.fields(ModelOptions)}
         | set(inspect.signature(GRPOModule).parameters)
         | set(inspect.signature(PromptDataModule).parameters)

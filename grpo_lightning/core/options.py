@@ -3,7 +3,13 @@ range (`Annotated[float, Range("> 0, <= 1")]`) are its annotation, which jsonarg
 `--help` prints; `check_fields` checks a built options object against the same annotations, with one error
 format naming the option. Rules between options stay in the owner's `__post_init__`.
 
-Used by every option dataclass (`GRPOConfig`, `ModelOptions`, `LoraOptions`) and the data modules' arguments.
+Sections: an options dataclass may hold others (`GRPOConfig` holds one per unit of the algorithm, each
+declared beside the code that reads it), an optional one (`X | None`) being a feature that is off. A field
+may declare another name it answers to (`Alias`, TRL's or an earlier flat name); `flat_names` derives the
+one table of those names, and `sectioned` files options given by them into their sections.
+
+Used by every option dataclass (`GRPOConfig` and its sections, `ModelOptions`, `LoraOptions`) and the data
+modules' arguments.
 `Choices` are the registries of the loss functions' string arguments (verl's style): the choice set is the
 registry's keys, and looking up a value it lacks names the argument and its choices.
 """
@@ -16,10 +22,11 @@ import operator
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from functools import cache
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 _KIND_WORDS = {
@@ -45,6 +52,30 @@ class Range:
 
     def __repr__(self) -> str:  # what `--help` prints inside the type: "Annotated[float, > 0, <= 1]"
         return self.bounds
+
+
+# The ranges several options share.
+PositiveInt = Annotated[int, Range("> 0")]
+NonNegativeInt = Annotated[int, Range(">= 0")]
+AtLeastOne = Annotated[int, Range(">= 1")]
+PositiveFloat = Annotated[float, Range("> 0")]
+NonNegativeFloat = Annotated[float, Range(">= 0")]
+
+
+@dataclass(frozen=True)
+class Alias:
+    """The other name of an option, as the metadata of its annotation: `Annotated[float | None,
+    Alias("advantage_clip")]` on `AdvantageOptions.clip` makes `advantage_clip` (TRL's name) set
+    `advantages.clip`. On an optional section (`X | None`) the alias is its switch: true is the section with
+    its defaults, false None (`Alias("sync_ref_model")` on `reference_sync`).
+    """
+
+    name: str
+
+    def __repr__(
+        self,
+    ) -> str:  # what `--help` prints inside the type: "Annotated[float, alias advantage_clip]"
+        return f"alias {self.name}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,8 @@ def rule_of(annotation: object) -> Rule:
         return replace(rule, none=type(None) in args)
     if origin is Annotated:
         base, *metadata = typing.get_args(annotation)
+        if section_class(base) is not None:
+            raise TypeError(f"{annotation!r} is a section: its own fields carry the rules")
         ranges = [m for m in metadata if isinstance(m, Range)]
         rule = rule_of(base)
         return replace(rule, bounds=ranges[0].bounds, why=ranges[0].why) if ranges else rule
@@ -121,30 +154,92 @@ def _is_kind(value: object, kind: type) -> bool:
 
 
 @cache
-def declared_rule(owner: Callable | type, option: str) -> Rule:
-    """The `Rule` of a dataclass's field, or of a function's argument, from its annotation. A postponed
-    annotation (a string) is evaluated in the owner's module, this one alone: another argument's may name a
-    type imported only for type checkers."""
-    annotation = inspect.get_annotations(owner)[option]
+def declared_annotation(owner: Callable | type, option: str) -> object:
+    """The annotation of a dataclass's field, or of a function's argument. A postponed annotation (a string)
+    is evaluated in the owner's module, this one alone: another argument's may name a type imported only for
+    type checkers."""
+    for cls in owner.__mro__ if isinstance(owner, type) else (owner,):
+        annotation = inspect.get_annotations(cls).get(option)
+        if annotation is not None:
+            break
     if isinstance(annotation, str):
-        annotation = eval(annotation, vars(sys.modules[owner.__module__]))  # as typing.get_type_hints does
-    return rule_of(annotation)
+        annotation = eval(annotation, vars(sys.modules[cls.__module__]))  # as typing.get_type_hints does
+    return annotation
+
+
+@cache
+def declared_rule(owner: Callable | type, option: str) -> Rule:
+    """The `Rule` of a dataclass's field, or of a function's argument, from its annotation."""
+    return rule_of(declared_annotation(owner, option))
+
+
+def declared_alias(owner: type, option: str) -> str | None:
+    """The `Alias` that the annotation of `owner`'s field `option` declares, or None."""
+    annotation = declared_annotation(owner, option)
+    if typing.get_origin(annotation) is not Annotated:
+        return None
+    return next((m.name for m in annotation.__metadata__ if isinstance(m, Alias)), None)
+
+
+def section_class(annotation: object) -> type | None:
+    """The options dataclass that an annotation (`X`, `X | None`, `Annotated[X | None, ...]`) holds, or None
+    for an option of a plain type."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if isinstance(annotation, type) and is_dataclass(annotation) else None
+
+
+# Where each section sits in the options that compose it ("GRPOConfig.kl"), for its messages.
+_SECTION_PLACES: dict[type, str] = {}
 
 
 def option_error(options: object | str, option: str, value: object, rule: str) -> ValueError:
     """The one message format of a bad option: `Owner.option=value: rule`; the owner is the options object's
-    class name, or a name such as "data"."""
-    owner = options if isinstance(options, str) else type(options).__name__
-    return ValueError(f"{owner}.{option}={value!r}: {rule}")
+    place (`GRPOConfig.kl` for a section of `GRPOConfig`, else its class name), or a name such as "data". An
+    option with an `Alias` names it after the value: `GRPOConfig.kl.estimator='k1' (kl_estimator): ...`."""
+    if isinstance(options, str):
+        return ValueError(f"{options}.{option}={value!r}: {rule}")
+    owner = _SECTION_PLACES.get(type(options), type(options).__name__)
+    alias = declared_alias(type(options), option) if option in _field_names(type(options)) else None
+    named = f" ({alias})" if alias and alias != option else ""
+    return ValueError(f"{owner}.{option}={value!r}{named}: {rule}")
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)} if is_dataclass(cls) else set()
 
 
 def check_fields(options: object) -> None:
-    """Raise `option_error` for the first field of the dataclass `options` that breaks its annotation."""
+    """Raise `option_error` for the first field of the dataclass `options` that breaks its annotation. A
+    section's fields are its own to check (its `__post_init__`)."""
     for field in fields(options):
         value = getattr(options, field.name)
+        annotation = declared_annotation(type(options), field.name)
+        section = section_class(annotation)
+        if section is not None:
+            optional = section_class(annotation) is not annotation and "None" in repr(annotation)
+            if not isinstance(value, section) and not (optional and value is None):
+                switch = " or true/false" if declared_alias(type(options), field.name) else ""
+                rule = f"must be a mapping of {section.__name__}'s options" + (
+                    " or None" + switch if optional else ""
+                )
+                raise option_error(options, field.name, value, rule)
+            continue
         problem = declared_rule(type(options), field.name).problem(value)
         if problem is not None:
             raise option_error(options, field.name, value, problem)
+
+
+def warn_inert(options: object, option: str, needed: str) -> None:
+    """Warn that `options.option`, set away from its default, does nothing without `needed`."""
+    value = getattr(options, option)
+    default = next(f.default for f in fields(options) if f.name == option)
+    if value != default:
+        owner = _SECTION_PLACES.get(type(options), type(options).__name__)
+        warnings.warn(f"{owner}.{option}={value!r} has no effect without {needed}", stacklevel=4)
 
 
 def check_arguments(owner: str, function: Callable, values: Mapping, names: list[str]) -> None:
@@ -194,3 +289,141 @@ def option_differences(
 def plain_options(value: object) -> object:
     """An option dataclass as a dict (nested), anything else as it is."""
     return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+
+
+# ------------------------------------------------------------------------------------ the flat names
+@dataclass(frozen=True)
+class FlatName:
+    """Where a flat name (TRL's, or an option's own name) puts its value: the `path` of keys through the
+    sections; a `switch` turns the optional section at `path` on (true) or off (false)."""
+
+    path: tuple[str, ...]
+    switch: bool = False
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+
+@cache
+def flat_names(composer: type) -> dict[str, FlatName]:
+    """The alias table of a composed options class, derived from its sections' declarations: every option by
+    its `Alias` where it declares one, else by its own name, and each optional section's switch by its alias.
+    Two options of one flat name are a declaration error, raised here."""
+    table: dict[str, FlatName] = {}
+
+    def add(name: str, entry: FlatName) -> None:
+        if name in table:
+            raise TypeError(f"{composer.__name__}: {table[name].key} and {entry.key} both answer to {name!r}")
+        table[name] = entry
+
+    def walk(cls: type, prefix: tuple[str, ...], place: str) -> None:
+        for field in fields(cls):
+            annotation = declared_annotation(cls, field.name)
+            path, alias = (*prefix, field.name), declared_alias(cls, field.name)
+            section = section_class(annotation)
+            if section is None:
+                add(alias or field.name, FlatName(path))
+                continue
+            _SECTION_PLACES[section] = f"{place}.{field.name}"
+            if alias is not None:
+                add(alias, FlatName(path, switch=True))
+            walk(section, path, f"{place}.{field.name}")
+
+    walk(composer, (), composer.__name__)
+    return table
+
+
+def sectioned(composer: type, given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`given` (options by section key, or by flat name: `flat_names`) as keys of `composer` only, each
+    section a dict (or the instance or None given for it). A flat name overrides its option in a section
+    given as an instance (`dataclasses.replace(config, beta=0.1)`); given both ways otherwise, it is refused
+    in one line naming `where` ("model.grpo"). An option of an optional section given by its flat name while
+    the section is off is warned about and dropped, as it does nothing. Unknown keys are kept, for the
+    caller to refuse."""
+    table = flat_names(composer)
+    result: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    for name, value in given.items():
+        entry = table.get(name)
+        if entry is not None and entry.switch and entry.path != (name,) and not isinstance(value, bool):
+            raise ValueError(f"{composer.__name__}.{entry.key}={value!r}: must be true or false, as {name}")
+        by_flat = entry is not None and (isinstance(value, bool) if entry.switch else entry.path != (name,))
+        (flat if by_flat else result)[name] = value  # else a section, a top-level option or unknown
+    for name, on in flat.items():
+        entry = table[name]
+        if not entry.switch:
+            continue
+        (key,) = entry.path
+        current = result.get(key)
+        if not on and current is not None:
+            raise ValueError(f"{where}: {name}: false and {key}: {current!r} disagree: give one")
+        result[key] = (current if current is not None else {}) if on else None
+    expanded: set[tuple[str, ...]] = set()
+    for name, value in flat.items():
+        entry = table[name]
+        if entry.switch:
+            continue
+        switch = next((n for n, e in table.items() if e.switch and e.path == entry.path[:1]), None)
+        if switch is not None and result.get(entry.path[0]) is None:
+            section = section_at(composer, entry.path)
+            problem = declared_rule(section, entry.path[-1]).problem(value)
+            if problem is not None:  # refused, though it would do nothing
+                place = _SECTION_PLACES.get(section, section.__name__)
+                raise ValueError(f"{place}.{entry.path[-1]}={value!r} ({name}): {problem}")
+            if value != default_at(composer, entry.path):
+                warnings.warn(f"{where}.{name}={value!r} has no effect without {switch}: true", stacklevel=3)
+            continue
+        _place(result, entry.path, value, f"{where}: {name} and {entry.key}", expanded)
+    return result
+
+
+def section_at(composer: type, path: tuple[str, ...]) -> type:
+    """The section class of `composer` that holds the option at `path`."""
+    cls = composer
+    for key in path[:-1]:
+        cls = section_class(declared_annotation(cls, key))
+    return cls
+
+
+def default_at(composer: type, path: tuple[str, ...]) -> object:
+    """The default of the option at `path` of the sections of `composer`."""
+    return next(f.default for f in fields(section_at(composer, path)) if f.name == path[-1])
+
+
+def _place(result: dict, path: tuple[str, ...], value: object, both: str, expanded: set) -> None:
+    """Put `value` at `path` of the nested dict `result`, copying the dicts it passes and opening a section
+    given as an instance into its values (`expanded`); a value a dict gives there already is refused."""
+    node = result
+    for depth, key in enumerate(path[:-1]):
+        inner = node.get(key)
+        if is_dataclass(inner):
+            inner = {f.name: getattr(inner, f.name) for f in fields(inner)}
+            expanded.add(path[: depth + 1])
+        elif isinstance(inner, Mapping):
+            inner = dict(inner)
+        elif inner is None:
+            inner = {}
+        else:
+            raise ValueError(f"{both} cannot both be given: {'.'.join(path[: depth + 1])} is {inner!r}")
+        node[key] = inner
+        node = inner
+    if path[-1] in node and path[:-1] not in expanded:
+        raise ValueError(f"{both} are one option, given twice: give one")
+    node[path[-1]] = value
+
+
+def build_section(owner: type, key: str, value: Mapping[str, Any]) -> object:
+    """`owner`'s section `key` built from a dict of its options (its own sections as dicts too)."""
+    cls = section_class(declared_annotation(owner, key))
+    own = _field_names(cls)
+    unknown = sorted(set(value) - own)
+    if unknown:
+        raise TypeError(
+            f"{cls.__name__} has no option {unknown[0]!r} (its options: {', '.join(sorted(own))})"
+        )
+    return cls(**{k: build_section(cls, k, v) if _is_section(cls, k, v) else v for k, v in value.items()})
+
+
+def _is_section(cls: type, key: str, value: object) -> bool:
+    return isinstance(value, Mapping) and section_class(declared_annotation(cls, key)) is not None

@@ -25,21 +25,26 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import fields
-from typing import TypeVar
+from dataclasses import dataclass, fields
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.advantages import AdvantageOptions, group_advantages
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
-from grpo_lightning.core.algorithm.kl import kl_in_reward
-from grpo_lightning.core.algorithm.loss import grpo_loss
-from grpo_lightning.core.algorithm.sampler_correction import importance_weights, logprob_gap_stats
+from grpo_lightning.core.algorithm.kl import KLOptions, kl_in_reward
+from grpo_lightning.core.algorithm.loss import PolicyLossOptions, grpo_loss
+from grpo_lightning.core.algorithm.sampler_correction import (
+    SamplerCorrectionOptions,
+    importance_weights,
+    logprob_gap_stats,
+)
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
-from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.generation.sampling import SamplingOptions
+from grpo_lightning.core.options import AtLeastOne, check_fields, option_error
 from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
@@ -47,6 +52,84 @@ MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indi
 Part = TypeVar("Part", Rollout, Trajectory)  # what a micro-batch takes its rows of
 # (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
 Score = Callable[..., tuple[Tensor, Tensor]]
+
+
+# ----------------------------------------------------------------------------------------- the options
+
+
+@dataclass(frozen=True)
+class UpdateOptions:
+    """How one rollout becomes optimizer steps: passes, mini-batches, micro-batches (`GRPOConfig.update`)."""
+
+    num_iterations: AtLeastOne = 1
+    """Optimisation passes over each rollout, PPO's mu (arXiv:2402.03300 alg. 1), each over its
+    `steps_per_generation` mini-batches. With mu > 1 the sampling-time log-probs are kept as the old
+    policy's.
+    """
+    steps_per_generation: AtLeastOne = 1
+    """Optimizer steps per rollout: the rollout's groups (one per prompt of the batch) are shuffled, from
+    the training random stream that checkpoints keep, and cut into this many mini-batches of whole groups,
+    one optimizer step each; with `num_iterations` = mu, mu passes over them (a new shuffle each), so a
+    training step makes steps_per_generation x mu optimizer steps, each counted by the trainer's
+    `global_step` and `max_steps`, the learning-rate schedule and `ref_model_sync_steps`. Advantages are
+    computed over the whole rollout before the cut; the sampling policy's log-probs are taken at rollout
+    time, so from the second step on the clipped ratio compares the updated policy with the one that
+    sampled. Each step normalises its loss over its own mini-batch (dapo/bnpo: the mini-batch's loss tokens
+    on all ranks; grpo: its sequences; dr_grpo: its sequences x max_completion_length), as TRL and verl do.
+    A batch must hold at least this many prompts. Checkpoints fall between training steps, so never
+    between two mini-batches of one rollout: set `every_n_train_steps` of a `ModelCheckpoint` to a multiple
+    of steps_per_generation x num_iterations. TRL: `steps_per_generation` counts forward/backward passes of
+    `per_device_train_batch_size` completions, `gradient_accumulation_steps` of them to an optimizer step,
+    so this option is TRL's steps_per_generation / gradient_accumulation_steps, and TRL's
+    `generation_batch_size` (completions on all processes) is data.batch_size x num_generations x processes
+    here; verl: `ppo_mini_batch_size` (prompts) = data.batch_size / steps_per_generation. 1: one optimizer
+    step per rollout.
+    """
+    micro_batch_size: AtLeastOne | None = None
+    """Sequences per forward/backward; each optimizer step's rows (the rollout of prompts x G sequences, or
+    its mini-batch with `steps_per_generation`) are split and the gradients accumulated, with the loss
+    normalised over all of them, and every micro-batch padded to the rollout's longest row. None: all at
+    once.
+    """
+    max_tokens_per_micro_batch: AtLeastOne | None = None
+    """A token budget per micro-batch instead of `micro_batch_size` rows, in the policy update (within each
+    optimizer step's rows) and the reference and old-policy passes: rows of similar length go together,
+    each micro-batch holding as many as fit in rows x its longest row's tokens (prompt + completion) <= this
+    budget, and padded only to its own longest row; with `share_prompt` a prompt's G rows stay in one
+    micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own. Under
+    DDP or FSDP each rank runs as many micro-batches as the busiest one (each forward/backward
+    synchronises them), splitting its widest. The loss and gradients are those of the fixed-size path
+    (tests/test_token_budget.py).
+    Partition: `grpo_lightning.core.algorithm.token_budget`. Excludes `micro_batch_size`; must be >=
+    `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
+    `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
+    """
+    max_bad_steps: AtLeastOne = 3
+    """Stop after this many consecutive steps whose loss is not finite (each is skipped)."""
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """The optimizer steps of one training step: num_iterations x steps_per_generation."""
+        return self.num_iterations * self.steps_per_generation
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and self.micro_batch_size is not None:
+            raise option_error(
+                self, "max_tokens_per_micro_batch", budget, "set it or micro_batch_size, not both"
+            )
+
+
+class UpdateSections(Protocol):
+    """The sections of the run's options that the update reads (`GRPOConfig` has them all)."""
+
+    sampling: SamplingOptions
+    advantages: AdvantageOptions
+    loss: PolicyLossOptions
+    kl: KLOptions
+    sampler_correction: SamplerCorrectionOptions | None
+    update: UpdateOptions
 
 
 # ------------------------------------------------------------------------------------- 1. the trajectory
@@ -59,10 +142,11 @@ def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
     return mask
 
 
-def advantages_of(outcome: Tensor, cfg: GRPOConfig, ranks: Ranks | None = None) -> Tensor:
+def advantages_of(outcome: Tensor, cfg: UpdateSections, ranks: Ranks | None = None) -> Tensor:
     """Group-relative advantages `[B]` of this rank's outcome. With `ranks` (scale_rewards="batch" over
     several ranks) the std is that of the whole batch over all ranks, as TRL computes it."""
-    args = (cfg.num_generations, cfg.scale_rewards, cfg.baseline, cfg.advantage_clip)
+    a = cfg.advantages
+    args = (cfg.sampling.num_generations, a.scale_rewards, a.baseline, a.clip)
     if ranks is None:
         return group_advantages(outcome, *args)  # [B]
     # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).
@@ -74,7 +158,7 @@ def advantages_of(outcome: Tensor, cfg: GRPOConfig, ranks: Ranks | None = None) 
 
 def build_trajectory(
     scored: ScoredGroups,
-    cfg: GRPOConfig,
+    cfg: UpdateSections,
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
@@ -91,20 +175,20 @@ def build_trajectory(
     rollout, rewards = scored.rollout, scored.rewards  # rewards: [B]
     stats = dict(stats or {})
     outcome = rewards  # [B]
-    if cfg.use_kl_in_reward:
+    if cfg.kl.in_reward:
         outcome = kl_in_reward(
-            rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.beta, cfg.kl_estimator
+            rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.kl.beta, cfg.kl.estimator
         )  # [B]
         stats["kl_reward_penalty"] = (rewards - outcome).mean()
     advantages = advantages_of(outcome, cfg, ranks)  # [B]
     token_advantages = advantages  # [B], or [B, T] with step credit
-    if cfg.step_credit > 0:
+    if cfg.advantages.step_credit > 0:
         penalties = step_credit_penalties(
-            tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.step_credit
+            tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.advantages.step_credit
         )  # [B, T]
         token_advantages = advantages[:, None] + penalties  # [B, T]
         stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
-    mask = loss_mask(rollout, cfg.mask_truncated_completions)  # [B, T]
+    mask = loss_mask(rollout, cfg.loss.mask_truncated_completions)  # [B, T]
     if old_logprobs is not None and rollout.sampler_logprobs is not None:
         correction = sampler_correction(cfg, old_logprobs, rollout.sampler_logprobs, mask)  # or None
         stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, None, correction))
@@ -128,7 +212,8 @@ def shuffled_mini_batches(
     into `steps` parts whose sizes differ by at most one."""
     if num_groups < steps:
         raise ValueError(
-            f"grpo.steps_per_generation={steps}: this rollout has only {num_groups} groups (prompts) to cut "
+            f"grpo.update.steps_per_generation={steps}: this rollout has only {num_groups} groups "
+            "(prompts) to cut "
             "into that many optimizer steps; lower it or raise data.batch_size"
         )
     order = torch.randperm(num_groups, generator=generator)  # [N]
@@ -212,7 +297,7 @@ def micro_batch_loss(
     rows: slice,
     logprobs: Tensor,
     entropies: Tensor,
-    cfg: GRPOConfig,
+    cfg: UpdateSections,
     total_tokens: Tensor,
     total_sequences: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -236,20 +321,20 @@ def micro_batch_loss(
         t.loss_mask[rows],
         old_logprobs=old_logprobs,
         ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[rows],
-        loss_type=cfg.loss_type,
-        importance_sampling_level=cfg.importance_sampling_level,
-        epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high,
-        delta=cfg.delta,
-        beta=0.0 if cfg.use_kl_in_reward else cfg.beta,  # else the KL is in the rewards already
-        kl_estimator=cfg.kl_estimator,
-        max_completion_length=cfg.max_completion_length,
+        loss_type=cfg.loss.loss_type,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
+        epsilon=cfg.loss.epsilon,
+        epsilon_high=cfg.loss.epsilon_high,
+        delta=cfg.loss.delta,
+        beta=0.0 if cfg.kl.in_reward else cfg.kl.beta,  # else the KL is in the rewards already
+        kl_estimator=cfg.kl.estimator,
+        max_completion_length=cfg.sampling.max_completion_length,
         entropies=entropies,
-        entropy_coef=cfg.entropy_coef,
+        entropy_coef=cfg.loss.entropy_coef,
         total_tokens=total_tokens,
         total_sequences=total_sequences,
         importance_weights=weights,
-        use_bias_correction_kl=cfg.use_bias_correction_kl,
+        use_bias_correction_kl=cfg.kl.bias_correction,
     )
     return loss, {**stats, **gap}
 
@@ -259,7 +344,7 @@ def micro_batch_losses(
     policy: torch.nn.Module,
     trajectory: Trajectory,
     parts: list[MicroBatch],
-    cfg: GRPOConfig,
+    cfg: UpdateSections,
     total_tokens: Tensor,
     total_sequences: Tensor,
     sums: MicroBatchSums,
@@ -319,18 +404,19 @@ class RolloutUpdate:
     """
 
     def __init__(
-        self, cfg: GRPOConfig, score: LogProbScorer, ranks: Ranks, tokenizer: PreTrainedTokenizerBase
+        self, cfg: UpdateSections, score: LogProbScorer, ranks: Ranks, tokenizer: PreTrainedTokenizerBase
     ) -> None:
         self.cfg, self.score, self.ranks, self.tokenizer = cfg, score, ranks, tokenizer
         # A prompt's G rows stay in one micro-batch where they share its prompt pass.
-        self.group_size = cfg.num_generations if score.share_prompt else 1
+        self.group_size = cfg.sampling.num_generations if score.share_prompt else 1
 
     def micro_batches(self, rollout: Rollout) -> list[MicroBatch]:
         """`rollout`'s micro-batches; by token budget, as many as the busiest rank runs (each forward and
         backward synchronises the ranks under DDP and FSDP2)."""
-        options = (self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch, self.group_size)
+        update = self.cfg.update
+        options = (update.micro_batch_size, update.max_tokens_per_micro_batch, self.group_size)
         parts = micro_batches(rollout, *options)
-        if self.cfg.max_tokens_per_micro_batch is None or self.ranks.world_size == 1:
+        if self.cfg.update.max_tokens_per_micro_batch is None or self.ranks.world_size == 1:
             return parts
         return micro_batches(rollout, *options, at_least=self.ranks.max(len(parts)))
 
@@ -345,14 +431,14 @@ class RolloutUpdate:
         `reference` with beta > 0: the policy with its LoRA adapters off is the reference."""
         cfg, rollout = self.cfg, scored.rollout
         ref_logprobs = old_logprobs = None
-        if cfg.beta > 0:
+        if cfg.kl.beta > 0:
             with nullcontext() if reference is not None else policy.disable_adapter():
                 ref_logprobs = self.frozen_logprobs(rollout, reference or policy)  # [B, T]
         # With one step per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
         # The KL in the reward needs the sampling policy's log-probs before any update all the same.
-        if cfg.num_iterations > 1 or cfg.steps_per_generation > 1 or cfg.use_kl_in_reward:
+        if cfg.update.num_iterations > 1 or cfg.update.steps_per_generation > 1 or cfg.kl.in_reward:
             old_logprobs = self.frozen_logprobs(rollout, policy)  # [B, T]
-        batch_std_over_ranks = cfg.scale_rewards == "batch" and self.ranks.world_size > 1
+        batch_std_over_ranks = cfg.advantages.scale_rewards == "batch" and self.ranks.world_size > 1
         return build_trajectory(
             scored,
             cfg,
@@ -369,8 +455,8 @@ class RolloutUpdate:
     def mini_batches(self, trajectory: Trajectory) -> Iterator[tuple[Trajectory, tuple[Tensor, Tensor]]]:
         """`num_iterations` passes over `trajectory`'s `steps_per_generation` mini-batches (a new shuffle
         each), with the denominators of each one's loss: one optimizer step each."""
-        for _ in range(self.cfg.num_iterations):
-            for mini_batch in mini_batches(trajectory, self.cfg.steps_per_generation):
+        for _ in range(self.cfg.update.num_iterations):
+            for mini_batch in mini_batches(trajectory, self.cfg.update.steps_per_generation):
                 yield mini_batch, mini_batch_denominators(mini_batch, self.ranks)
 
     def losses(
@@ -433,12 +519,12 @@ class StepGuard:
 
 
 def sampler_correction(
-    cfg: GRPOConfig, scorer: Tensor, sampler: Tensor, mask: Tensor
+    cfg: UpdateSections, scorer: Tensor, sampler: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor] | None:
-    """The weights `[B, T]` of `cfg`'s importance-sampling correction and where its bounds changed them
-    (`sampler_correction.importance_weights` in `importance_sampling_mode`, bounded by
-    `importance_sampling_floor` and `_cap`), None when it is off."""
-    if not cfg.importance_sampling_correction:
+    """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
+    (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
+    off."""
+    options = cfg.sampler_correction
+    if options is None:
         return None
-    bounds = cfg.importance_sampling_cap, cfg.importance_sampling_floor
-    return importance_weights(scorer, sampler, mask, cfg.importance_sampling_mode, *bounds)
+    return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)

@@ -28,6 +28,7 @@ import numbers
 import os
 import pickle
 import sys
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.options import plain_options
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.io.files import write_atomically
 from grpo_lightning.io.models import LoraOptions, ModelOptions
@@ -267,11 +269,22 @@ def comparable_hparams(hparams: MutableMapping) -> dict:
         recipe = reward_recipe(fn)
         return None if isinstance(recipe, Mapping) and NOT_IMPORTABLE in recipe else recipe
 
-    plain = dict(hparams)
+    plain = sectioned_hparams(hparams)
     if isinstance(plain.get("reward_funcs"), list):
         plain["reward_funcs"] = [comparable(fn) for fn in plain["reward_funcs"]]
     if "val_reward" in plain:
         plain["val_reward"] = comparable(plain["val_reward"])
+    return plain
+
+
+def sectioned_hparams(hparams: Mapping) -> dict:
+    """`hparams` with the `grpo` options as a dict of sections, also where a checkpoint stores them by their
+    flat names (written before the options had sections): read through `GRPOConfig`'s alias table."""
+    plain = dict(hparams)
+    if isinstance(plain.get("grpo"), Mapping):
+        with warnings.catch_warnings():  # the options were told about when the run was built
+            warnings.simplefilter("ignore")
+            plain["grpo"] = plain_options(GRPOConfig(**plain["grpo"]))
     return plain
 
 

@@ -294,7 +294,8 @@ def check_lora_choice(lora: LoraOptions | None, options: ModelOptions, sync_ref_
     """The options that need LoRA, or full fine-tuning, have it; before any weights load."""
     if sync_ref_model and lora is not None:
         raise ValueError(
-            "grpo.sync_ref_model with LoRA: the reference is the policy's own base weights (adapters "
+            "grpo.reference_sync (sync_ref_model) with LoRA: the reference is the policy's own base "
+            "weights (adapters "
             "off), which LoRA never changes; sync needs full fine-tuning (a separate reference)"
         )
     if options.load_in_4bit and lora is None:

@@ -116,16 +116,20 @@ def compute_dtype(precision: str | None) -> torch.dtype | None:
 
 def _vllm(request: EngineRequest) -> VLLMEngine:
     cfg = request.cfg
-    length = cfg.vllm_max_model_len
+    length = cfg.engine.vllm.max_model_len
     if length is None:
         positions = request.policy.config.max_position_embeddings
-        length = cfg.max_prompt_length + cfg.max_completion_length if cfg.max_prompt_length else positions
+        length = (
+            cfg.sampling.max_prompt_length + cfg.sampling.max_completion_length
+            if cfg.sampling.max_prompt_length
+            else positions
+        )
     options = VLLMSettings(
         max_model_len=length,
-        kv_cache_gb=cfg.vllm_kv_cache_gb,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep=cfg.vllm_enable_sleep_mode,
-        enforce_eager=cfg.vllm_enforce_eager,
+        kv_cache_gb=cfg.engine.vllm.kv_cache_gb,
+        gpu_memory_utilization=cfg.engine.vllm.gpu_memory_utilization,
+        sleep=cfg.engine.vllm.sleep,
+        enforce_eager=cfg.engine.vllm.enforce_eager,
         seed=int(torch.randint(2**31 - 1, ())),  # from the trainer's seeded stream: a seed per run
     )
     return VLLMEngine(
@@ -169,11 +173,11 @@ def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device
     saying what is missing."""
     backend = requested_backend(requested, device)
     if backend == "vllm" and (problem := vllm_unavailable()) is not None:
-        raise RuntimeError(f"grpo.generation_backend='vllm': {problem}")
+        raise RuntimeError(f"grpo.engine.backend='vllm': {problem}")
     reason = BACKENDS[backend].unsupported(model)
     if reason is not None:
         warnings.warn(
-            f"grpo.generation_backend={requested!r}: {reason}; rollouts use eager decoding", stacklevel=3
+            f"grpo.engine.backend={requested!r}: {reason}; rollouts use eager decoding", stacklevel=3
         )
         return "eager"
     return backend

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
-from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
+from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOptions, GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler
 from grpo_lightning.core.config import GRPOConfig
@@ -152,7 +152,7 @@ class GRPOModule(L.LightningModule):
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        check_lora_choice(lora, model_options, grpo.sync_ref_model)
+        check_lora_choice(lora, model_options, (grpo.reference_sync is not None))
         self.policy_source, self.policy, self.tokenizer = policy_parts(policy, tokenizer, model_options)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.register_load_state_dict_post_hook(PolicyRollouts.weights_loaded)
@@ -163,18 +163,18 @@ class GRPOModule(L.LightningModule):
         self.validation = ValidationScoring(num_generations_eval, val_reward)  # checks num_generations_eval
         self.val_accuracy = self.validation.accuracy  # a submodule: it moves with the module
         self.automatic_optimization = False
-        self.step_guard = StepGuard(grpo.max_bad_steps)  # skips non-finite updates, stops after too many
+        self.step_guard = StepGuard(grpo.update.max_bad_steps)  # skips non-finite updates, stops after many
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        metric = grpo.dynamic_sampling_metric if grpo.dynamic_sampling else None
-        rounds = grpo.dynamic_sampling_max_rounds
-        self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, rounds)  # dynamic sampling
+        dynamic = grpo.dynamic_sampling or DynamicSamplingOptions()  # off: its buffer is never filled
+        metric = dynamic.metric if grpo.dynamic_sampling else None
+        self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, dynamic.max_rounds)
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
-        self._step_learning_rate = grpo.learning_rate  # the last optimizer step's, for train/learning_rate
+        self._step_learning_rate = grpo.optimizer.learning_rate  # the last optimizer step's, for logging
         self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
         self.scheduler_monitors: dict[int, Monitored] = {}  # `configure_optimizers` sets them
         self._steps_at_batch_start = 0
-        sync = ReferenceSync(grpo.ref_model_sync_steps, grpo.ref_model_mixup_alpha)
-        self.reference_sync = sync if grpo.sync_ref_model else None  # TR-DPO
+        sync = grpo.reference_sync  # TR-DPO
+        self.reference_sync = ReferenceSync(sync.sync_steps, sync.mixup_alpha) if sync is not None else None
 
     def setup(self, stage: str) -> None:
         # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
@@ -203,18 +203,25 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
         # load, and lets sharding strategies wrap the model; the guard makes a second call a no-op.
-        if self.grpo.cpu_offload and self.device_mesh is None:  # said before any weights load
-            raise ValueError("grpo.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy")
+        if self.grpo.run.cpu_offload and self.device_mesh is None:  # said before any weights load
+            raise ValueError(
+                "grpo.run.cpu_offload needs FSDP2: set trainer.strategy to ModelParallelStrategy"
+            )
         if self.policy is None:
             self.policy = load_model(self.policy_source, self.model_options)
             self._prepare_models()
         if self.device_mesh is not None:  # set by ModelParallelStrategy only: FSDP2 sharding
             mesh, precision = self.device_mesh, self.trainer.precision
-            shard_models(self.policy, self.reference, mesh, precision, self.grpo.cpu_offload)
+            shard_models(self.policy, self.reference, mesh, precision, self.grpo.run.cpu_offload)
 
     def _prepare_models(self) -> None:
         self.policy, self.reference = prepare_models(
-            self.policy, self.tokenizer, self.policy_source, self.model_options, self.lora, self.grpo.beta > 0
+            self.policy,
+            self.tokenizer,
+            self.policy_source,
+            self.model_options,
+            self.lora,
+            self.grpo.kl.beta > 0,
         )
         self.rollouts.policy = self.policy
 
@@ -232,7 +239,8 @@ class GRPOModule(L.LightningModule):
 
     @reading_schedulers
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        """AdamW at `grpo.learning_rate` with the schedule of `grpo.lr_scheduler_type`. A subclass may return
+        """AdamW at `grpo.optimizer.learning_rate` with the schedule of `grpo.optimizer.lr_scheduler_type`. A
+        subclass may return
         any form Lightning accepts (an optimizer alone, a list, a dict with `lr_scheduler` and its `interval`
         and `frequency`, a `ReduceLROnPlateau` with its `monitor`), with one optimizer over the policy's
         weights: the module steps each scheduler as Lightning would under automatic optimisation
@@ -241,9 +249,16 @@ class GRPOModule(L.LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fused: one kernel for all tensors, as transformers' default "adamw_torch_fused"; the per-tensor
         # loop costs ~4x more, 0.6 CPU-s a step for a 135M model on CPU.
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.optimizer.learning_rate, weight_decay=cfg.optimizer.weight_decay, fused=True
+        )
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
-        schedule = (cfg.warmup_steps, steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
+        schedule = (
+            cfg.optimizer.warmup_steps,
+            steps,
+            cfg.optimizer.lr_scheduler_type,
+            cfg.optimizer.min_lr_ratio,
+        )
         # Stepped after every optimizer step (`step_schedulers`): a bare scheduler is Lightning's "epoch".
         scheduler = {"scheduler": build_scheduler(optimizer, *schedule), "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
@@ -258,9 +273,9 @@ class GRPOModule(L.LightningModule):
                 rank_zero_info(line)
         # GRPO's monitors (the reward audit in the pre-flight), unless the Trainer holds one of that type.
         defaults = [CollapseMonitor(), InterruptCheckpoint(), FitChecks()]
-        if self.grpo.log_completions_every > 0:
-            defaults.append(CompletionsPanel(every_n_steps=self.grpo.log_completions_every))
-        if self.grpo.preflight:
+        if self.grpo.run.log_completions_every > 0:
+            defaults.append(CompletionsPanel(every_n_steps=self.grpo.run.log_completions_every))
+        if self.grpo.run.preflight:
             defaults.append(Preflight())
         configured = {type(c) for c in self.trainer.callbacks}
         return [c for c in defaults if type(c) not in configured]
@@ -301,7 +316,7 @@ class GRPOModule(L.LightningModule):
 
     def on_validation_start(self) -> None:  # also `trainer.validate` alone, before the first forward
         # ModelParallelStrategy moved every weight to the device after configure_model; no forward ran yet.
-        if self.grpo.cpu_offload:
+        if self.grpo.run.cpu_offload:
             offloaded_to_cpu(self.policy, self.reference)
         self.rollouts.place(self.device, self.trainer.precision)
 
@@ -328,14 +343,19 @@ class GRPOModule(L.LightningModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         cfg = self.grpo
         start = time.perf_counter()
-        rollout, completions = self.rollouts.sample(batch["prompt"], cfg.num_generations)
+        rollout, completions = self.rollouts.sample(batch["prompt"], cfg.sampling.num_generations)
         generate_seconds = time.perf_counter() - start
         self.rollouts.check(rollout, completions)
         inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         scored = weighted_groups(
-            batch["prompt"], rollout, completions, rewards_per_func, self.reward_weights, cfg.num_generations
+            batch["prompt"],
+            rollout,
+            completions,
+            rewards_per_func,
+            self.reward_weights,
+            cfg.sampling.num_generations,
         )
         logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
         if cfg.dynamic_sampling:
@@ -402,7 +422,14 @@ class GRPOModule(L.LightningModule):
         if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
             scaler.unscale_(optimizer.optimizer)
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        step = (optimizer, sums.loss, params, self.grpo.max_grad_norm, scaler is not None, self.global_step)
+        step = (
+            optimizer,
+            sums.loss,
+            params,
+            self.grpo.optimizer.max_grad_norm,
+            scaler is not None,
+            self.global_step,
+        )
         return sums.values, self.step_guard.clip_and_step(*step)
 
     def on_train_epoch_end(self) -> None:

@@ -108,5 +108,3 @@ class RolloutRecord:
             entropy=entropy,
             extra=extra,
         )
-
-

@@ -111,14 +111,18 @@ def run_preflight(
 
     The reward audit runs on `audit_rows` (e.g. the first 200 training rows) when given, else on the batch.
     """
-    cfg, G = module.grpo, module.grpo.num_generations
+    cfg, G = module.grpo, module.grpo.sampling.num_generations
     report = PreflightReport()
     prompts = len(batch["prompt"])
     total = effective_batch(prompts, G, devices, accumulation)
-    micro = f"micro-batches of {cfg.micro_batch_size}" if cfg.micro_batch_size else "one micro-batch"
+    micro = (
+        f"micro-batches of {cfg.update.micro_batch_size}"
+        if cfg.update.micro_batch_size
+        else "one micro-batch"
+    )
     report.lines["effective batch"] = (
         f"{prompts} prompts x {G} completions x {devices} device(s) x {accumulation} accumulation = {total} "
-        f"completions per step ({micro}, {cfg.num_iterations} optimizer step(s) each)"
+        f"completions per step ({micro}, {cfg.update.num_iterations} optimizer step(s) each)"
     )
 
     rollout, _ = module.rollouts.sample(batch["prompt"][:samples], G)
@@ -126,15 +130,17 @@ def run_preflight(
     cut, sampled = int(rollout.truncated.sum()), rollout.truncated.numel()
     whole, groups = groups_cut_whole(rollout.truncated, G), sampled // G
     report.lines["completion length"] = (
-        f"{cut} of {sampled} sampled completions reached max_completion_length={cfg.max_completion_length}; "
+        f"{cut} of {sampled} sampled completions reached "
+        f"max_completion_length={cfg.sampling.max_completion_length}; "
         f"{whole} of {groups} groups were cut whole"
     )
     if whole > CUT_GROUPS_WARN_SHARE * groups:
         report.problems.append(
             f"in {whole} of {groups} groups all completions sampled before training reached "
-            f"max_completion_length={cfg.max_completion_length} without an end-of-sequence token: their "
+            f"max_completion_length={cfg.sampling.max_completion_length} without an end-of-sequence "
+            "token: their "
             "answers would be cut off before the final line, score alike and give no advantage; raise "
-            "grpo.max_completion_length"
+            "grpo.sampling.max_completion_length"
         )
 
     if audit_rows is None and "question" in batch and "answer" in batch:
@@ -156,7 +162,7 @@ def run_preflight(
         )
 
     trainable = [p for p in module.policy.parameters() if p.requires_grad]
-    lr = module.grpo.learning_rate
+    lr = module.grpo.optimizer.learning_rate
     dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in trainable}))
     share = share_of_weights_updated(trainable, lr)
     report.lines["weight precision"] = (
@@ -187,11 +193,11 @@ def run_preflight(
 def memory_line(module: L.LightningModule, prompts: int, devices: int, precision: str, rollout) -> str:
     """`memory.estimate_memory` for this module, its strategy, its rollout engine and its batch of `prompts`
     per device, prompts at `max_prompt_length` (the rollout's own without one)."""
-    prompt_tokens = module.grpo.max_prompt_length or rollout.input_ids.size(1) - rollout.completion_ids.size(
+    prompt_tokens = module.grpo.sampling.max_prompt_length or rollout.input_ids.size(
         1
-    )
+    ) - rollout.completion_ids.size(1)
     return rollout_memory(
-        module, prompts * module.grpo.num_generations, prompt_tokens, devices, precision
+        module, prompts * module.grpo.sampling.num_generations, prompt_tokens, devices, precision
     ).text()
 
 
@@ -205,13 +211,13 @@ def rollout_memory(
     value_bytes = compute_bytes(precision, policy)
     engine = module.rollouts.current_engine()
     sharded = is_sharded(policy)
-    rollout = MemoryRequest(sequences, prompt_tokens, cfg.max_completion_length, sharded, precision)
+    rollout = MemoryRequest(sequences, prompt_tokens, cfg.sampling.max_completion_length, sharded, precision)
     held = BACKENDS[module.rollouts.backend].memory(engine, policy, rollout)
     return estimate_memory(
         footprint(policy),
         world=devices,
         sharded=is_sharded(policy),
-        cpu_offload=cfg.cpu_offload,
+        cpu_offload=cfg.run.cpu_offload,
         reference=module.reference is not None,
         compute_bytes=value_bytes,
         sequences=held.sequences,

@@ -43,7 +43,8 @@ def warn_checkpoint_cadence(callbacks: list[ModelCheckpoint], steps_per_batch: i
         if every % steps_per_batch:
             rank_zero_warn(
                 f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, of which a training "
-                f"step makes {steps_per_batch} (grpo.num_iterations x steps_per_generation): it saves only "
+                f"step makes {steps_per_batch} (grpo.update.num_iterations x steps_per_generation): it "
+                "saves only "
                 f"where a multiple of both falls; set a multiple of {steps_per_batch}"
             )
 

@@ -1,5 +1,5 @@
 """The policy's rollouts for `GRPOModule`: its prompts encoded, completions sampled by the rollout engine of
-`grpo.generation_backend`, per-token log-probs scored, with the decisions made once (whether groups share
+`grpo.engine.backend`, per-token log-probs scored, with the decisions made once (whether groups share
 their prompt pass, whether the passes pack their rows, which engine, whether the weights are sharded) and
 the engine told when the weights change (it refreshes an inference copy once, before the next rollout).
 `module.rollouts.sample(prompts, G)` samples as a training step does.
@@ -53,8 +53,10 @@ class PolicyRollouts:
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
         self.backend: str | None = None  # the engine's name in `backends.BACKENDS`
-        self._share_prompt: bool | None = None  # grpo.share_prompt where the policy supports it, decided once
-        self._packs: bool | None = None  # grpo.packed_sequences where the policy can, decided once
+        self._share_prompt: bool | None = (
+            None  # grpo.scoring.share_prompt where the policy supports it, decided once
+        )
+        self._packs: bool | None = None  # grpo.scoring.packed_sequences where the policy can, decided once
         self._full_attention: bool | None = None  # whether the policy attends to every token, decided once
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
 
@@ -81,10 +83,10 @@ class PolicyRollouts:
         cfg = self.cfg
         device = self.device or next(self.policy.parameters()).device
         asked = {
-            "grpo.share_prompt": (cfg.share_prompt, "every prompt is encoded G times"),
-            "grpo.packed_sequences": (cfg.packed_sequences, "the passes run padded rows"),
-            f"grpo.generation_backend={cfg.generation_backend!r}": (
-                requested_backend(cfg.generation_backend, device) == "static",
+            "grpo.scoring.share_prompt": (cfg.scoring.share_prompt, "every prompt is encoded G times"),
+            "grpo.scoring.packed_sequences": (cfg.scoring.packed_sequences, "the passes run padded rows"),
+            f"grpo.engine.backend={cfg.engine.backend!r}": (
+                requested_backend(cfg.engine.backend, device) == "static",
                 "rollouts use eager decoding",
             ),
         }
@@ -92,29 +94,36 @@ class PolicyRollouts:
 
     @property
     def shares_prompt(self) -> bool:
-        """Whether each group's prompt is encoded once (`grpo.share_prompt`, if the policy can)."""
+        """Whether each group's prompt is encoded once (`grpo.scoring.share_prompt`, if the policy can)."""
         if self._share_prompt is None:
-            wanted = self.cfg.share_prompt and self.full_attention
+            wanted = self.cfg.scoring.share_prompt and self.full_attention
             reason = sharing_unsupported(self.policy) if wanted else None
             if reason is not None:
-                warnings.warn(f"grpo.share_prompt: {reason}; every prompt is encoded G times", stacklevel=3)
+                warnings.warn(
+                    f"grpo.scoring.share_prompt: {reason}; every prompt is encoded G times", stacklevel=3
+                )
             self._share_prompt = wanted and reason is None
         return self._share_prompt
 
     @property
     def packs_sequences(self) -> bool:
-        """Whether the log-prob passes pack their rows (`grpo.packed_sequences`, if the policy can)."""
+        """Whether the log-prob passes pack their rows (`grpo.scoring.packed_sequences`, if the policy
+        can)."""
         if self._packs is None:
-            wanted = self.cfg.packed_sequences and self.full_attention
+            wanted = self.cfg.scoring.packed_sequences and self.full_attention
             reason = packing_unsupported(self.policy) if wanted else None
             if reason is not None:
-                warnings.warn(f"grpo.packed_sequences: {reason}; the passes run padded rows", stacklevel=3)
+                warnings.warn(
+                    f"grpo.scoring.packed_sequences: {reason}; the passes run padded rows", stacklevel=3
+                )
             self._packs = wanted and reason is None
         return self._packs
 
     @property
     def encoder(self) -> PromptEncoder:
-        return PromptEncoder(self.tokenizer, self.cfg.max_prompt_length, self.cfg.truncate_prompts)
+        return PromptEncoder(
+            self.tokenizer, self.cfg.sampling.max_prompt_length, self.cfg.sampling.truncate_prompts
+        )
 
     @property
     def scorer(self) -> LogProbScorer:
@@ -124,20 +133,24 @@ class PolicyRollouts:
         in_root_forward = call_in_root_forward if is_sharded(self.policy) else None
         scorer = PackedLogProbScorer if self.packs_sequences else LogProbScorer
         return scorer(
-            cfg.num_generations, cfg.temperature, self.shares_prompt, cfg.entropy_coef != 0, in_root_forward
+            cfg.sampling.num_generations,
+            cfg.sampling.temperature,
+            self.shares_prompt,
+            cfg.loss.entropy_coef != 0,
+            in_root_forward,
         )
 
     def build_engine(self) -> RolloutEngine:
-        """The engine that generates the rollouts (`grpo.generation_backend`), in the trainer's precision."""
+        """The engine that generates the rollouts (`grpo.engine.backend`), in the trainer's precision."""
         cfg, policy = self.cfg, self.policy
         device = self.device or next(policy.parameters()).device
         eos, pad = stop_token_ids(policy, self.tokenizer), self.tokenizer.pad_token_id
-        settings = cfg.sampling_settings(eos, pad, self.shares_prompt)
+        settings = cfg.sampling.settings(eos, pad, self.shares_prompt)
         self.engine_precision = self.precision
         # Sharded: full weights once around `generate` for an engine that reads the live weights, so that no
         # collective runs per token; one unit at a time for an engine with a copy of its own.
         self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
-        requested = cfg.generation_backend
+        requested = cfg.engine.backend
         if not self.full_attention and requested_backend(requested, device) == "static":
             requested = "eager"  # said once, by `full_attention`
         request = EngineRequest(cfg, settings, policy, device, self.precision, full_weights_by_unit)
@@ -196,7 +209,7 @@ class PolicyRollouts:
             rollout,
             completions,
             stop_token_ids(self.policy, self.tokenizer),
-            self.cfg.max_completion_length,
+            self.cfg.sampling.max_completion_length,
             tokenizer_size=len(self.tokenizer),
             vocab_size=self.policy.config.vocab_size,
         )

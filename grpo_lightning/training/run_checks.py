@@ -84,13 +84,15 @@ def check_row_length(module: L.LightningModule) -> None:
     nothing meaningful (or fails), after sampling for as long as `max_completion_length` asks."""
     cfg = module.grpo
     positions = model_positions(module.policy, module.policy_source, module.model_options)
-    prompt = cfg.max_prompt_length or 0
-    longest = prompt + cfg.max_completion_length
+    prompt = cfg.sampling.max_prompt_length or 0
+    longest = prompt + cfg.sampling.max_completion_length
     if positions is None or longest <= positions:
         return
-    given = f"max_prompt_length={prompt} + max_completion_length={cfg.max_completion_length} = {longest}"
+    given = (
+        f"max_prompt_length={prompt} + max_completion_length={cfg.sampling.max_completion_length} = {longest}"
+    )
     if not prompt:
-        given = f"max_completion_length={cfg.max_completion_length}"
+        given = f"max_completion_length={cfg.sampling.max_completion_length}"
     fix = (
         f"lower max_completion_length to at most {positions - prompt}"
         if positions > prompt
@@ -141,29 +143,41 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
     if max_steps == 0 or max_epochs == 0:
         option = "max_steps" if max_steps == 0 else "max_epochs"
         raise ValueError(f"trainer.{option}=0: the run would train nothing; give it at least 1")
-    if grpo.lr_scheduler_type != "constant" and max_steps < 0 and (max_epochs is None or max_epochs < 0):
+    if (
+        grpo.optimizer.lr_scheduler_type != "constant"
+        and max_steps < 0
+        and (max_epochs is None or max_epochs < 0)
+    ):
         raise ValueError(
-            f"model.grpo.lr_scheduler_type={grpo.lr_scheduler_type!r} decays over the run, whose length is "
+            f"model.grpo.optimizer.lr_scheduler_type={grpo.optimizer.lr_scheduler_type!r} decays over "
+            "the run, whose length is "
             "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
             "lr_scheduler_type: constant"
         )
-    if max_steps > 0 and grpo.warmup_steps > max_steps:
+    if max_steps > 0 and grpo.optimizer.warmup_steps > max_steps:
         rank_zero_warn(
-            f"model.grpo.warmup_steps={grpo.warmup_steps} is longer than the run (trainer.max_steps="
+            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} is longer than the run "
+            "(trainer.max_steps="
             f"{max_steps} optimizer steps): the learning rate never reaches learning_rate="
-            f"{grpo.learning_rate:g}, only {max_steps / grpo.warmup_steps:.0%} of it at the last step; "
+            f"{grpo.optimizer.learning_rate:g}, only {max_steps / grpo.optimizer.warmup_steps:.0%} of "
+            "it at the last step; "
             "shorten the warm-up or lengthen the run"
         )
-    elif max_steps > 0 and grpo.lr_scheduler_type != "constant" and grpo.warmup_steps >= max_steps:
+    elif (
+        max_steps > 0
+        and grpo.optimizer.lr_scheduler_type != "constant"
+        and grpo.optimizer.warmup_steps >= max_steps
+    ):
         rank_zero_warn(
-            f"model.grpo.warmup_steps={grpo.warmup_steps} fills the run (trainer.max_steps={max_steps}): "
-            f"no step is left for lr_scheduler_type={grpo.lr_scheduler_type!r} to decay"
+            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} fills the run "
+            f"(trainer.max_steps={max_steps}): "
+            f"no step is left for lr_scheduler_type={grpo.optimizer.lr_scheduler_type!r} to decay"
         )
-    per_batch = grpo.steps_per_generation * grpo.num_iterations
+    per_batch = grpo.update.steps_per_generation * grpo.update.num_iterations
     if max_steps > 0 and max_steps % per_batch:
         rank_zero_warn(
             f"trainer.max_steps={max_steps} is not a multiple of the {per_batch} optimizer steps a training "
-            f"step makes (model.grpo.steps_per_generation={grpo.steps_per_generation} x "
-            f"num_iterations={grpo.num_iterations}): the run stops at step {max_steps}, after "
+            f"step makes (model.grpo.update.steps_per_generation={grpo.update.steps_per_generation} x "
+            f"num_iterations={grpo.update.num_iterations}): the run stops at step {max_steps}, after "
             f"{max_steps % per_batch} of the last rollout's {per_batch}"
         )

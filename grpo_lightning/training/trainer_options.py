@@ -6,11 +6,11 @@ Trainer's onto them when the Trainer attaches it, from Python and from the CLI a
 the module's hook that Lightning calls before it checks these options):
 
 - `accumulate_grad_batches=N` (one optimizer step per N batches of B prompts) becomes the data module's
-  `batch_size=N * B` prompts per step, with `grpo.micro_batch_size=B * G` (one batch's sequences per
+  `batch_size=N * B` prompts per step, with `grpo.update.micro_batch_size=B * G` (one batch's sequences per
   forward/backward, as Lightning accumulates one batch at a time) unless one is set already. The loss is
   normalised over the whole step's rollout either way.
 - `gradient_clip_val=c` (clipping by the global norm, Lightning's default algorithm) becomes
-  `grpo.max_grad_norm=c`. Clipping by value has no counterpart: refused, naming our option.
+  `grpo.optimizer.max_grad_norm=c`. Clipping by value has no counterpart: refused, naming our option.
 
 The run's length in optimizer steps, which a decaying learning-rate schedule needs, comes from the same
 options (`optimizer_steps_in_run`).
@@ -37,6 +37,7 @@ run that `max_steps` ends mid-epoch, before its first validation, would stop wit
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -48,29 +49,32 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.strategies import FSDPStrategy
 
-from grpo_lightning.core.algorithm.schedules import optimizer_steps_in_fit
+from grpo_lightning.core.algorithm.schedules import OptimizerOptions, optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import plain_options
 
-DEFAULT_MAX_GRAD_NORM = GRPOConfig.max_grad_norm
+DEFAULT_MAX_GRAD_NORM = OptimizerOptions.max_grad_norm
 VALIDATION_PREFIX = "val/"  # the metrics that only validation logs
 
 # Lightning's callbacks and strategies that GRPOModule refuses, with what to use instead.
 REFUSED_TOOLS = {
     BatchSizeFinder: (
         "BatchSizeFinder (Tuner.scale_batch_size) cannot size a GRPO step, whose memory follows "
-        "data.batch_size x grpo.num_generations sampled sequences: keep data.batch_size and bound each "
-        "forward/backward with model.grpo.micro_batch_size or model.grpo.max_tokens_per_micro_batch (the "
+        "data.batch_size x grpo.sampling.num_generations sampled sequences: keep data.batch_size and "
+        "bound each "
+        "forward/backward with model.grpo.update.micro_batch_size or "
+        "model.grpo.update.max_tokens_per_micro_batch (the "
         "pre-flight prints the memory estimate)"
     ),
     LearningRateFinder: (
         "LearningRateFinder (Tuner.lr_find) reads a loss that falls with a good learning rate, and GRPO's is "
-        "a policy-gradient surrogate on fresh samples each step: set model.grpo.learning_rate (the shipped "
+        "a policy-gradient surrogate on fresh samples each step: set "
+        "model.grpo.optimizer.learning_rate (the shipped "
         "GPU configs: 1e-6, 1e-5 with LoRA) and compare short runs' val/accuracy"
     ),
     GradientAccumulationScheduler: (
         "GradientAccumulationScheduler: GRPOModule optimises manually and accumulates no schedule; a fixed "
-        "Trainer(accumulate_grad_batches=N) maps onto data.batch_size and model.grpo.micro_batch_size"
+        "Trainer(accumulate_grad_batches=N) maps onto data.batch_size and model.grpo.update.micro_batch_size"
     ),
     FSDPStrategy: (
         "trainer.strategy FSDPStrategy (FSDP1) is not supported: GRPOModule shards with FSDP2, set "
@@ -80,7 +84,7 @@ REFUSED_TOOLS = {
 COMPILED_MODULE = (
     "torch.compile(module) would trace the rollout's generation and the reward functions: compile the "
     "policy's forward alone (module.policy, once configure_model has loaded it), or let the rollout engine "
-    "compile its decoding step (model.grpo.generation_backend: static, on CUDA)"
+    "compile its decoding step (model.grpo.engine.backend: static, on CUDA)"
 )
 
 
@@ -109,16 +113,17 @@ def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[s
         if not isinstance(batch_size, int) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
                 f"trainer.accumulate_grad_batches={accumulate!r}: GRPOModule optimises manually; it takes a "
-                "larger data.batch_size (prompts per optimizer step) with model.grpo.micro_batch_size "
+                "larger data.batch_size (prompts per optimizer step) with model.grpo.update.micro_batch_size "
                 "(sequences per backward) instead: set those"
             )
         data.hparams.batch_size = batch_size * accumulate
-        if grpo.micro_batch_size is None:
-            grpo.micro_batch_size = batch_size * grpo.num_generations
+        if grpo.update.micro_batch_size is None:
+            grpo.update = replace(grpo.update, micro_batch_size=batch_size * grpo.sampling.num_generations)
         trainer.accumulate_grad_batches = 1
         done.append(
             f"trainer.accumulate_grad_batches={accumulate} -> data.batch_size={batch_size * accumulate}, "
-            f"model.grpo.micro_batch_size={grpo.micro_batch_size} (GRPOModule optimises manually)"
+            f"model.grpo.update.micro_batch_size={grpo.update.micro_batch_size} (GRPOModule optimises "
+            "manually)"
         )
     clip = trainer.gradient_clip_val
     if clip is not None and clip > 0:
@@ -126,17 +131,19 @@ def map_trainer_options(trainer: L.Trainer, module: L.LightningModule) -> list[s
         if algorithm not in (None, "norm"):
             raise ValueError(
                 f"trainer.gradient_clip_algorithm={algorithm!r}: GRPOModule clips "
-                "the gradients by their global norm only, with model.grpo.max_grad_norm: remove the "
+                "the gradients by their global norm only, with model.grpo.optimizer.max_grad_norm: "
+                "remove the "
                 "Trainer's clipping options and set that"
             )
-        if grpo.max_grad_norm not in (DEFAULT_MAX_GRAD_NORM, clip):
+        if grpo.optimizer.max_grad_norm not in (DEFAULT_MAX_GRAD_NORM, clip):
             raise ValueError(
-                f"trainer.gradient_clip_val={clip} and model.grpo.max_grad_norm={grpo.max_grad_norm} "
-                "disagree: GRPOModule clips with model.grpo.max_grad_norm; set only that"
+                f"trainer.gradient_clip_val={clip} and "
+                f"model.grpo.optimizer.max_grad_norm={grpo.optimizer.max_grad_norm} "
+                "disagree: GRPOModule clips with model.grpo.optimizer.max_grad_norm; set only that"
             )
-        grpo.max_grad_norm = float(clip)
+        grpo.optimizer = replace(grpo.optimizer, max_grad_norm=float(clip))
         trainer.gradient_clip_val = None
-        done.append(f"trainer.gradient_clip_val={clip} -> model.grpo.max_grad_norm={float(clip)}")
+        done.append(f"trainer.gradient_clip_val={clip} -> model.grpo.optimizer.max_grad_norm={float(clip)}")
     if done and "grpo" in module.hparams:  # not where a subclass fixes grpo: its __init__ builds it again
         module.hparams["grpo"] = plain_options(grpo)
     return done
@@ -167,7 +174,7 @@ def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
     Trainer's `max_steps` (which counts them under the module's manual optimisation) and `max_epochs`
     (`schedules.optimizer_steps_in_fit`), the training data loaded for its batches per epoch. 0 for a
     constant schedule, which reads no length (and nothing is loaded)."""
-    if cfg.lr_scheduler_type == "constant":
+    if cfg.optimizer.lr_scheduler_type == "constant":
         return 0
     trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
     batches = trainer.num_training_batches

@@ -8,12 +8,13 @@ Pure tensor maths (only ``torch``). References:
 """
 
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.options import Choices
+from grpo_lightning.core.options import Alias, Choices, PositiveFloat, Range, check_fields
 
 STD_EPS = 1e-4  # added to the reward std before dividing, as in TRL
 
@@ -80,3 +81,27 @@ def group_advantages(
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     return advantages.reshape(-1)  # [N * G]
+
+
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """How rewards become advantages (`GRPOConfig.advantages`)."""
+
+    scale_rewards: ScaleRewards = "group"
+    """"group" divides the centred reward by the group's std (GRPO), "batch" by the batch's (Hu et al.,
+    REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
+    """
+    baseline: Baseline = "mean"
+    """"mean" (group mean, GRPO) or "loo" (leave-one-out, RLOO, arXiv:2402.14740)."""
+    clip: Annotated[PositiveFloat | None, Alias("advantage_clip")] = None
+    """Clamp advantages to [-c, c]. None: no clipping."""
+    step_credit: Annotated[float, Range(">= 0", why="it is subtracted from the advantage")] = 0.0
+    """Token-level credit for wrong steps: each generated token that writes part of an arithmetic claim that
+    does not verify (`grpo_lightning.core.rewards.steps`, e.g. "3 + 4 = 8") gets this much subtracted from its
+    completion's outcome advantage, making the advantages [B, T] (process supervision at the step, as
+    Lightman et al. arXiv:2305.20050 and Math-Shepherd arXiv:2312.08935 assign it, from a verifier instead
+    of a learned reward model). 0.0 turns it off.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -10,10 +10,13 @@ Pure torch: nothing here knows about Lightning.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from grpo_lightning.core.options import Alias, NonNegativeInt, check_fields
 from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import ScoredGroups
 
@@ -58,9 +61,9 @@ class GroupBuffer:
             return cls(max_extra_rounds)
         if metric not in reward_names:
             raise ValueError(
-                f"GRPOConfig.dynamic_sampling_metric={metric!r} is not one of the reward functions "
-                f"{reward_names}: name the one that says whether a completion is right, or null for their "
-                "weighted total"
+                f"GRPOConfig.dynamic_sampling.metric={metric!r} (dynamic_sampling_metric) is not one of the "
+                f"reward functions {reward_names}: name the one that says whether a completion is right, or "
+                "null for their weighted total"
             )
         return cls(max_extra_rounds, reward_names.index(metric))
 
@@ -122,3 +125,28 @@ class GroupBuffer:
         stats = {"frac_dropped": self.dropped / self.generated, "extra_rounds": float(self.rounds - 1)}
         self._reset()
         return groups, stats
+
+
+@dataclass(frozen=True)
+class DynamicSamplingOptions:
+    """Dynamic sampling (`GRPOConfig.dynamic_sampling`, None: off): drop the groups whose completions all got
+    the same reward (they carry no gradient) and sample the next batches' prompts until an update has one
+    informative group per prompt of a batch (DAPO, arXiv:2503.14476, sec. 3.2). Rounds without an update
+    make no optimizer step, so `max_steps` still counts updates. Logs `train/dynamic_sampling/frac_dropped`
+    and `train/dynamic_sampling/extra_rounds`. TRL: none; verl: `algorithm.filter_groups`."""
+
+    max_rounds: Annotated[NonNegativeInt, Alias("dynamic_sampling_max_rounds")] = 9
+    """Extra generation rounds an update may wait for; after them it is topped up with uninformative groups
+    (verl's DAPO recipe stops with an error after 10 rounds, `max_num_gen_batches=10`).
+    """
+    metric: Annotated[str | None, Alias("dynamic_sampling_metric")] = "accuracy_reward"
+    """The reward function (by name, as logged under `train/rewards/<name>`) whose values decide whether a
+    group carries signal, as the DAPO paper filters on accuracy (verl:
+    `algorithm.filter_groups.metric=acc`); None filters on the weighted total of the reward functions,
+    before any KL in the reward. With a shaped total such as accuracy + format, an all-wrong group that
+    differs only in format passes a total-reward filter, and updates made of such groups can teach the
+    format while accuracy falls (BENCHMARKS.md measured it).
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -17,13 +17,14 @@ References:
       arXiv:2512.02556 (TRL's ``use_bias_correction_kl``).
 """
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from grpo_lightning.core.algorithm.kl import K1_IN_LOSS, KLEstimator, kl_penalty
-from grpo_lightning.core.options import Choices
+from grpo_lightning.core.options import Choices, PositiveFloat, Range, check_fields, option_error
 
 MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
 CISPO_EPSILON_HIGH = 5.0  # cispo's cap of the IS weight when epsilon_high is unset: TRL's recommended value
@@ -259,3 +260,38 @@ def grpo_loss(
         "clip_ratio/region_mean": _stat_mean(is_low_clipped | is_high_clipped, mask),
     }
     return loss, stats
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """The policy loss: its variant, the importance ratio and its clipping, the entropy bonus
+    (`GRPOConfig.loss`; `grpo_loss`)."""
+
+    loss_type: LossType = "dapo"
+    """"grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token mean over the
+    batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max), arXiv:2503.20783), "cispo"
+    (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
+    """
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
+    epsilon: PositiveFloat = 0.2
+    """Lower clip of the ratio, 1 - epsilon (PPO, arXiv:1707.06347)."""
+    epsilon_high: PositiveFloat | None = None
+    """Upper clip, 1 + epsilon_high (DAPO's clip-higher; for cispo the raw cap of the IS weight). None means
+    epsilon, or for cispo 5.0 (TRL's recommended value, ScaleRL arXiv:2510.13786; TRL itself falls back to
+    epsilon, a cap of 0.2 that shrinks every weight).
+    """
+    delta: Annotated[float, Range("> 1")] | None = None
+    """Cap of the unclipped ratio, two-sided clipping (INTELLECT-2, arXiv:2505.07291)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty)."""
+    mask_truncated_completions: bool = False
+    """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        # cispo's epsilon_high is a raw cap of the weight, not an offset from 1: no delta above it applies.
+        if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
+            raise option_error(
+                self, "delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)"
+            )

@@ -13,8 +13,13 @@ Nothing here imports Lightning: the module says how many optimizer steps it has 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated
+
 import torch
 from torch import Tensor, nn
+
+from grpo_lightning.core.options import Alias, AtLeastOne, Range, check_fields
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -55,3 +60,27 @@ class ReferenceSync:
             mix_into_reference(reference, policy, self.alpha)
         self.syncs_done += max(due, 0)
         return max(due, 0)
+
+
+@dataclass(frozen=True)
+class ReferenceSyncOptions:
+    """Reference sync (`GRPOConfig.reference_sync`, None: off; the flat switch `sync_ref_model: true` turns it
+    on): move the reference towards the policy every `sync_steps` optimizer steps, reference <- alpha x
+    policy + (1 - alpha) x reference (TR-DPO, Gorbatovski et al., arXiv:2404.09656). Needs beta > 0 (a
+    reference to sync) and full fine-tuning (with LoRA the reference is the policy's own base weights). The
+    reference is then stored in checkpoints. TRL: `sync_ref_model`.
+    """
+
+    mixup_alpha: Annotated[
+        float, Range(">= 0, <= 1", why="the policy's share"), Alias("ref_model_mixup_alpha")
+    ] = 0.6
+    """The policy's weight alpha in each sync, in [0, 1]; 1 copies the policy. 0.6 is TRL's default. TRL:
+    `ref_model_mixup_alpha`.
+    """
+    sync_steps: Annotated[AtLeastOne, Alias("ref_model_sync_steps")] = 512
+    """Optimizer steps between syncs; each sync is applied before the next rollout. 512 is TRL's default.
+    TRL: `ref_model_sync_steps`.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)

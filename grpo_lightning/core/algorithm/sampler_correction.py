@@ -23,13 +23,14 @@ sequence whose ratio is outside [clip_min, clip_max] is dropped). verl has this 
 """
 
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from grpo_lightning.core.algorithm.loss import MAX_LOG_RATIO
-from grpo_lightning.core.options import Choices
+from grpo_lightning.core.options import Alias, Choices, Range, check_fields
 
 LOGP_GAP_THRESHOLD = 0.1  # |log pi_old - log pi_sampler| above which a token counts in logp_gap_frac_above
 
@@ -147,3 +148,43 @@ def logprob_gap_stats(
         stats["rollout/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens
         stats["rollout/is_weight_frac_capped"] = (bounded & mask).sum() / tokens
     return stats
+
+
+@dataclass(frozen=True)
+class SamplerCorrectionOptions:
+    """The sampler correction (`GRPOConfig.sampler_correction`, None: off; the flat switch
+    `importance_sampling_correction: true` turns it on): correct for the rollout engine's sampler not being
+    the policy the loss scores, weighting each token's policy term by the ratio pi_old / pi_sampler, bounded
+    by `mode` (truncated importance sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; `importance_weights`). pi_sampler is each token's log-prob as it was
+    drawn (after temperature, top-k/top-p, min_completion_length), pi_old the scorer's before the update;
+    where they are equal nothing changes. Every step logs the gap (`rollout/logp_gap_mean`, `_max`,
+    `_frac_above`), and with the correction `rollout/is_weight_mean` and `_frac_capped`. Off by default:
+    both engines sample the policy they score up to rounding, and on the demo the correction learned no
+    better (BENCHMARKS.md, "The demo in bf16-mixed"). Turn it on where `rollout/logp_gap_frac_above` is
+    material, or with top_p/top_k/min_completion_length, whose truncation is a gap by design. TRL:
+    `vllm_importance_sampling_correction` (TRL corrects by default with vLLM only, in mode
+    "sequence_mask"); verl: `algorithm.rollout_is` with `rollout_is_level: token`, `rollout_is_mode:
+    truncate`.
+    """
+
+    mode: Annotated[ImportanceSamplingMode, Alias("importance_sampling_mode")] = "token_truncate"
+    """How the ratio pi_old / pi_sampler is bounded, as TRL's `vllm_importance_sampling_mode`:
+    "token_truncate" (each token's ratio clipped into [floor, cap], Yao et al.'s TIS), "token_mask" (a token
+    whose ratio is outside drops out of the loss), "sequence_truncate" / "sequence_mask" (one ratio per
+    completion, the product over its tokens, clipped, or the whole completion dropped; TRL's default with
+    vLLM is "sequence_mask").
+    """
+    cap: Annotated[
+        float, Range(">= 1", why="below 1 it shrinks on-policy tokens"), Alias("importance_sampling_cap")
+    ] = 2.0
+    """The upper bound C of the ratio; 2.0 as Yao et al. 2025 (TRL's `vllm_importance_sampling_clip_max`
+    defaults to 3.0, verl's `rollout_is_threshold` to 2.0).
+    """
+    floor: Annotated[Annotated[float, Range("> 0, <= 1")] | None, Alias("importance_sampling_floor")] = None
+    """The lower bound of the ratio (a floor for the truncate modes, below it masked for the mask modes);
+    None: no lower bound. TRL: `vllm_importance_sampling_clip_min`.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -20,13 +20,21 @@ Lightning: the module passes in the run's number of optimizer steps.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 from transformers import get_constant_schedule, get_wsd_schedule
 
-from grpo_lightning.core.options import Choices
+from grpo_lightning.core.options import (
+    Choices,
+    NonNegativeFloat,
+    NonNegativeInt,
+    Range,
+    check_fields,
+    warn_inert,
+)
 
 # The schedule after the warm-up: (optimizer, its optimizer steps, floor ratio) -> a scheduler from 0.
 SCHEDULES = Choices(
@@ -69,7 +77,39 @@ def optimizer_steps_in_fit(
         bounds.append(int(batches_per_epoch) * max_epochs * steps_per_batch)
     if not bounds:
         raise ValueError(
-            "grpo.lr_scheduler_type decays over the run, whose length is unknown (no max_steps, no "
+            "grpo.optimizer.lr_scheduler_type decays over the run, whose length is unknown (no max_steps, no "
             "max_epochs, or an unsized data loader): set trainer.max_steps, or lr_scheduler_type: constant"
         )
     return min(bounds)
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """AdamW, its learning-rate schedule and gradient clipping (`GRPOConfig.optimizer`)."""
+
+    learning_rate: Annotated[float, Range("> 0", why="at 0 no weight ever changes")] = 1e-6
+    """AdamW learning rate; 1e-6 is TRL's GRPO default."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW weight decay."""
+    warmup_steps: NonNegativeInt = 0
+    """Linear warm-up optimizer steps, then the `lr_scheduler_type` schedule."""
+    lr_scheduler_type: ScheduleType = "constant"
+    """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
+    steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
+    `grpo_lightning.core.algorithm.schedules`. The run's length is the trainer's max_steps (optimizer
+    steps), or its
+    epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
+    "constant_with_warmup" is "constant" here); verl: `optim.lr_scheduler_type`.
+    """
+    min_lr_ratio: Annotated[float, Range(">= 0, <= 1", why="a share of learning_rate")] = 0.0
+    """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
+    "constant". verl: `optim.min_lr_ratio`; TRL: `lr_scheduler_kwargs={"min_lr_rate": ...}` with
+    "cosine_with_min_lr".
+    """
+    max_grad_norm: Annotated[float, Range("> 0", why="a negative norm flips the gradient")] | None = 1.0
+    """Gradient clipping by global norm, > 0; None disables."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.lr_scheduler_type == "constant":
+            warn_inert(self, "min_lr_ratio", "lr_scheduler_type: linear or cosine")

@@ -80,5 +80,3 @@ def over_budget(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], 
     return [
         i for i, rows in enumerate(micro_batches) if len(rows) * max(lengths[r] for r in rows) > max_tokens
     ]
-
-

@@ -39,6 +39,7 @@ from grpo_lightning.core.generation.sampling import (
     prefill_groups,
 )
 from grpo_lightning.core.generation.shared_prompt import group_completion_logprobs
+from grpo_lightning.core.options import check_fields
 from grpo_lightning.core.types import Rollout
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
@@ -329,6 +330,34 @@ def warn_if_unteachable(
         warnings.warn(
             f"all {len(completions)} completions of this step reached max_completion_length="
             f"{max_new_tokens} without an end-of-sequence token: answers are cut off "
-            "before their final line; raise grpo.max_completion_length",
+            "before their final line; raise grpo.sampling.max_completion_length",
             stacklevel=3,
         )
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How the reference, old-policy and policy passes lay out their rows (`GRPOConfig.scoring`)."""
+
+    share_prompt: bool = True
+    """Encode each prompt once per group instead of once per completion, in generation (one prefill per
+    prompt, its KV cache repeated to the G rows) and in the reference, old-policy and policy passes (the G
+    completions attend to one prompt pass, whose gradient sums theirs); Prefix Grouper, arXiv:2506.05433.
+    Same log-probs and gradients up to rounding (tests/test_share_prompt.py). A model that cannot share
+    (attention without a KV cache, a sliding window in any layer, gradient checkpointing in transformers < 5)
+    keeps the unshared path, with a warning.
+    """
+    packed_sequences: bool = True
+    """Pack the reference, old-policy and policy passes: each micro-batch's rows laid end to end in a few
+    lines (their prompts and completions, padding only where a line ends), kept apart by one attention
+    mask, with position ids restarting at each row; with `share_prompt` a line holds a group's prompt once
+    and several of its completions. The LM head runs on the completion tokens only. Same log-probs and
+    gradients up to rounding (tests/test_packing.py). On MATH-like rollouts with `share_prompt` and the
+    token budget the decoder computes 0.99 positions per token of the rows instead of 1.58
+    (`benchmarks/token_budget.py --group`). Needs sdpa or eager attention and full attention in every layer:
+    another model (flash attention, a sliding window in any layer) keeps the padded passes, with a warning
+    (`grpo_lightning.core.generation.packing`). TRL: `padding_free`; verl: `use_remove_padding`.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)

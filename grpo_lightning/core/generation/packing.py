@@ -1,5 +1,5 @@
 """Packed log-prob passes: a micro-batch's rows laid end to end in a few lines, with padding only where a
-line ends (`grpo.packed_sequences`).
+line ends (`grpo.scoring.packed_sequences`).
 
 A rollout is a padded tensor: prompts left-padded to the longest prompt, completions right-padded to the
 longest completion. Its decoder passes (reference, old policy, policy) compute every padding position as if
@@ -11,7 +11,7 @@ the same up to rounding (tests/test_packing.py checks this in float64).
 
 - Unshared (one prompt pass per row): a line holds whole rows under a block-diagonal causal mask, as
   transformers' padding-free collator (`DataCollatorWithFlattening`) packs them.
-- Shared (`grpo.share_prompt`, Prefix Grouper arXiv:2506.05433): a line holds segments, each one copy of a
+- Shared (`scoring.share_prompt`, Prefix Grouper arXiv:2506.05433): a line holds segments, each one copy of a
   group's prompt followed by several of its completions; a completion token sees its prompt and the tokens
   of its own completion before it, never its siblings'.
 

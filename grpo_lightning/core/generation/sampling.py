@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +32,21 @@ from transformers import (
 )
 
 from grpo_lightning.core.generation.logprobs import position_ids
+from grpo_lightning.core.options import (
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    check_fields,
+    option_error,
+)
 from grpo_lightning.core.types import Rollout
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
     """What every sampled completion obeys, one object from the options to the draw:
-    `GRPOConfig.sampling_settings` builds the training rollouts', `generate_completions` and
+    `SamplingOptions.settings` builds the training rollouts', `generate_completions` and
     `sampling_processors` apply them."""
 
     max_new_tokens: int  # completion budget, `GRPOConfig.max_completion_length`
@@ -48,8 +57,6 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
-
-
 
     def for_evaluation(self, max_new_tokens: int, temperature: float = 1.0) -> SamplingSettings:
         """Settings built from scratch for an evaluation: the raw policy at `temperature` (greedy decoding
@@ -62,6 +69,63 @@ class SamplingSettings:
             temperature=temperature,
             share_prompt=self.share_prompt,
         )
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How the training rollouts are drawn: the group, the lengths, temperature, top-p and top-k
+    (`GRPOConfig.sampling`)."""
+
+    num_generations: Annotated[int, Range(">= 2", why="advantages compare a group")] = 8
+    """Completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300, sec. 4.1.2). Must be
+    >= 2: advantages are relative to the group.
+    """
+    max_completion_length: PositiveInt = 256
+    """New tokens per completion."""
+    min_completion_length: NonNegativeInt = 0
+    """EOS is suppressed until this many new tokens (`generate`'s `min_new_tokens`); equal to
+    `max_completion_length` it fixes the length, as benchmarks need. Above 0 the first tokens are drawn
+    without EOS while the loss scores them under the raw policy, so the importance ratio there is
+    off-policy by the EOS probability: keep 0 for training runs.
+    """
+    max_prompt_length: PositiveInt | None = 512
+    """Prompt tokens kept; longer prompts are cut from the left. None keeps all."""
+    truncate_prompts: Literal["left", "error"] = "left"
+    """What to do with a prompt over `max_prompt_length`: "left" (cut its start, with a warning) or "error".
+    """
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature, > 0. The same temperature scales the logits of the log-probs, as the sampler saw
+    them.
+    """
+    top_p: Annotated[float, Range("> 0, <= 1")] = 1.0
+    """Nucleus sampling: draw from the most likely tokens whose probabilities sum to top_p, in (0, 1]; 1.0
+    disables it.
+    """
+    top_k: Annotated[int, Range(">= 0", why="0 disables it")] = 0
+    """Draw from the k most likely tokens only; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.min_completion_length > self.max_completion_length:
+            raise option_error(
+                self, "min_completion_length", self.min_completion_length, "must be <= max_completion_length"
+            )
+
+    def settings(
+        self, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
+    ) -> SamplingSettings:
+        """The settings of the training rollouts: their lengths, temperature, top-p and top-k."""
+        return SamplingSettings(
+            max_new_tokens=self.max_completion_length,
+            min_new_tokens=self.min_completion_length,
+            eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=pad_token_id,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            share_prompt=share_prompt,
+        )
+
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
     """Mask of the tokens up to and including each row's first EOS, and which rows never emitted one."""

@@ -102,7 +102,7 @@ def _check_cache_used(model: nn.Module, used: bool) -> None:
     if not used:
         raise RuntimeError(
             f"{type(model.get_decoder()).__name__} ignored the KV cache of the shared prompt (gradient "
-            "checkpointing?): set grpo.share_prompt=false for this model"
+            "checkpointing?): set grpo.scoring.share_prompt=false for this model"
         )
 
 

@@ -44,6 +44,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor
@@ -58,6 +59,7 @@ from grpo_lightning.core.generation.inference_copy import (
     own_weights,
     plain_class,
 )
+from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import Rollout
 
@@ -95,6 +97,40 @@ def vllm_unsupported(model: PreTrainedModel) -> str | None:
         if adapter.modules_to_save:
             return "vLLM's LoRA does not serve `modules_to_save`"
     return None
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """The vLLM engine's options (`GRPOConfig.engine.vllm`), read with `engine.backend: vllm`."""
+
+    max_model_len: Annotated[PositiveInt | None, Alias("vllm_max_model_len")] = None
+    """`generation_backend: vllm`: the longest prompt + completion one request may hold (vLLM's
+    `max_model_len`); None: max_prompt_length + max_completion_length, or the model's
+    `max_position_embeddings` without a max_prompt_length. TRL: `vllm_max_model_length`.
+    """
+    kv_cache_gb: Annotated[PositiveFloat | None, Alias("vllm_kv_cache_gb")] = None
+    """`generation_backend: vllm`: the KV pool in GB per rank (vLLM's `kv_cache_memory_bytes`). None: on CUDA
+    vLLM sizes it from `vllm_gpu_memory_utilization`; on CPU 1 GB (vLLM's own CPU default,
+    `VLLM_CPU_KVCACHE_SPACE`, is several GB). The pre-flight's memory estimate counts it.
+    """
+    gpu_memory_utilization: Annotated[float, Range("> 0, <= 1"), Alias("vllm_gpu_memory_utilization")] = 0.3
+    """`generation_backend: vllm` on CUDA: the share of each GPU's memory vLLM takes for its weights and KV
+    pool when `vllm_kv_cache_gb` is None, beside the trainer's; 0.3 as TRL's colocate default. TRL:
+    `vllm_gpu_memory_utilization`.
+    """
+    sleep: Annotated[bool, Alias("vllm_enable_sleep_mode")] = False
+    """`generation_backend: vllm` on CUDA: between rollouts vLLM frees its KV pool and offloads its weights
+    to CPU memory (`LLM.sleep(level=1)`), and wakes before the next push, so the update has the GPU to
+    itself; costs the offload and reload each step. Ignored on CPU (sleep mode is CUDA-only). TRL:
+    `vllm_enable_sleep_mode`.
+    """
+    enforce_eager: Annotated[bool, Alias("vllm_enforce_eager")] = False
+    """`generation_backend: vllm`: no `torch.compile` of vLLM's model and no CUDA graphs: a faster start,
+    slower decoding (vLLM's `enforce_eager`). TRL: none.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -211,7 +247,7 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         problem = vllm_unavailable()
         if problem is not None:
-            raise RuntimeError(f"grpo.generation_backend='vllm': {problem}")
+            raise RuntimeError(f"grpo.engine.backend='vllm': {problem}")
         self.settings, self.options, self.dtype, self.weights = settings, options, dtype, weights
         self.llm = None  # started by the first `refresh`, on the policy it sees
         self.folder: str | None = None  # the config vLLM starts from, and the adapter it serves

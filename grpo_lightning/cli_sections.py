@@ -1,0 +1,76 @@
+"""The flat option names on the command line and in config files, filed into `GRPOConfig`'s sections before
+jsonargparse reads them (`core.config.FLAT_NAMES`, derived from the sections' declarations).
+
+`--model.grpo.kl.beta 0.04` becomes `--model.grpo.kl.beta 0.04`, a switch such as
+`--model.grpo.dynamic_sampling true` its section on (`{}`) or off (`null`). A `--config` file whose
+`model.grpo` holds flat names (a TRL-style config, or a run's `config.yaml` written before the options had
+sections) is passed on as its YAML text with the names filed (`core.options.sectioned`: a name given both
+ways is refused in one line). Everything else is passed on as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import yaml
+
+from grpo_lightning.config_checks import config_files
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.options import sectioned
+
+PREFIX = "--model.grpo."
+_TRUE, _FALSE = ("true", "True", "yes", "1"), ("false", "False", "no", "0")
+
+
+def sectioned_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` with every flat `model.grpo` name, on the command line or in a `--config` file, by its section's
+    key."""
+    files = set(config_files(argv))
+    result: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c") and i + 1 < len(args) and args[i + 1] in files:
+            result += [arg, _sectioned_config(args[i + 1])]
+            i += 2
+            continue
+        if arg.startswith("--config=") and arg.removeprefix("--config=") in files:
+            result.append("--config=" + _sectioned_config(arg.removeprefix("--config=")))
+            i += 1
+            continue
+        name, equals, value = arg.removeprefix(PREFIX).partition("=")
+        entry = FLAT_NAMES.get(name) if arg.startswith(PREFIX) else None
+        if entry is None or (entry.path == (name,) and not entry.switch):
+            result.append(arg)
+            i += 1
+            continue
+        if not equals:  # the value is the next word
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        i += 1
+        if entry.switch and value in _TRUE + _FALSE:
+            result.append(f"{PREFIX}{entry.key}={'{}' if value in _TRUE else 'null'}")
+        else:
+            result.append(f"{PREFIX}{entry.key}={value}")
+    return result
+
+
+def _sectioned_config(path: str) -> str:
+    """The config file at `path`, or its YAML text with its flat `model.grpo` names filed into sections
+    where it has any."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return path  # jsonargparse reports a missing or broken file in its own words
+    grpo = config.get("model", {}).get("grpo") if isinstance(config, dict) else None
+    if not isinstance(grpo, dict) or not any(_is_flat(key) for key in grpo):
+        return path
+    config["model"]["grpo"] = sectioned(GRPOConfig, grpo, f"config {path}: model.grpo")
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _is_flat(key: str) -> bool:
+    entry = FLAT_NAMES.get(key)
+    return entry is not None and (entry.path != (key,) or entry.switch)

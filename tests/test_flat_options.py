@@ -1,0 +1,95 @@
+"""Options by their flat names (TRL's, and every option's before the options had sections) keep working:
+the shipped configs of that layout build the very options that code built (`tests/fixtures/`), a checkpoint
+of that layout reads back into the sections, and a name given both ways is refused in one line."""
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpo_lightning.cli_sections import sectioned_argv
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.io.checkpoints import sectioned_hparams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+OLD_CONFIGS = FIXTURES / "flat_options_configs"
+OLD_OPTIONS = json.loads((OLD_CONFIGS / "options.json").read_text())
+
+
+def flat(config: GRPOConfig) -> dict:
+    """Every option of `config` by its flat name (a switch: whether its section is on)."""
+    return {
+        name: bool(getattr(config, name)) if e.switch else getattr(config, name)
+        for name, e in FLAT_NAMES.items()
+    }
+
+
+def test_the_alias_table_holds_every_flat_option_once():
+    old_names = set(next(iter(OLD_OPTIONS.values())))
+    assert set(FLAT_NAMES) == old_names  # each option of the flat layout, none lost and none invented
+    assert len({entry.key for entry in FLAT_NAMES.values()}) == len(FLAT_NAMES)
+
+
+@pytest.mark.parametrize("name", sorted(OLD_OPTIONS))
+def test_an_old_config_builds_the_options_the_old_code_built(name):
+    argv = sectioned_argv(["fit", "--config", str(OLD_CONFIGS / name)])
+    config = yaml.safe_load(argv[2])  # passed on as YAML text, its flat names filed into sections
+    grpo = config["model"]["grpo"]
+    assert not set(grpo) & {n for n, e in FLAT_NAMES.items() if e.path != (n,)}  # no flat name left
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = GRPOConfig(**grpo)
+    assert flat(built) == OLD_OPTIONS[name]
+
+
+def test_an_old_checkpoint_reads_back_into_the_sections():
+    checkpoint = torch.load(
+        FIXTURES / "flat_options_run" / "step2.ckpt", weights_only=True, map_location="cpu"
+    )
+    saved = checkpoint["hyper_parameters"]["grpo"]
+    assert "beta" in saved and "kl" not in saved  # written by the flat layout
+    sectioned = sectioned_hparams(checkpoint["hyper_parameters"])["grpo"]
+    config = GRPOConfig(**sectioned)
+    assert {name: flat(config)[name] for name in saved} == saved
+    assert config.dynamic_sampling is not None and config.kl.beta == saved["beta"]
+
+
+def test_flat_names_on_the_command_line_are_filed_into_sections():
+    argv = sectioned_argv(
+        [
+            "fit",
+            "--model.grpo.beta",
+            "0.04",
+            "--model.grpo.importance_sampling_correction=true",
+            "--model.grpo.sync_ref_model",
+            "false",
+            "--model.grpo.sampling.top_p",
+            "0.9",
+            "--trainer.max_steps",
+            "3",
+        ]
+    )
+    assert argv == [
+        "fit",
+        "--model.grpo.kl.beta=0.04",
+        "--model.grpo.sampler_correction={}",
+        "--model.grpo.reference_sync=null",
+        "--model.grpo.sampling.top_p",
+        "0.9",
+        "--trainer.max_steps",
+        "3",
+    ]
+
+
+def test_a_name_given_both_ways_is_refused_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"^GRPOConfig: beta and kl\.beta are one option, given twice: give one$"
+    ):
+        GRPOConfig(beta=0.1, kl={"beta": 0.2})
+    # A flat name over a section given as an instance replaces its option (`dataclasses.replace`).
+    config = dataclasses.replace(GRPOConfig(beta=0.1, kl_estimator="k2"), beta=0.3)
+    assert (config.kl.beta, config.kl.estimator) == (0.3, "k2")
