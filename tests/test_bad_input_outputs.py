@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from grpo_lightning.demo.curves import write_curves
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter, write_results
+from grpo_lightning.training.evaluation import ValidationResultsWriter, check_results_path, write_results
 from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint
@@ -199,7 +200,7 @@ def test_results_path_is_checked_before_validation_and_replaces_only_earlier_res
     user_file = tmp_path / "notes.jsonl"
     user_file.write_text('{"mine": 1}\n')
     earlier = tmp_path / "val.jsonl"
-    earlier.write_text('{"set": null, "sample": 0, "completion": "4", "correct": true}\n')
+    earlier.write_text('{"set": null, "sample": 0, "completion": "4", "extracted": "4", "correct": true}\n')
     refused = {
         str(tmp_path): "is a folder",
         str(user_file / "val.jsonl"): f"{user_file} is a file, not a folder",
@@ -237,6 +238,81 @@ def test_validate_results_work_for_trl_format_columns(tiny_model_dir, tmp_path):
         assert line["set"] is None  # the data module's own rows
         assert line["answer"] == reference_answer(int(line["prompt"][0]["content"].split()[0]) + 1)
         assert line["correct"] == (line["extracted"] == line["answer"])
+
+
+def test_results_never_replace_the_data_they_came_from_and_keep_its_columns(
+    tiny_model_dir, tmp_path, capsys, caplog, monkeypatch
+):
+    """Rows that look like results (their own `completion`, `sample`, `set`): the data file is never
+    replaced, whatever path names it; the columns are kept as `data.<name>` beside the model's; a link is
+    written through, a stream as it is."""
+    chat = [{"role": "user", "content": "2 + 3?"}]
+    rows = [
+        {"prompt": chat, "answer": 5, "set": "a", "sample": n, "completion": f"#### {n}"} for n in range(6)
+    ]
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    data = open(source, "rb").read()
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data=grpo_lightning.training.data.PromptDataModule")
+    args = [*args[1:], f"--data.source={source}", "--data.val_size=2", "--trainer.limit_val_batches=1.0"]
+    with monkeypatch.context() as patch:  # refused before any weights load
+        patch.setattr("grpo_lightning.training.module.load_model", lambda *a, **k: 1 / 0)
+        for command in ("validate", "predict"):
+            err = cli_error([command, *args, f"--results.path={source}", "--results.overwrite=true"], capsys)
+            assert one_error_line(err) == (
+                f"error: results.path='{source}' is the data source ({source}): the results would replace "
+                "it; choose another path"
+            )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    os.symlink(source, "link.jsonl")
+    os.link(source, "hard.jsonl")
+    (tmp_path / "folder").mkdir()
+    shutil.copy(source, tmp_path / "folder" / "train.jsonl")
+    inputs = {"the data source": "rows.jsonl", "validation set 'math''s source": str(tmp_path / "folder")}
+    for path, why in [
+        ("link.jsonl", "is the data source"),
+        ("hard.jsonl", "is the data source"),
+        ("sub/../rows.jsonl", "is the data source"),
+        ("folder/val.jsonl", "lies inside validation set 'math''s source"),
+    ]:
+        with pytest.raises(ValueError, match=f"results.path='{path}' {why}"):
+            check_results_path(path, True, inputs)
+    with pytest.raises(ValueError, match="holds a file that is not a validation results file"):
+        check_results_path("folder/train.jsonl", True)  # not an input here: rows all the same, not results
+    assert open(source, "rb").read() == data and os.path.islink("link.jsonl")
+
+    results = tmp_path / "val.jsonl"
+    for _ in range(2):  # the second replaces the first's results
+        build_cli(["validate", *args, f"--results.path={results}", "--results.overwrite=true"])
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert (
+        "the data's 'set' as 'data.set'; the data's 'sample' as 'data.sample'; the data's 'completion' as"
+        in (caplog.text)
+    )
+    assert len(lines) == 2
+    for line in lines:
+        assert line["set"] is None and line["sample"] == 0 and line["data.set"] == "a"
+        assert line["data.completion"] == f"#### {line['data.sample']}"  # the data's, beside the model's
+    assert open(source, "rb").read() == data
+
+    # Through a link: the file it points to is replaced, the link kept; a stream is written as it is.
+    earlier = results.read_text()
+    os.symlink(results, "to_results.jsonl")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    os.symlink("/dev/null", "to_null.jsonl")
+    record = [{"set": None, "sample": 0, "completion": "4", "extracted": "4", "correct": None}]
+    for path in ("to_results.jsonl", "to_null.jsonl", str(fifo)):
+        writer = ValidationResultsWriter(path, overwrite=True)
+        writer.setup(quiet_trainer(), None, "validate")
+        read = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE) if path == str(fifo) else None
+        write_results(path, record)
+        writer.teardown(quiet_trainer(), None, "validate")
+        if read is not None:
+            assert json.loads(read.communicate(timeout=10)[0]) == record[0]
+    assert os.path.islink("to_results.jsonl") and os.path.islink("to_null.jsonl")
+    assert json.loads(results.read_text()) == record[0] and earlier != results.read_text()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not os.path.exists("/dev/null.lock")
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -127,7 +127,8 @@ class OutputLock:
     _held: dict[str, int] = {}  # lock file -> how many times this process holds it
 
     def __init__(self, path: str, option: str) -> None:
-        self.lock_path = os.path.abspath(path).rstrip(os.sep) + ".lock"
+        # Beside the real path: a run writing through a link and one writing the file itself share one lock.
+        self.lock_path = os.path.realpath(path) + ".lock"
         self.option, self.path = option, path
         self._made: list[str] = []
 
