@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.demo.curves import write_curves
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
+from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter, check_results_path, write_results
@@ -599,6 +601,119 @@ def test_a_second_writer_to_one_place_is_refused_naming_the_first(tiny_model_dir
     writer.teardown(quiet_trainer(), None, "validate")
     export_policy(model, str(out), tokenizer=tokenizer)
     assert sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over_in_one_line_and_a_live_ones_refused(tmp_path, monkeypatch):
+    """A full disk while taking the lock leaves none; a lock that names no holder (an earlier full disk),
+    names a process gone or this process's id (a requeued job), or an id now another process's, is taken
+    over with one warning; a live holder, one on another host and a file no run wrote are refused."""
+    results = tmp_path / "val.jsonl"
+    lock = Path(f"{results}.lock")
+
+    def take() -> None:
+        writer = ValidationResultsWriter(str(results))
+        writer.setup(quiet_trainer(), None, "validate")
+        assert lock.read_text().startswith(f"process {os.getpid()} on {socket.gethostname()}: ")
+        writer.teardown(quiet_trainer(), None, "validate")
+        assert not lock.exists()
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", no_space)
+        with pytest.raises(ValueError) as error:
+            ValidationResultsWriter(str(results)).setup(quiet_trainer(), None, "validate")
+    assert str(error.value) == (
+        f"results.path {results}: cannot write its lock {lock} (No space left on device); nothing written: "
+        "free some space and run again"
+    )
+    assert os.listdir(tmp_path) == []
+
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"/proc/{live.pid}/stat") as f:
+            live_start = f.read().rpartition(")")[2].split()[19]
+        old = 1_000_000_000  # a lock written long ago
+        gone = {
+            "": ("names no holder \\('': its writing failed", old),
+            "\x00" * 64: ("names no holder", old),
+            "process 12": ("names no holder \\('process 12'", old),
+            f"process {dead.pid} on {host}: cli.py validate\n": (
+                f"process {dead.pid} on {host}: .* no longer runs",
+                None,
+            ),
+            f"process {os.getpid()} on {host}: cli.py validate\n": ("its process id is this process's", None),
+            f"process {live.pid} on {host}: cli.py validate\nstarted 1\n": (
+                f"process {live.pid} is another process",
+                None,
+            ),
+        }
+        for content, (why, mtime) in gone.items():
+            lock.write_text(content)
+            if mtime:
+                os.utime(lock, (mtime, mtime))
+            with pytest.warns(
+                UserWarning, match=f"^results.path {results}: took over its lock {lock}: .*{why}"
+            ) as said:
+                take()
+            assert len([w for w in said if "took over" in str(w.message)]) == 1
+        refused = "is being written by another run"
+        held = {
+            f"process {live.pid} on {host}: cli.py validate\nstarted {live_start}\n": refused,
+            f"process {live.pid} on {host}: cli.py validate\n": refused,
+            "": f"{refused} \\(its lock .* was made a moment ago\\)",
+            f"process 1 on other-{host}: fit\n": f"{refused} .*if it no longer runs on that host, remove",
+            "my notes\n": f"its lock {lock} holds 'my notes', not a lock that grpo-lightning writes: remove",
+        }
+        for content, why in held.items():
+            lock.write_text(content)
+            with pytest.raises(ValueError, match=f"results.path {results}:? {why}"):
+                ValidationResultsWriter(str(results)).setup(quiet_trainer(), None, "validate")
+            assert lock.read_text() == content  # left as it was
+    finally:
+        live.kill()
+        live.wait()
+    lock.unlink()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["export", "results"])
+def test_the_next_writer_removes_what_a_killed_one_left(killed_writes, tmp_path, kind):
+    """Each moment a kill can leave (a staging folder holding a whole model, a temporary file, a lock): the
+    next writer of that path takes its lock over, removes the rest, said, and finds the outputs whole."""
+    target = {"export": "export", "results": "val.jsonl"}[kind]
+    kills = sorted((Path(killed_writes) / kind).glob("killed_*"))
+    left = 0
+    for killed in kills:
+        folder = tmp_path / killed.name
+        shutil.copytree(killed, folder)
+        lock = folder / f"{target}.lock"
+        if lock.exists():
+            os.utime(lock, (1, 1))  # its holder, the killed child, is gone; an empty lock is old
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with OutputLock(str(folder / target), "export folder" if kind == "export" else "results.path"):
+                pass
+        left += any("left by a killed run" in str(w.message) for w in said)
+        assert files_of(folder) == outputs_of(killed), killed.name  # nothing partial left, nothing else gone
+    assert left >= 1  # some kill left a staging folder or a temporary file, and it went
+
+
+def test_an_earlier_export_moved_aside_by_a_killed_swap_is_put_back(tmp_path):
+    """Where folders cannot be swapped in one step, `replace_folder` moves the earlier one aside first: a
+    kill between its two renames leaves it there, and the next writer puts it back."""
+    aside = tmp_path / ".export.partial-abc123.replaced"
+    aside.mkdir()
+    (aside / "model.safetensors").write_text("the earlier export")
+    (tmp_path / ".export.partial-abc123").mkdir()  # the new one, not swapped in
+    (tmp_path / ".export.jsonl.x1.partial").write_text("another output's, not this one's")
+    assert remove_leftovers(str(tmp_path / "export")) == [str(tmp_path / ".export.partial-abc123")]
+    assert sorted(os.listdir(tmp_path)) == [".export.jsonl.x1.partial", "export"]
+    assert (tmp_path / "export" / "model.safetensors").read_text() == "the earlier export"
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_export_and_results(
