@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grpo_lightning.cli import build_cli
 from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.scoring import CALL_KEYWORDS
 from grpo_lightning.core.rewards.verifiable import normalize_number, reference_answer
@@ -319,3 +320,57 @@ def test_a_one_row_file_with_a_chat_prompt_is_still_a_row():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
     records, path = read_text(json.dumps({"prompt": chat, "answer": 5}) + "\n")
     assert [row for _, row in records] == [{"prompt": chat, "answer": 5}]
+
+
+# ------------------------------------------------------------------------------------------ test and predict
+def test_test_and_predict_take_real_splits_extra_columns_and_prompts_alone(tiny_model_dir, tmp_path, capsys):
+    """A test split may carry columns the train split has not (an `id`), and lack those nothing judges;
+    `predict` answers prompts without any answer column; what a loop does judge is still checked, in one
+    line naming its rows, before any weights load."""
+    chat = [{"role": "user", "content": "2 + 3?"}]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_rows(folder / "train.jsonl", [{"prompt": chat, "answer": n} for n in range(6)])
+    write_rows(folder / "test.jsonl", [{"prompt": chat, "answer": 5, "id": f"t{n}"} for n in range(3)])
+    prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": chat}] * 6)
+    args = [
+        *fit_args(tiny_model_dir, str(tmp_path), 1, "--data=grpo_lightning.training.data.PromptDataModule")[
+            1:
+        ],
+        "--data.val_size=2",
+    ]
+    tested, answered = tmp_path / "tested.jsonl", tmp_path / "answers.jsonl"
+    build_cli(["test", *args, f"--data.source={folder}", f"--results.path={tested}"])
+    lines = [json.loads(line) for line in tested.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["t0", "t1", "t2"] and all(
+        line["answer"] == "5" for line in lines
+    )
+    fitted = build_cli(["fit", *args, f"--data.source={folder}", "--data.val_split=test"])
+    assert fitted.trainer.global_step == 1  # validating on that test split trains too
+
+    build_cli(["predict", *args, f"--data.source={prompts}", f"--results.path={answered}"])
+    answers = [json.loads(line) for line in answered.read_text().splitlines()]
+    assert len(answers) == 2 and all(
+        set(a) == {"prompt", "sample", "completion", "extracted"} for a in answers
+    )
+
+    write_rows(folder / "test.jsonl", [{"prompt": chat, "id": "t0"}])  # prompts alone: predicted, not tested
+    build_cli(
+        [
+            "predict",
+            *args,
+            f"--data.source={folder}",
+            f"--results.path={answered}",
+            "--results.overwrite=true",
+        ]
+    )
+    assert [json.loads(line)["id"] for line in answered.read_text().splitlines()] == ["t0"]
+    capsys.readouterr()
+    for source in (folder, prompts):
+        with pytest.MonkeyPatch.context() as patch:  # refused before any weights load
+            patch.setattr("grpo_lightning.training.module.load_model", lambda *a, **k: 1 / 0)
+            err = cli_error(["test", *args, f"--data.source={source}"], capsys)
+        assert one_error_line(err).startswith(
+            "error: validation checks the reference answer in the data column 'answer', which the test rows "
+            "lack (they have ["
+        )

@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,9 +26,10 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.demo.curves import write_curves
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
+from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter, write_results
+from grpo_lightning.training.evaluation import ValidationResultsWriter, check_results_path, write_results
 from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint
@@ -199,7 +202,7 @@ def test_results_path_is_checked_before_validation_and_replaces_only_earlier_res
     user_file = tmp_path / "notes.jsonl"
     user_file.write_text('{"mine": 1}\n')
     earlier = tmp_path / "val.jsonl"
-    earlier.write_text('{"set": null, "sample": 0, "completion": "4", "correct": true}\n')
+    earlier.write_text('{"set": null, "sample": 0, "completion": "4", "extracted": "4", "correct": true}\n')
     refused = {
         str(tmp_path): "is a folder",
         str(user_file / "val.jsonl"): f"{user_file} is a file, not a folder",
@@ -237,6 +240,81 @@ def test_validate_results_work_for_trl_format_columns(tiny_model_dir, tmp_path):
         assert line["set"] is None  # the data module's own rows
         assert line["answer"] == reference_answer(int(line["prompt"][0]["content"].split()[0]) + 1)
         assert line["correct"] == (line["extracted"] == line["answer"])
+
+
+def test_results_never_replace_the_data_they_came_from_and_keep_its_columns(
+    tiny_model_dir, tmp_path, capsys, caplog, monkeypatch
+):
+    """Rows that look like results (their own `completion`, `sample`, `set`): the data file is never
+    replaced, whatever path names it; the columns are kept as `data.<name>` beside the model's; a link is
+    written through, a stream as it is."""
+    chat = [{"role": "user", "content": "2 + 3?"}]
+    rows = [
+        {"prompt": chat, "answer": 5, "set": "a", "sample": n, "completion": f"#### {n}"} for n in range(6)
+    ]
+    source = write_rows(tmp_path / "rows.jsonl", rows)
+    data = open(source, "rb").read()
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data=grpo_lightning.training.data.PromptDataModule")
+    args = [*args[1:], f"--data.source={source}", "--data.val_size=2", "--trainer.limit_val_batches=1.0"]
+    with monkeypatch.context() as patch:  # refused before any weights load
+        patch.setattr("grpo_lightning.training.module.load_model", lambda *a, **k: 1 / 0)
+        for command in ("validate", "predict"):
+            err = cli_error([command, *args, f"--results.path={source}", "--results.overwrite=true"], capsys)
+            assert one_error_line(err) == (
+                f"error: results.path='{source}' is the data source ({source}): the results would replace "
+                "it; choose another path"
+            )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    os.symlink(source, "link.jsonl")
+    os.link(source, "hard.jsonl")
+    (tmp_path / "folder").mkdir()
+    shutil.copy(source, tmp_path / "folder" / "train.jsonl")
+    inputs = {"the data source": "rows.jsonl", "validation set 'math''s source": str(tmp_path / "folder")}
+    for path, why in [
+        ("link.jsonl", "is the data source"),
+        ("hard.jsonl", "is the data source"),
+        ("sub/../rows.jsonl", "is the data source"),
+        ("folder/val.jsonl", "lies inside validation set 'math''s source"),
+    ]:
+        with pytest.raises(ValueError, match=f"results.path='{path}' {why}"):
+            check_results_path(path, True, inputs)
+    with pytest.raises(ValueError, match="holds a file that is not a validation results file"):
+        check_results_path("folder/train.jsonl", True)  # not an input here: rows all the same, not results
+    assert open(source, "rb").read() == data and os.path.islink("link.jsonl")
+
+    results = tmp_path / "val.jsonl"
+    for _ in range(2):  # the second replaces the first's results
+        build_cli(["validate", *args, f"--results.path={results}", "--results.overwrite=true"])
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert (
+        "the data's 'set' as 'data.set'; the data's 'sample' as 'data.sample'; the data's 'completion' as"
+        in (caplog.text)
+    )
+    assert len(lines) == 2
+    for line in lines:
+        assert line["set"] is None and line["sample"] == 0 and line["data.set"] == "a"
+        assert line["data.completion"] == f"#### {line['data.sample']}"  # the data's, beside the model's
+    assert open(source, "rb").read() == data
+
+    # Through a link: the file it points to is replaced, the link kept; a stream is written as it is.
+    earlier = results.read_text()
+    os.symlink(results, "to_results.jsonl")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    os.symlink("/dev/null", "to_null.jsonl")
+    record = [{"set": None, "sample": 0, "completion": "4", "extracted": "4", "correct": None}]
+    for path in ("to_results.jsonl", "to_null.jsonl", str(fifo)):
+        writer = ValidationResultsWriter(path, overwrite=True)
+        writer.setup(quiet_trainer(), None, "validate")
+        read = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE) if path == str(fifo) else None
+        write_results(path, record)
+        writer.teardown(quiet_trainer(), None, "validate")
+        if read is not None:
+            assert json.loads(read.communicate(timeout=10)[0]) == record[0]
+    assert os.path.islink("to_results.jsonl") and os.path.islink("to_null.jsonl")
+    assert json.loads(results.read_text()) == record[0] and earlier != results.read_text()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not os.path.exists("/dev/null.lock")
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -523,6 +601,119 @@ def test_a_second_writer_to_one_place_is_refused_naming_the_first(tiny_model_dir
     writer.teardown(quiet_trainer(), None, "validate")
     export_policy(model, str(out), tokenizer=tokenizer)
     assert sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over_in_one_line_and_a_live_ones_refused(tmp_path, monkeypatch):
+    """A full disk while taking the lock leaves none; a lock that names no holder (an earlier full disk),
+    names a process gone or this process's id (a requeued job), or an id now another process's, is taken
+    over with one warning; a live holder, one on another host and a file no run wrote are refused."""
+    results = tmp_path / "val.jsonl"
+    lock = Path(f"{results}.lock")
+
+    def take() -> None:
+        writer = ValidationResultsWriter(str(results))
+        writer.setup(quiet_trainer(), None, "validate")
+        assert lock.read_text().startswith(f"process {os.getpid()} on {socket.gethostname()}: ")
+        writer.teardown(quiet_trainer(), None, "validate")
+        assert not lock.exists()
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", no_space)
+        with pytest.raises(ValueError) as error:
+            ValidationResultsWriter(str(results)).setup(quiet_trainer(), None, "validate")
+    assert str(error.value) == (
+        f"results.path {results}: cannot write its lock {lock} (No space left on device); nothing written: "
+        "free some space and run again"
+    )
+    assert os.listdir(tmp_path) == []
+
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"/proc/{live.pid}/stat") as f:
+            live_start = f.read().rpartition(")")[2].split()[19]
+        old = 1_000_000_000  # a lock written long ago
+        gone = {
+            "": ("names no holder \\('': its writing failed", old),
+            "\x00" * 64: ("names no holder", old),
+            "process 12": ("names no holder \\('process 12'", old),
+            f"process {dead.pid} on {host}: cli.py validate\n": (
+                f"process {dead.pid} on {host}: .* no longer runs",
+                None,
+            ),
+            f"process {os.getpid()} on {host}: cli.py validate\n": ("its process id is this process's", None),
+            f"process {live.pid} on {host}: cli.py validate\nstarted 1\n": (
+                f"process {live.pid} is another process",
+                None,
+            ),
+        }
+        for content, (why, mtime) in gone.items():
+            lock.write_text(content)
+            if mtime:
+                os.utime(lock, (mtime, mtime))
+            with pytest.warns(
+                UserWarning, match=f"^results.path {results}: took over its lock {lock}: .*{why}"
+            ) as said:
+                take()
+            assert len([w for w in said if "took over" in str(w.message)]) == 1
+        refused = "is being written by another run"
+        held = {
+            f"process {live.pid} on {host}: cli.py validate\nstarted {live_start}\n": refused,
+            f"process {live.pid} on {host}: cli.py validate\n": refused,
+            "": f"{refused} \\(its lock .* was made a moment ago\\)",
+            f"process 1 on other-{host}: fit\n": f"{refused} .*if it no longer runs on that host, remove",
+            "my notes\n": f"its lock {lock} holds 'my notes', not a lock that grpo-lightning writes: remove",
+        }
+        for content, why in held.items():
+            lock.write_text(content)
+            with pytest.raises(ValueError, match=f"results.path {results}:? {why}"):
+                ValidationResultsWriter(str(results)).setup(quiet_trainer(), None, "validate")
+            assert lock.read_text() == content  # left as it was
+    finally:
+        live.kill()
+        live.wait()
+    lock.unlink()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["export", "results"])
+def test_the_next_writer_removes_what_a_killed_one_left(killed_writes, tmp_path, kind):
+    """Each moment a kill can leave (a staging folder holding a whole model, a temporary file, a lock): the
+    next writer of that path takes its lock over, removes the rest, said, and finds the outputs whole."""
+    target = {"export": "export", "results": "val.jsonl"}[kind]
+    kills = sorted((Path(killed_writes) / kind).glob("killed_*"))
+    left = 0
+    for killed in kills:
+        folder = tmp_path / killed.name
+        shutil.copytree(killed, folder)
+        lock = folder / f"{target}.lock"
+        if lock.exists():
+            os.utime(lock, (1, 1))  # its holder, the killed child, is gone; an empty lock is old
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with OutputLock(str(folder / target), "export folder" if kind == "export" else "results.path"):
+                pass
+        left += any("left by a killed run" in str(w.message) for w in said)
+        assert files_of(folder) == outputs_of(killed), killed.name  # nothing partial left, nothing else gone
+    assert left >= 1  # some kill left a staging folder or a temporary file, and it went
+
+
+def test_an_earlier_export_moved_aside_by_a_killed_swap_is_put_back(tmp_path):
+    """Where folders cannot be swapped in one step, `replace_folder` moves the earlier one aside first: a
+    kill between its two renames leaves it there, and the next writer puts it back."""
+    aside = tmp_path / ".export.partial-abc123.replaced"
+    aside.mkdir()
+    (aside / "model.safetensors").write_text("the earlier export")
+    (tmp_path / ".export.partial-abc123").mkdir()  # the new one, not swapped in
+    (tmp_path / ".export.jsonl.x1.partial").write_text("another output's, not this one's")
+    assert remove_leftovers(str(tmp_path / "export")) == [str(tmp_path / ".export.partial-abc123")]
+    assert sorted(os.listdir(tmp_path)) == [".export.jsonl.x1.partial", "export"]
+    assert (tmp_path / "export" / "model.safetensors").read_text() == "the earlier export"
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_export_and_results(

@@ -4,9 +4,14 @@ batch size, seed, columns, prompt, the data module's class) are refused by `cli.
 warned about."""
 
 import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -98,3 +103,32 @@ def test_resuming_on_other_data_from_python_is_said(tiny_model_dir, checkpoint, 
     ):
         trainer.fit(module, data, ckpt_path=checkpoint, weights_only=True)
     assert trainer.global_step == 2 and torch.is_tensor(next(module.policy.parameters()))
+
+
+def test_a_requeued_run_resumes_its_own_folder_after_a_kill(tiny_model_dir, tmp_path, capsys):
+    """A scheduler requeues a killed job with its command unchanged: the logger's version fixed,
+    `--ckpt_path last`. Its lock names a process gone (or, in a container, this process's id) and is taken
+    over, said; its folder's config is its own. A run that resumes nothing there is still another run."""
+    fixed = "--trainer.logger.version=job_7"
+    build_cli(fit_args(tiny_model_dir, str(tmp_path), 1, fixed))
+    config = tmp_path / "lightning_logs" / "job_7" / "config.yaml"
+    lock = Path(f"{config}.lock")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for steps, pid in [(2, dead.pid), (3, os.getpid())]:
+        lock.write_text(f"process {pid} on {socket.gethostname()}: cli.py fit {fixed}\n")  # SIGKILL's
+        with pytest.warns(UserWarning, match=f"the run's config {config}: took over its lock {lock}: "):
+            cli = build_cli(fit_args(tiny_model_dir, str(tmp_path), steps, fixed, "--ckpt_path=last"))
+        assert cli.trainer.global_step == steps and not lock.exists()
+        assert yaml.safe_load(config.read_text())["trainer"]["max_steps"] == steps
+    assert sorted(os.listdir(tmp_path / "lightning_logs")) == ["job_7"]
+
+    before = config.read_text()
+    elsewhere = tmp_path / "elsewhere.ckpt"
+    shutil.copy(tmp_path / "lightning_logs" / "job_7" / "checkpoints" / "epoch=0-step=3.ckpt", elsewhere)
+    for resumed in ([], [f"--ckpt_path={elsewhere}"]):
+        err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 4, fixed, *resumed), capsys)
+        assert one_error_line(err).startswith(
+            f"error: {config} exists: that folder holds another run's config"
+        )
+    assert config.read_text() == before

@@ -157,7 +157,7 @@ def test_gsm8k_preset_rows_and_the_arithmetic_task():
     }
 
 
-def test_test_split_rows_need_the_train_split_columns(tmp_path):
+def test_test_split_rows_need_the_same_columns_as_each_other(tmp_path):
     write(tmp_path / "train.jsonl", TRL_ROWS, "jsonl")
     write(tmp_path / "test.jsonl", [TRL_ROWS[0], {"prompt": CHAT, "level": 1}], "jsonl")
     with pytest.raises(ValueError) as error:
@@ -165,4 +165,4 @@ def test_test_split_rows_need_the_train_split_columns(tmp_path):
     assert str(error.value).startswith(
         f"{tmp_path}/test.jsonl:2: lacks column 'solution', unlike the first row ("
     )
-    assert f"({tmp_path}/train.jsonl:1, columns ['level', 'prompt', 'solution'])" in str(error.value)
+    assert f"({tmp_path}/test.jsonl:1, columns ['level', 'prompt', 'solution'])" in str(error.value)

@@ -7,9 +7,14 @@
 - `replace_folder`: the same for a folder (an export): written whole beside it, then swapped into its place
   (`renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, the earlier folder kept beside it between
   them), the earlier one removed only once the new one is in place.
-- `OutputLock`: `<path>.lock`, made exclusively and naming its holder (process, host, command), held while a
-  run may write `path`: a second writer to the same place is refused in one line, never mixed with the
-  first or written over it. A lock whose holder process is gone (a killed run) is taken over.
+- `OutputLock`: `<path>.lock`, made exclusively and naming its holder (process, host, command, the
+  process's start), held while a run may write `path`: a second writer to the same place is refused in one
+  line, never mixed with the first or written over it. A lock whose holder is gone is taken over, said in
+  one warning: its process no longer runs on this host (or its id now belongs to another process, this
+  one included: a requeued job), or the lock names no holder (its writing failed, a full disk) and is
+  older than a few seconds. Holding it, a writer removes what a killed writer of the same path left beside
+  it (`remove_leftovers`: a temporary file, an export's staging folder; an earlier export moved aside is
+  put back).
 
 Used for checkpoints (`checkpoints.AtomicCheckpointIO`), exports (`export.export_policy`), validation results
 (`ValidationResultsWriter`) and the scripts' JSON files (`grpo_lightning.demo.outputs`).
@@ -21,14 +26,19 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["OutputLock", "replace_folder", "write_atomically"]
+__all__ = ["OutputLock", "remove_leftovers", "replace_folder", "write_atomically"]
+
+PARTIAL = ".partial"  # in the names of what `write_atomically` and `replace_folder` write beside a path
 
 
 def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], object], what: str = "") -> None:
@@ -38,7 +48,7 @@ def write_atomically(path: str, content: bytes | str | Callable[[IO[bytes]], obj
     temporary = None
     try:
         os.makedirs(folder, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=PARTIAL, dir=folder)
         os.close(fd)
         with open(temporary, "wb") as f:
             if callable(content):
@@ -69,7 +79,7 @@ def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "")
     staging = None
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+        staging = tempfile.mkdtemp(prefix=f".{name}{PARTIAL}-", dir=parent)
         os.chmod(staging, 0o777 & ~_umask())  # a folder as `mkdir` makes it (0755), not mkdtemp's 0700
         write(staging)
     except BaseException as err:
@@ -85,10 +95,42 @@ def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "")
     elif _exchange(staging, out_dir):
         shutil.rmtree(staging, ignore_errors=True)  # now the earlier folder
     else:
-        retired = staging + ".replaced"  # the earlier folder, whole, until the new one is in place
+        retired = staging + RETIRED  # the earlier folder, whole, until the new one is in place
         os.rename(out_dir, retired)
         os.rename(staging, out_dir)
         shutil.rmtree(retired, ignore_errors=True)
+
+
+RETIRED = ".replaced"  # the earlier folder's name beside the new one, between `replace_folder`'s two renames
+
+
+def remove_leftovers(path: str) -> list[str]:
+    """Remove what a killed writer of `path` left beside it, and return it: `write_atomically`'s temporary
+    files, `replace_folder`'s staging folders (a whole model, for an export). An earlier folder moved aside
+    by `replace_folder` is put back where `path` is missing (killed between its two renames), else removed.
+    Only for the holder of `path`'s `OutputLock`: another writer's files in flight are not leftovers."""
+    path = os.path.realpath(path)
+    parent, name = os.path.split(path)
+    try:
+        entries = os.listdir(parent)
+    except OSError:  # no folder yet: nothing left there
+        return []
+    removed = []
+    # `.<name>.<random>.partial` (a file) and `.<name>.partial-<random>[.replaced]` (a folder): not those of
+    # another output whose name starts with this one's (`val` and `val.jsonl`).
+    ours = re.compile(rf"\.{re.escape(name)}\.(?:\w+{PARTIAL}|{PARTIAL[1:]}-\w+(?:{re.escape(RETIRED)})?)")
+    for entry in sorted(e for e in entries if ours.fullmatch(e)):
+        leftover = os.path.join(parent, entry)
+        if entry.endswith(RETIRED) and os.path.isdir(leftover) and not os.path.lexists(path):
+            os.rename(leftover, path)  # the earlier folder, whole: the new one never took its place
+            continue
+        if os.path.isdir(leftover) and not os.path.islink(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)
+        removed.append(leftover)
+    return removed
 
 
 def _umask() -> int:
@@ -119,6 +161,11 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(code, os.strerror(code), a, None, b)
 
 
+# A lock that names no holder is taken over once older than this: the moment between making it and writing
+# its holder is far shorter; a failed write (a full disk) leaves it empty for good.
+UNNAMED_LOCK_SECONDS = 10.0
+
+
 class OutputLock:
     """`<path>.lock` while this process may write `path`: see the module's docstring. Re-entrant within a
     process (a callback holding it calls `export_policy`, which takes it too); `release` as often as
@@ -127,7 +174,8 @@ class OutputLock:
     _held: dict[str, int] = {}  # lock file -> how many times this process holds it
 
     def __init__(self, path: str, option: str) -> None:
-        self.lock_path = os.path.abspath(path).rstrip(os.sep) + ".lock"
+        # Beside the real path: a run writing through a link and one writing the file itself share one lock.
+        self.lock_path = os.path.realpath(path) + ".lock"
         self.option, self.path = option, path
         self._made: list[str] = []
 
@@ -143,7 +191,6 @@ class OutputLock:
             os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         except OSError as err:
             raise ValueError(f"{self.option} {self.path}: cannot make its folder ({err.strerror})") from None
-        holder = f"process {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)[:200]}"
         for _ in range(2):  # once more after taking over a lock whose holder is gone
             try:
                 fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -153,33 +200,78 @@ class OutputLock:
                     f"{self.option} {self.path}: cannot write in {where} ({err.strerror})"
                 ) from None
             except FileExistsError:
-                other = self._holder()
-                if other is not None:
-                    raise ValueError(
-                        f"{self.option} {self.path} is being written by another run ({other}; lock "
-                        f"{self.lock_path}): wait for it to end, or choose another path"
-                    ) from None
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.lock_path)  # its holder is gone: a killed run
+                self._take_over()
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(holder + "\n")
+            self._write_holder(fd)
             self._held[self.lock_path] = 1
+            for leftover in remove_leftovers(self.path):
+                warnings.warn(
+                    f"{self.option} {self.path}: removed {leftover}, left by a killed run", stacklevel=3
+                )
             return
 
-    def _holder(self) -> str | None:
-        """Who holds the lock file, or None when its holder process no longer runs on this host."""
+    def _write_holder(self, fd: int) -> None:
+        """This process as the lock's holder; a failed write (a full disk) removes the lock it leaves."""
+        started = _started(os.getpid())
+        holder = f"process {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)[:200]}\n"
+        holder += f"started {started}\n" if started else ""
         try:
-            with open(self.lock_path, encoding="utf-8") as f:
-                holder = f.read().strip()
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(holder)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock_path)
+            raise ValueError(
+                f"{self.option} {self.path}: cannot write its lock {self.lock_path} ({err.strerror or err}); "
+                "nothing written: free some space and run again"
+            ) from None
+
+    def _take_over(self) -> None:
+        """Remove the lock file of a holder that is gone, said in one warning; refuse one held by another
+        run (or that nothing here can tell is gone) in one line."""
+        try:
+            with open(self.lock_path, encoding="utf-8", errors="replace") as f:
+                content = f.read().replace("\x00", "")  # a lost write may leave zeros
+            age = time.time() - os.path.getmtime(self.lock_path)
         except FileNotFoundError:
-            return None
-        words = holder.split()
-        if len(words) >= 4 and words[0] == "process" and words[1].isdigit():
+            return  # let go meanwhile
+        lines = content.strip().splitlines()
+        first = lines[0] if lines else ""
+        words = first.split()
+        named = len(words) >= 4 and words[0] == "process" and words[1].isdigit() and words[2] == "on"
+        if named:
             host = words[3].rstrip(":")
-            if host == socket.gethostname() and not _running(int(words[1])):
-                return None
-        return holder or "an unknown process"
+            if host != socket.gethostname():
+                raise ValueError(
+                    f"{self.option} {self.path} is being written by another run ({first}; lock "
+                    f"{self.lock_path}): wait for it to end, or choose another path; if it no longer runs "
+                    "on that host, remove the lock"
+                )
+            started = lines[1].removeprefix("started ").strip() if len(lines) > 1 else None
+            gone = _gone(int(words[1]), started)
+            if gone is None:
+                raise ValueError(
+                    f"{self.option} {self.path} is being written by another run ({first}; lock "
+                    f"{self.lock_path}): wait for it to end, or choose another path"
+                )
+            why = f"its holder, {first}, {gone}"
+        elif "process ".startswith(first[:8]) and age >= UNNAMED_LOCK_SECONDS:
+            why = f"it names no holder ({first[:40]!r}: its writing failed, e.g. on a full disk)"  # ours, cut
+        elif "process ".startswith(first[:8]):
+            raise ValueError(
+                f"{self.option} {self.path} is being written by another run (its lock {self.lock_path} was "
+                "made a moment ago): wait for it to end, or choose another path"
+            )
+        else:
+            raise ValueError(
+                f"{self.option} {self.path}: its lock {self.lock_path} holds {first[:60]!r}, not a lock that "
+                "grpo-lightning writes: remove it if no run writes there, or choose another path"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.lock_path)
+        warnings.warn(f"{self.option} {self.path}: took over its lock {self.lock_path}: {why}", stacklevel=4)
 
     def release(self) -> None:
         count = self._held.get(self.lock_path, 0)
@@ -202,6 +294,31 @@ class OutputLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _gone(pid: int, started: str | None) -> str | None:
+    """Why the process that wrote a lock on this host is gone, or None while it may still run: no process
+    has its id, or the one that has it started at another time (the id was reused), or it is this process,
+    which does not hold the lock (an earlier run given the same id: a requeued job's)."""
+    if pid == os.getpid():
+        return "is gone: its process id is this process's, which did not write the lock"
+    if not _running(pid):
+        return "no longer runs"
+    now = _started(pid)
+    if started and now and now != started:
+        return f"is gone: process {pid} is another process now (started {now}, not {started})"
+    return None
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks since boot (Linux's `/proc/<pid>/stat`), or None where
+    it cannot be read: with the id, it tells a process from a later one given the same id."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+    except OSError:
+        return None
+    return fields[19] if len(fields) > 19 else None
 
 
 def _running(pid: int) -> bool:

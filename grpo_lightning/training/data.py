@@ -180,18 +180,16 @@ class PromptDataModule(L.LightningDataModule):
     def _records(self, split: str) -> list[tuple[str, object]]:
         return read_split_records(self.source, self.hparams.config_name, split)
 
-    def _read_split(self, split: str, like: tuple[str, Row] | None = None) -> tuple[list[Row], list[str]]:
-        """A split's checked rows and where each comes from; `like` is a row of another split (and where it
-        comes from) whose columns these rows must have too."""
+    def _read_split(self, split: str) -> tuple[list[Row], list[str]]:
+        """A split's checked rows and where each comes from. Every row of a split has the same columns (a
+        batch needs them); another split's may differ (a test split's `id`): what a split is judged by is
+        checked by `check_columns`."""
         records = self._records(split)
         if not records:
             raise ValueError(f"data.source={self._source_name()}: the {split} split has no rows")
         rows = [self._prepare_row(row, where) for where, row in records]
         wheres = [where for where, _ in records]
-        if like is None:
-            check_same_columns(rows, wheres)
-        else:
-            check_same_columns([like[1], *rows], [like[0], *wheres])
+        check_same_columns(rows, wheres)
         return rows, wheres
 
     def _source_name(self) -> str:
@@ -200,7 +198,7 @@ class PromptDataModule(L.LightningDataModule):
     def _split_rows(self) -> tuple[list[Row], list[Row]]:
         """Training and validation rows: a seeded hold-out of the train split, or the test split."""
         hp = self.hparams
-        rows, wheres = self._read_split("train")
+        rows, _ = self._read_split("train")
         order = list(range(len(rows)))
         random.Random(hp.seed).shuffle(order)
         holdout = hp.val_size if hp.val_split == "holdout" else 0
@@ -209,7 +207,7 @@ class PromptDataModule(L.LightningDataModule):
         val_rows = [rows[i] for i in order[:holdout]]
         train_rows = [rows[i] for i in order[holdout:]][: hp.train_size]
         if hp.val_split == "test" and hp.val_size > 0:
-            val_rows = self._read_split("test", like=(wheres[0], rows[0]))[0][: hp.val_size]
+            val_rows = self._read_split("test")[0][: hp.val_size]
         return train_rows, val_rows
 
     def _test_split_rows(self) -> list[Row]:
@@ -217,7 +215,7 @@ class PromptDataModule(L.LightningDataModule):
         rows."""
         if not has_split(self.source, "test"):
             return self.val_rows
-        return self._read_split("test", like=("the train split's first row", self.train_rows[0]))[0]
+        return self._read_split("test")[0]
 
     def setup(self, stage: str | None = None) -> None:
         self.check_options()
@@ -236,8 +234,10 @@ class PromptDataModule(L.LightningDataModule):
         self, reward_funcs: Sequence[Callable], val_reward: Callable | None, validates: bool
     ) -> None:
         """Refuse, before any training step, rows that lack a column the reward functions require (every
-        parameter without a default beyond the keywords each call gets, `scoring.required_columns`), or, when
-        `validates`, one that the validation check reads: `val_reward`'s columns, else the answer column."""
+        parameter without a default beyond the keywords each call gets, `scoring.required_columns`), or one
+        that the validation check reads (`val_reward`'s columns, else the answer column) in the rows the
+        trainer's loop judges: the validation rows when `validates` (`fit`, `validate`), the test rows in
+        `test` (unless `limit_test_batches` is 0); none in `predict`, which only answers the prompts."""
         train_columns = set(self.train_rows[0]) - {"prompt"} if self.train_rows else None
         for fn in reward_funcs if train_columns is not None else []:
             missing = [c for c in required_columns(fn) if c not in train_columns]
@@ -247,23 +247,33 @@ class PromptDataModule(L.LightningDataModule):
                     f"training rows lack (they have {sorted(train_columns)}): rename the column in the data, "
                     "or choose another reward function"
                 )
-        if not validates or not self.val_rows:
+        which, judged = self._judged_rows(validates)
+        if not judged:
             return
-        val_columns = set(self.val_rows[0]) - {"prompt"}
+        val_columns = set(judged[0]) - {"prompt"}
         if val_reward is not None:
             missing = [c for c in required_columns(val_reward) if c not in val_columns]
             if missing:
                 raise ValueError(
                     f"model.val_reward {reward_name(val_reward)!r} needs the data column {missing[0]!r}, "
-                    f"which the validation rows lack (they have {sorted(val_columns)})"
+                    f"which the {which} rows lack (they have {sorted(val_columns)})"
                 )
         elif self.answer_column not in val_columns:
             raise ValueError(
                 f"validation checks the reference answer in the data column {self.answer_column!r}, which "
-                f"the validation rows lack (they have {sorted(val_columns)}): name the answer column with "
+                f"the {which} rows lack (they have {sorted(val_columns)}): name the answer column with "
                 "data.answer_field, or judge the completions with model.val_reward (e.g. "
                 "trl.rewards.accuracy_reward for a `solution` column)"
             )
+
+    def _judged_rows(self, validates: bool) -> tuple[str, list[Row]]:
+        """The rows the trainer's loop judges against their reference, and what they are called."""
+        loop = self.trainer.state.fn if self.trainer is not None else "fit"
+        if loop == "predict":
+            return "predicted", []
+        if loop == "test":
+            return "test", self.test_rows if self.trainer.limit_test_batches != 0 else []
+        return "validation", self.val_rows if validates else []
 
     def _loader(self, rows: list[Row], batch_size: int, sampler: DistributedSampler | None) -> DataLoader:
         collate = functools.partial(collate_rows, system_prompt=self.hparams.system_prompt)

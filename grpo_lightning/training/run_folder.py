@@ -47,7 +47,8 @@ class SaveRunConfig(SaveConfigCallback, HoldsOutputLock):
     train nothing. `fit`'s own `ckpt_path`, `weights_only` and `new_data` are left out: `validate`,
     `export`, `audit` and `fit` all take the file. A folder that already holds a config (a logger given a
     fixed version), or that another run is writing (its `config.yaml.lock`, held until that run ends), is
-    refused."""
+    refused, unless this `fit` resumes a checkpoint in that folder: its own run, requeued (a scheduler gives
+    the logger the same version again), whose config is written anew."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.already_saved:
@@ -79,11 +80,20 @@ class SaveRunConfig(SaveConfigCallback, HoldsOutputLock):
         self.already_saved = True
 
     def _check_unused(self, path: str) -> None:
-        if os.path.exists(path) and not self.overwrite:
+        if os.path.exists(path) and not self.overwrite and not self._resumes_in(os.path.dirname(path)):
             raise ValueError(
                 f"{path} exists: that folder holds another run's config (a logger with a fixed version, "
                 "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
             )
+
+
+    def _resumes_in(self, folder: str) -> bool:
+        """Whether this `fit` resumes a checkpoint that lies in `folder` (`--ckpt_path last` as resolved)."""
+        ckpt_path = self.config.get("ckpt_path")
+        if not ckpt_path:
+            return False
+        ckpt_path, folder = os.path.realpath(ckpt_path), os.path.realpath(folder)
+        return os.path.commonpath([ckpt_path, folder]) == folder
 
 
 def _as_list(value: object) -> list:
