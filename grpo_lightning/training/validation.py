@@ -74,7 +74,7 @@ class ValidationScoring:
         scores = self.scores[dataloader_idx]
         counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
         rollout, completions = rollouts.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
-        lengths = rollout.completion_mask.sum(1)  # [N * k]
+        lengths = rollout.model_mask.sum(1)  # [N * k] the model's tokens
         # What was judged, as the metrics judged it, for callbacks such as ValidationResultsWriter.
         judged = {"completions": completions, "set": scores.name, "counted": counted}
         if scores.reward is not None:
