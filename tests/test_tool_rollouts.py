@@ -3,16 +3,27 @@
 extra fields reaching the rewards; `environment_factory` (one instance per sample, `reset`, methods as
 tools, `get_reward` as a reward) over a scripted engine; `tools` as import paths from the CLI."""
 
+import copy
+import json
 import re
 
 import lightning as L
 import pytest
 import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.rewards.verifiable import completion_text
+from grpo_lightning.core.tools.calculator import calculator
+from grpo_lightning.core.tools.schemas import tool_schema
+from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
+from grpo_lightning.offline.tiny import CHATML_TEMPLATE
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.tool_rollouts import rollout_of_lists
 from tests.helpers import quiet_trainer
@@ -256,3 +267,93 @@ class Metrics(L.Callback):
 
 def loader_of(rows: list[dict]) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(rows, batch_size=len(rows), collate_fn=_collate)
+
+
+# A chat template that shows the tools (name and description) in a short system turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}"
+    "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    + CHATML_TEMPLATE
+)
+QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
+ANSWER = "The answer is 42.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def calling_model(tiny_model_dir):
+    """The tiny model taught (120 AdamW steps on one conversation) to call the calculator for 6*7, then
+    answer 42 from its result; the tokenizer's template shows tools."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.apply_chat_template(
+        QUESTION, tools=[tool_schema(calculator)], add_generation_prompt=True, return_dict=False
+    )
+    call, answer = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (CALL, ANSWER))
+    result = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], True))
+    ids = torch.tensor([prompt + call + result + answer])  # [1, L]
+    labels = ids.clone()  # the model's turns only
+    labels[0, : len(prompt)] = labels[
+        0, len(prompt) + len(call) : len(prompt) + len(call) + len(result)
+    ] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(120):
+        optimizer.zero_grad()
+        model(ids, labels=labels).loss.backward()
+        optimizer.step()
+    return model, tokenizer
+
+
+def answered_42(completions, **kwargs):
+    return [float("42" in completion_text(c)) for c in completions]
+
+
+class Trajectories(L.Callback):
+    """The trajectory of each training step (what the loss reads), and the step's logged metrics."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        build = pl_module.update.trajectory
+
+        def recorded(*args, **kwargs):
+            self.trajectory = build(*args, **kwargs)
+            return self.trajectory
+
+        pl_module.update.trajectory = recorded
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_a_scripted_tool_call_trains_with_its_result_out_of_the_loss(calling_model, backend, tmp_path):
+    model, tokenizer = calling_model
+    options = dict(num_generations=2, max_completion_length=128, temperature=0.3, learning_rate=1e-4)
+    grpo = GRPOConfig(**options, generation_backend=backend, preflight=False, log_completions_every=0)
+    module = GRPOModule(
+        copy.deepcopy(model), tokenizer, reward_funcs=[answered_42], grpo=grpo, tools=[calculator]
+    )
+    rows = [{"prompt": QUESTION, "answer": "42"}] * 3
+    data = PromptDataModule(source=Dataset.from_list(rows), batch_size=2, val_size=1, val_batch_size=1)
+    record, results = Trajectories(), ValidationResultsWriter(str(tmp_path / "val.jsonl"), overwrite=True)
+    trainer = quiet_trainer(max_steps=1, callbacks=[record, results], num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    trajectory, logged = record.trajectory, record.logged
+    rollout = trajectory.rollout
+    assert "42" in trajectory.completions[0] and logged["train/tools/call_frequency"] >= 1
+    tool_tokens = rollout.completion_mask.bool() & ~rollout.tool_mask.bool()  # [B, T]
+    assert tool_tokens.any(dim=1).all(), "every sample has a tool turn"
+    assert torch.equal(trajectory.loss_mask, rollout.model_mask.float())  # the tool turn is out of the loss
+    assert torch.isfinite(torch.tensor(logged["train/loss"]))
+    assert logged["train/completion_length"] == float(rollout.model_mask.sum(1).float().mean())
+    trainer.validate(module, data)  # greedy, through the same loop: each transcript written
+    [line] = (tmp_path / "val.jsonl").read_text().splitlines()
+    transcript = json.loads(line)["transcript"]
+    assert [m["role"] for m in transcript] == ["assistant", "tool", "assistant"]
+    assert transcript[0]["tool_calls"][0]["function"] == {
+        "name": "calculator",
+        "arguments": {"expression": "6*7"},
+    }
+    assert transcript[1]["content"] == "42" and transcript[2]["content"] == "The answer is 42."
+    assert json.loads(line)["correct"] is True
