@@ -90,8 +90,8 @@ def run(tokenizer, max_new_tokens=1000, G=2, **options):
     tools = ToolRollouts(engine, tokenizer, ToolRunner([calculator], ToolOptions(**options)))
     prompts = [[{"role": "user", "content": name}] for name in SCRIPTS]
     ids, mask = PromptEncoder(tokenizer).encode(prompts, "cpu")
-    rollout, counts = tools.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=G)
-    return rollout, counts, engine
+    rollout, turns = tools.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=G)
+    return rollout, turns.counts, engine
 
 
 def tokens(tokenizer, text: str) -> list[int]:
@@ -163,6 +163,21 @@ def test_loop_runs_the_calls_and_appends_their_ids(tokenizer):
     assert "The answer is 42." in tokenizer.decode(rollout.completion_ids[0])
 
 
+def test_each_row_comes_back_as_the_messages_trl_rewards_read(tokenizer):
+    engine = ScriptedEngine(tokenizer, settings_of(tokenizer, 1000))
+    tools = ToolRollouts(engine, tokenizer, ToolRunner([calculator]))
+    ids, mask = PromptEncoder(tokenizer).encode([[{"role": "user", "content": "p0"}]], "cpu")
+    _, turns = tools.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}
+    assert turns.messages == [
+        [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": "42"},
+            {"role": "assistant", "content": "The answer is 42."},
+        ]
+    ]
+
+
 def test_the_budget_covers_every_turn_and_rolls_back_a_tool_turn_that_would_pass_it(tokenizer):
     full, _, _ = run(tokenizer)
     p2_ids, p2_own = expected_row(tokenizer, "p2", RESULTS["p2"])
@@ -231,7 +246,8 @@ def test_runs_on_the_eager_engine(tiny_model_dir, tokenizer):
     prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Hi"}]]
     ids, mask = PromptEncoder(tokenizer).encode(prompts, "cpu")
     torch.manual_seed(0)
-    rollout, counts = tools.generate(model, ids, mask, num_generations=2)
+    rollout, turns = tools.generate(model, ids, mask, num_generations=2)
+    counts = turns.counts
     torch.manual_seed(0)
     plain = engine.generate(model, ids, mask, num_generations=2)
     T = plain.completion_ids.size(1)
@@ -308,7 +324,8 @@ def test_ids_and_masks_equal_trls_tool_call_loop(tokenizer, case):
     prompt_ids, mask = PromptEncoder(tokenizer).encode(
         [[{"role": "user", "content": n}] for n in names], "cpu"
     )
-    rollout, counts = tools.generate(torch.nn.Linear(1, 1), prompt_ids, mask, num_generations=1)
+    rollout, turns = tools.generate(torch.nn.Linear(1, 1), prompt_ids, mask, num_generations=1)
+    counts = turns.counts
     for row in range(len(names)):
         n = int(rollout.completion_mask[row].sum())
         assert rollout.completion_ids[row, :n].tolist() == trl_ids[row]

@@ -9,10 +9,12 @@ import pytest
 
 from grpo_lightning.core.tools.calls import (
     TRUNCATION_MARK,
+    RowToolRunner,
     ToolCall,
     ToolCallCounts,
     ToolOptions,
     ToolRunner,
+    assistant_message,
     parse_tool_calls,
     truncate_middle,
 )
@@ -174,6 +176,46 @@ def test_every_failure_reaches_the_model_as_an_error_result():
     assert (runner.counts.calls, runner.counts.failures) == (10, 8)
     assert runner.counts.metrics(rows=5) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.8}
     assert ToolCallCounts().metrics(rows=4) == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
+
+
+class Counter:
+    """An environment: each instance's own state, its methods its tools."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, n: int) -> int:
+        """Add to this counter.
+
+        Args:
+            n: how much
+        """
+        self.total += n
+        return self.total
+
+
+def test_each_row_calls_its_own_instances_tools():
+    envs = [Counter(), Counter()]
+    runner = RowToolRunner([[multiply, env.add] for env in envs])
+    assert set(runner.schemas) == {"multiply", "add"}
+    call = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>')
+    assert runner([call, call], rows=[1, 1]) == [[("add", "5")], [("add", "10")]]
+    assert (envs[0].total, envs[1].total) == (0, 10)
+    assert runner.counts.calls == 2
+    with pytest.raises(ValueError, match="rows="):
+        runner([call])
+
+
+def test_a_turn_becomes_trls_assistant_message():
+    text = (
+        'Let me add. <tool_call>{"name": "add", "arguments": {"n": 2}}</tool_call><tool_call>{bad</tool_call>'
+    )
+    assert assistant_message(text) == {
+        "role": "assistant",
+        "content": "Let me add.",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"n": 2}}}],
+    }
+    assert assistant_message("It is 4.") == {"role": "assistant", "content": "It is 4."}
 
 
 def test_async_tools_run_inside_a_running_event_loop_too():

@@ -33,6 +33,12 @@ class Rollout:
     tool_mask: Tensor | None = None
 
     @property
+    def model_mask(self) -> Tensor:  # [N*G, T]
+        """1 on the completion tokens the model drew (`completion_mask` without the tool turns): what the
+        loss, the KL, the lengths and the monitoring count."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    @property
     def input_ids(self) -> Tensor:  # [N*G, P+T]
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
 

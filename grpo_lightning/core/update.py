@@ -134,9 +134,9 @@ class UpdateSections(Protocol):
 
 # ------------------------------------------------------------------------------------- 1. the trajectory
 def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
-    """`[B, T]` float: the completion tokens, without the completions that never stopped when asked (DAPO
-    sec. 3.4, overlong filtering)."""
-    mask = rollout.completion_mask.float()  # [B, T]
+    """`[B, T]` float: the completion tokens the model drew (tool turns left out), without the completions
+    that never stopped when asked (DAPO sec. 3.4, overlong filtering)."""
+    mask = rollout.model_mask.float()  # [B, T]
     if mask_truncated_completions:
         mask = mask * (~rollout.truncated).float()[:, None]
     return mask
@@ -177,7 +177,7 @@ def build_trajectory(
     outcome = rewards  # [B]
     if cfg.kl.in_reward:
         outcome = kl_in_reward(
-            rewards, old_logprobs, ref_logprobs, rollout.completion_mask, cfg.kl.beta, cfg.kl.estimator
+            rewards, old_logprobs, ref_logprobs, rollout.model_mask, cfg.kl.beta, cfg.kl.estimator
         )  # [B]
         stats["kl_reward_penalty"] = (rewards - outcome).mean()
     advantages = advantages_of(outcome, cfg, ranks)  # [B]
@@ -187,7 +187,8 @@ def build_trajectory(
             tokenizer, rollout.completion_ids, rollout.completion_mask, cfg.advantages.step_credit
         )  # [B, T]
         token_advantages = advantages[:, None] + penalties  # [B, T]
-        stats["step_credit/frac_tokens"] = (penalties < 0).sum() / rollout.completion_mask.sum()
+        model_tokens = rollout.model_mask  # [B, T]
+        stats["step_credit/frac_tokens"] = ((penalties < 0) * model_tokens).sum() / model_tokens.sum()
     mask = loss_mask(rollout, cfg.loss.mask_truncated_completions)  # [B, T]
     if old_logprobs is not None and rollout.sampler_logprobs is not None:
         correction = sampler_correction(cfg, old_logprobs, rollout.sampler_logprobs, mask)  # or None

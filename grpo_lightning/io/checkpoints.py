@@ -59,6 +59,9 @@ __all__ = [
     "unimportable_rewards",
 ]
 NOT_IMPORTABLE = "not_importable"  # the key of a recipe naming a function without an import path
+# A module's arguments that hold functions (or classes), stored by import path: lists of them, and one each.
+FUNCTION_LISTS = ("reward_funcs", "tools")
+FUNCTIONS = ("val_reward", "rollout_func")
 PLAIN_SCALARS = (str, bool, int, float)  # and None
 # A value of another type that stands for a plain one (numpy's int64 and float64, a subclass) as it.
 PLAIN_KINDS = ((bool, bool), (str, str), (numbers.Integral, int), (numbers.Real, float))
@@ -235,15 +238,22 @@ def _source(value: object) -> str | None:
 def portable_hparams(hparams: MutableMapping, sources: Mapping[str, object]) -> None:
     """Make a `GRPOModule`'s hyper-parameters what `load_from_checkpoint(ckpt)` needs, as plain values (in
     place): `sources` (the policy and tokenizer that the class's own arguments take) as their paths or hub
-    ids, the reward functions as recipes (`reward_recipe`), the option dataclasses as dicts, every other value
-    plain (`plain_value`)."""
+    ids, the reward functions, tools, environment classes and rollout function as recipes (`reward_recipe`),
+    the option dataclasses as dicts, every other value plain (`plain_value`)."""
     hparams.update({key: _source(value) for key, value in sources.items()})
-    funcs = _container(hparams.get("reward_funcs"))  # a Hydra list: its items, partials as they are
-    funcs = hparams.get("reward_funcs") if funcs is None else funcs
-    if isinstance(funcs, list | tuple):
-        hparams["reward_funcs"] = [reward_recipe(fn) for fn in funcs]
-    if "val_reward" in hparams:
-        hparams["val_reward"] = reward_recipe(hparams["val_reward"])
+    for key in FUNCTION_LISTS:
+        funcs = _container(hparams.get(key))  # a Hydra list: its items, partials as they are
+        funcs = hparams.get(key) if funcs is None else funcs
+        if isinstance(funcs, list | tuple):
+            hparams[key] = [reward_recipe(fn) for fn in funcs]
+    for key in FUNCTIONS:
+        if key in hparams:
+            hparams[key] = reward_recipe(hparams[key])
+    factories = hparams.get("environment_factory")
+    if isinstance(factories, Mapping) and not {"_target_", "class_path"} & set(factories):
+        hparams["environment_factory"] = {name: reward_recipe(cls) for name, cls in factories.items()}
+    elif factories is not None:
+        hparams["environment_factory"] = reward_recipe(factories)
     for key, value in hparams.items():
         if not key.startswith("_"):  # LightningCLI's own bookkeeping (`_class_path`, `_instantiator`)
             hparams[key] = plain_value(value, key)

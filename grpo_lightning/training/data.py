@@ -18,7 +18,7 @@ same rows' prompts.
 import functools
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import lightning as L
@@ -231,14 +231,23 @@ class PromptDataModule(L.LightningDataModule):
             )
 
     def check_columns(
-        self, reward_funcs: Sequence[Callable], val_reward: Callable | None, validates: bool
+        self,
+        reward_funcs: Sequence[Callable],
+        val_reward: Callable | None,
+        validates: bool,
+        supplied: Collection[str] | None = (),
     ) -> None:
         """Refuse, before any training step, rows that lack a column the reward functions require (every
         parameter without a default beyond the keywords each call gets, `scoring.required_columns`), or one
         that the validation check reads (`val_reward`'s columns, else the answer column) in the rows the
         trainer's loop judges: the validation rows when `validates` (`fit`, `validate`), the test rows in
-        `test` (unless `limit_test_batches` is 0); none in `predict`, which only answers the prompts."""
-        train_columns = set(self.train_rows[0]) - {"prompt"} if self.train_rows else None
+        `test` (unless `limit_test_batches` is 0); none in `predict`, which only answers the prompts.
+        `supplied`: keywords the rollouts add (a multi-turn rollout's `environments`); None where they are
+        known only once sampled (a rollout function's fields), and the training rows are not checked."""
+        train_columns = (
+            set(self.train_rows[0]) - {"prompt"} if self.train_rows and supplied is not None else None
+        )
+        train_columns = None if train_columns is None else train_columns | set(supplied)
         for fn in reward_funcs if train_columns is not None else []:
             missing = [c for c in required_columns(fn) if c not in train_columns]
             if missing:

@@ -196,11 +196,13 @@ class ValidationResultsWriter(HoldsOutputLock):
     `prompt` and any others), `sample` (index among the problem's samples) and `completion`; for a set
     checked against a numeric answer `extracted` (the lenient answer, as `accuracy` reads it) and `answer`
     (the reference number); for a set judged by a reward function `reward`; and `correct`, as that set's
-    `accuracy` counted it. A data column named like one of these fields (`RESULT_FIELDS`: a prompt-completion
-    data set's own `completion`) is kept as `data.<name>`, said when the file is written. A rank's padding
-    repeats, which no metric counts, are left out. Needs a `validation_step` that returns
-    `{"completions": [...]}` with the `k` samples of each problem contiguous; `GRPOModule`'s also returns
-    each completion's judgement. `path=None` writes nothing; under DDP rank r > 0 writes `<path>.rank<r>`.
+    `accuracy` counted it; with tools, `transcript`: the sample's turns as chat messages (each assistant
+    turn with its `tool_calls`, each result a `tool` message). A data column named like one of these fields
+    (`RESULT_FIELDS`: a prompt-completion data set's own `completion`) is kept as `data.<name>`, said when
+    the file is written. A rank's padding repeats, which no metric counts, are left out. Needs a
+    `validation_step` that returns `{"completions": [...]}` with the `k` samples of each problem contiguous;
+    `GRPOModule`'s also returns each completion's judgement. `path=None` writes nothing; under DDP rank
+    r > 0 writes `<path>.rank<r>`.
 
     Args:
         path: the file to write. Checked when the run starts (`check_results_path`): a folder, any input
@@ -262,6 +264,8 @@ class ValidationResultsWriter(HoldsOutputLock):
             for sample, completion in enumerate(answer["completions"]):
                 record = self._data_columns(batch, shown, row)
                 record.update(sample=sample, completion=completion, extracted=extract_answer(completion))
+                if "transcripts" in answer:
+                    record["transcript"] = answer["transcripts"][sample]
                 self._records.append(record)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
@@ -279,6 +283,8 @@ class ValidationResultsWriter(HoldsOutputLock):
                 continue
             record = {"set": outputs.get("set")} | self._data_columns(batch, shown, i // k)
             record.update(sample=i % k, completion=completion)
+            if "transcripts" in outputs:  # a multi-turn rollout's turns: tool calls and results
+                record["transcript"] = outputs["transcripts"][i]
             if "rewards" in outputs:  # judged by the set's reward function
                 record.update(reward=outputs["rewards"][i], correct=outputs["correct"][i])
             else:

@@ -31,7 +31,6 @@ from grpo_lightning.core.algorithm.schedules import build_scheduler
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import check_chat_template
 from grpo_lightning.core.rewards.scoring import (
-    RewardInputs,
     checked_reward_functions,
     score_completions,
     trainer_state,
@@ -39,6 +38,7 @@ from grpo_lightning.core.rewards.scoring import (
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.tools.calls import ToolOptions
 from grpo_lightning.core.types import Trajectory
 from grpo_lightning.core.update import MicroBatchSums, RolloutUpdate, StepGuard
 from grpo_lightning.io.checkpoints import (
@@ -71,6 +71,7 @@ from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks
+from grpo_lightning.training.tool_rollouts import ToolSampling, prompt_answers
 from grpo_lightning.training.trainer_options import (
     bound_epochs_by_steps,
     check_after_validation,
@@ -122,6 +123,13 @@ class GRPOModule(L.LightningModule):
             numbers, e.g. `trl.rewards.accuracy_reward` (math-verify) for LaTeX `\\boxed{}` answers. Default
             None: the data module's answer column holds a number (or GSM8K's `#### N`), checked by
             `GSM8KAccuracy` (strict and lenient extraction, pass@k, maj@k, format).
+        tools: functions (or import paths) the policy may call, as TRL's `tools`: multi-turn rollouts
+            (`training.tool_rollouts`), tool-result tokens out of the loss. Default None: single turns.
+        environment_factory: a class (or import path), or a dict of them by name, as TRL's: one instance per
+            sample, `reset(**row)`, its public methods as tools, `get_reward()` as a reward of weight 1.
+        rollout_func: `rollout_func(prompts, module)` returning `prompt_ids`, `completion_ids`, `logprobs`
+            (optionally `env_mask` and fields for the rewards), as TRL's; instead of the module's sampling.
+        tool_options: the bounds of multi-turn rollouts (`ToolOptions`: tool turns, result length).
     """
 
     def __init__(
@@ -135,6 +143,10 @@ class GRPOModule(L.LightningModule):
         lora: LoraOptions | None = None,
         num_generations_eval: int = 1,
         val_reward: Callable | None = None,
+        tools: list[Callable | str] | None = None,
+        environment_factory: type | str | dict[str, type | str] | None = None,
+        rollout_func: Callable | str | None = None,
+        tool_options: ToolOptions | None = None,
     ) -> None:
         super().__init__()
         grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
@@ -150,11 +162,15 @@ class GRPOModule(L.LightningModule):
         reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
+        multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, tool_options, owner=self)
+        if multi_turn is not None:  # an environment's get_reward is a reward of its own
+            self.reward_funcs, weights = multi_turn.with_rewards(self.reward_funcs, weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         check_lora_choice(lora, model_options, (grpo.reference_sync is not None))
         self.policy_source, self.policy, self.tokenizer = policy_parts(policy, tokenizer, model_options)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
+        self.rollouts.multi_turn = multi_turn
         self.register_load_state_dict_post_hook(PolicyRollouts.weights_loaded)
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
@@ -184,8 +200,9 @@ class GRPOModule(L.LightningModule):
             if datamodule.conversational:
                 check_chat_template(self.tokenizer)
             rewards = self.reward_funcs if stage == "fit" else []
+            supplied = self.rollouts.multi_turn.supplied_keywords if self.rollouts.multi_turn else set()
             validates = self.trainer.limit_val_batches != 0
-            datamodule.check_columns(rewards, self.validation.reward, validates=validates)
+            datamodule.check_columns(rewards, self.validation.reward, validates=validates, supplied=supplied)
         if stage == "fit":
             warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, self.grpo.optimizer_steps_per_batch)
             # Lightning warns on every step-cadence checkpoint of a manually optimised module that it holds
@@ -343,10 +360,12 @@ class GRPOModule(L.LightningModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         cfg = self.grpo
         start = time.perf_counter()
-        rollout, completions = self.rollouts.sample(batch["prompt"], cfg.sampling.num_generations)
+        rollout, completions, turns = self.rollouts.sample_batch(batch, cfg.sampling.num_generations)
         generate_seconds = time.perf_counter() - start
         self.rollouts.check(rollout, completions)
-        inputs = RewardInputs.of_rollout(batch, rollout, completions, self._trainer_state(batch_idx))
+        inputs = self.rollouts.reward_inputs(
+            batch, rollout, completions, self._trainer_state(batch_idx), turns
+        )
         scores = score_completions(self.reward_funcs, inputs)
         rewards_per_func = scores.rewards.to(self.device)  # [B, F]
         scored = weighted_groups(
@@ -474,17 +493,13 @@ class GRPOModule(L.LightningModule):
     def predict_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """Answers to `batch`'s prompts (a batch of the data module's, or any dict with a `prompt` list): one
         `{"prompt", "completions"}` per prompt, its `num_generations_eval` completions (greedy when 1)
-        sampled through the module's rollout engine, as validation samples them. A rank's padding repeats
-        (`validation_sets.rank_share`) are left out."""
+        sampled through the module's rollout engine, as validation samples them (with tools, each one's
+        `transcripts` too). A rank's padding repeats (`validation_sets.rank_share`) are left out."""
         prompts, k = batch["prompt"], self.validation.num_generations
         counted = batch.get(COUNTED, [True] * len(prompts))
-        _, completions = self.rollouts.sample(prompts, k, do_sample=k > 1)
-        groups = [completions[i * k : (i + 1) * k] for i in range(len(prompts))]
-        return [
-            {"prompt": prompt, "completions": group}
-            for prompt, group, kept in zip(prompts, groups, counted, strict=True)
-            if kept
-        ]
+        _, completions, turns = self.rollouts.sample_batch(batch, k, do_sample=k > 1)
+        answers = prompt_answers(prompts, completions, turns)
+        return [answer for answer, kept in zip(answers, counted, strict=True) if kept]
 
 
 def _own_arguments(frame: FrameType) -> set[str]:

@@ -45,7 +45,7 @@ def training_step_metrics(
     taken, and every statistic of the update (`train/loss`, `train/kl`, ...); statistics already named
     `rollout/...` (the sampler/scorer gap, the rollout engine's speed and counters) keep their name."""
     rewards, rollout = trajectory.rewards, trajectory.rollout  # [B]
-    lengths = rollout.completion_mask.sum(dim=1).float()  # [B]
+    lengths = rollout.model_mask.sum(dim=1).float()  # [B] the model's tokens, as TRL counts them
     grouped = rewards.view(-1, trajectory.num_generations)  # [N, G]
     metrics = {
         "train/reward": rewards.mean(),
@@ -83,7 +83,7 @@ class RolloutRecord:
     rewards_per_func: Tensor  # [N*G, F] NaN where a function answered None
     rewards: Tensor  # [N*G] weighted total
     advantages: Tensor  # [N*G]
-    completion_lengths: Tensor  # [N*G] tokens, EOS included
+    completion_lengths: Tensor  # [N*G] the model's tokens, EOS included
     truncated: Tensor  # [N*G] bool: hit max_completion_length without EOS
     num_generations: int
     entropy: float  # mean token entropy of the policy on the completions
@@ -102,7 +102,7 @@ class RolloutRecord:
             rewards_per_func=trajectory.rewards_per_func.cpu(),
             rewards=trajectory.rewards.cpu(),
             advantages=trajectory.advantages.cpu(),
-            completion_lengths=rollout.completion_mask.sum(dim=1).cpu(),
+            completion_lengths=rollout.model_mask.sum(dim=1).cpu(),
             truncated=rollout.truncated.cpu(),
             num_generations=trajectory.num_generations,
             entropy=entropy,

@@ -11,10 +11,11 @@ trainer it runs under (`place`).
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import (
@@ -27,6 +28,7 @@ from grpo_lightning.core.generation.engines import (
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
+from grpo_lightning.core.rewards.scoring import RewardInputs
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -35,6 +37,7 @@ from grpo_lightning.io.distributed import (
     is_sharded,
 )
 from grpo_lightning.training.backends import EngineRequest, build_engine, requested_backend
+from grpo_lightning.training.tool_rollouts import SampledTurns, ToolSampling
 
 
 class PolicyRollouts:
@@ -59,6 +62,8 @@ class PolicyRollouts:
         self._packs: bool | None = None  # grpo.scoring.packed_sequences where the policy can, decided once
         self._full_attention: bool | None = None  # whether the policy attends to every token, decided once
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
+        self.multi_turn: ToolSampling | None = None  # tools, environments or a rollout function: the module's
+        self.tool_metrics: dict[str, float] = {}  # the last multi-turn rollout's `tools/...`
 
     def place(self, device: torch.device, precision: str | None) -> None:
         """Where the trainer runs the policy: prompts go to `device`; the engine follows `precision`."""
@@ -173,12 +178,44 @@ class PolicyRollouts:
         decoded. Sharded, an engine with a copy of its own refreshes it one unit at a time, and one on the
         live weights gets them gathered once for the call, so that `generate` needs no collective (ranks may
         stop at different lengths)."""
+        with self.ready_engine() as (engine, device):
+            sampler = PromptSampler(self.encoder, engine)
+            return sampler.sample(self.policy, prompts, num_generations, do_sample=do_sample, device=device)
+
+    @contextmanager
+    def ready_engine(self) -> Iterator[tuple[RolloutEngine, torch.device]]:
+        """The `current_engine`, refreshed, and the device of the prompts, for one rollout: under FSDP2 its
+        copy refreshed one unit at a time, or the live weights gathered around the rollout."""
         engine = self.current_engine()
         device = self.device or next(self.policy.parameters()).device
         engine.refresh(self.policy, device)  # a collective under FSDP2, where the copy is stale
-        sampler = PromptSampler(self.encoder, engine)
         with self._gathered(self.policy) if engine.reads_live_weights else nullcontext():
-            return sampler.sample(self.policy, prompts, num_generations, do_sample=do_sample, device=device)
+            yield engine, device
+
+    def sample_batch(
+        self, batch: dict[str, list], num_generations: int, do_sample: bool = True
+    ) -> tuple[Rollout, list[str], SampledTurns | None]:
+        """`sample` of `batch`'s prompts, or with tools, environments or a rollout function, their multi-turn
+        rollout (`multi_turn`) and what its reward functions read beyond the completions."""
+        if self.multi_turn is None:
+            return (*self.sample(batch["prompt"], num_generations, do_sample), None)
+        rollout, completions, turns = self.multi_turn.sample(self, batch, num_generations, do_sample)
+        self.tool_metrics = turns.metrics
+        return rollout, completions, turns
+
+    @staticmethod
+    def reward_inputs(
+        batch: dict[str, list],
+        rollout: Rollout,
+        completions: list[str],
+        state: TrainerState,
+        turns: SampledTurns | None,
+    ) -> RewardInputs:
+        """What the reward functions score of a `sample_batch`: `RewardInputs.of_rollout`, and what a
+        multi-turn rollout adds (`SampledTurns.reward_inputs`)."""
+        if turns is None:
+            return RewardInputs.of_rollout(batch, rollout, completions, state)
+        return turns.reward_inputs(batch, rollout, completions, state)
 
     @staticmethod
     def weights_loaded(module: object, incompatible_keys: object) -> None:
@@ -200,8 +237,10 @@ class PolicyRollouts:
 
     def engine_metrics(self) -> dict[str, float]:
         """The engine's `rollout/...` metrics: its last call's speed, and for the static engine what
-        compiling did (`compile_watch.FastPathReport`) and how often the copy was refreshed."""
-        return {} if self.engine is None else {f"rollout/{k}": v for k, v in self.engine.metrics().items()}
+        compiling did (`compile_watch.FastPathReport`) and how often the copy was refreshed; a multi-turn
+        rollout's `tools/call_frequency` and `tools/failure_frequency`."""
+        engine = {} if self.engine is None else {f"rollout/{k}": v for k, v in self.engine.metrics().items()}
+        return {**engine, **self.tool_metrics}
 
     def check(self, rollout: Rollout, completions: list[str]) -> None:
         """Warn when a training step's rollout cannot teach anything (`engines.warn_if_unteachable`)."""

@@ -16,7 +16,7 @@ from torchmetrics import Metric
 from transformers import TrainerState
 
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
-from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
+from grpo_lightning.core.rewards.scoring import call_reward
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.rollouts import PolicyRollouts
@@ -73,12 +73,14 @@ class ValidationScoring:
         `SetScores` (`state`: the trainer's, for a set judged by a reward function)."""
         scores = self.scores[dataloader_idx]
         counted = batch.pop(COUNTED, [True] * len(batch["prompt"]))  # False: a rank's padding repeat
-        rollout, completions = rollouts.sample(batch["prompt"], scores.k, do_sample=scores.k > 1)
-        lengths = rollout.completion_mask.sum(1)  # [N * k]
+        rollout, completions, turns = rollouts.sample_batch(batch, scores.k, do_sample=scores.k > 1)
+        lengths = rollout.model_mask.sum(1)  # [N * k] the model's tokens
         # What was judged, as the metrics judged it, for callbacks such as ValidationResultsWriter.
         judged = {"completions": completions, "set": scores.name, "counted": counted}
+        if turns is not None and turns.messages is not None:
+            judged["transcripts"] = turns.messages  # each sample's tool calls and results
         if scores.reward is not None:
-            inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
+            inputs = rollouts.reward_inputs(batch, rollout, completions, state, turns)
             rewards = call_reward(scores.reward, inputs)
             judged |= {"rewards": rewards, "correct": scores.update_rewards(counted, lengths, rewards)}
         else:

@@ -185,14 +185,24 @@ class PromptEncoder:
     max_prompt_length: int | None = None
     truncate_prompts: str = "left"
 
-    def encode(self, prompts: Sequence[Prompt], device: torch.device | str) -> tuple[Tensor, Tensor]:
-        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each."""
+    def encode(
+        self,
+        prompts: Sequence[Prompt],
+        device: torch.device | str,
+        tools: Sequence[Sequence[dict]] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Apply the chat template to conversational prompts and tokenize, left-padded: `[N, P]` each.
+        `tools`: each prompt's tool schemas, for the template's `tools` (a multi-turn rollout's)."""
         tok = self.tokenizer
         conversational = isinstance(prompts[0], list)
         if conversational:
             check_chat_template(tok)
+        shown = [None] * len(prompts) if tools is None else [list(t) for t in tools]
         texts = (
-            [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+            [
+                tok.apply_chat_template(p, tools=t, tokenize=False, add_generation_prompt=True)
+                for p, t in zip(prompts, shown, strict=True)
+            ]
             if conversational
             else list(prompts)
         )

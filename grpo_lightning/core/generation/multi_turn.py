@@ -13,12 +13,13 @@ to what is left. `ToolOptions.max_tool_calling_iterations` bounds the rounds.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
-`sampler_logprobs` 0 there too.
+`sampler_logprobs` 0 there too. Each row's turns come back as the messages TRL's reward functions read
+(`ToolTurns.messages`): the assistant turns with their calls, the tool results.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -26,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, parse_tool_calls
+from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, assistant_message, parse_tool_calls
 from grpo_lightning.core.tools.schemas import template_renders_tools
 from grpo_lightning.core.tools.turns import check_prefix_preserving, tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
@@ -42,6 +43,17 @@ class _Sample:
     logprobs: list[float]
     truncated: bool
     last_turn: list[int]
+    messages: list[dict] = field(default_factory=list)  # the turns as chat messages, for the rewards
+
+
+@dataclass
+class ToolTurns:
+    """What a multi-turn rollout did beyond its ids: the calls made and failed, and each row's completion as
+    chat messages (assistant turns with their `tool_calls`, a `tool` message per result), as TRL's reward
+    functions get them."""
+
+    counts: ToolCallCounts
+    messages: list[list[dict]]
 
 
 class ToolRollouts:
@@ -68,9 +80,9 @@ class ToolRollouts:
         num_generations: int,
         do_sample: bool = True,
         settings: SamplingSettings | None = None,
-    ) -> tuple[Rollout, ToolCallCounts]:
+    ) -> tuple[Rollout, ToolTurns]:
         """`num_generations` multi-turn completions for each prompt of `prompt_ids` `[N, P]` (left-padded),
-        prompt i's group in rows i*G .. i*G+G-1, and the calls made and failed in them."""
+        prompt i's group in rows i*G .. i*G+G-1, and their turns (`ToolTurns`)."""
         s = settings or self.engine.settings
         first = self.engine.generate(
             model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample, settings=s
@@ -95,6 +107,8 @@ class ToolRollouts:
                 strict=True,
             )
         ]
+        for sample in samples:
+            sample.messages.append(assistant_message(self._text(sample.last_turn, skip_special=True)))
         calls_before, failures_before = self.runner.counts.calls, self.runner.counts.failures
         later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
@@ -106,7 +120,7 @@ class ToolRollouts:
             live = [i for i in live if calls[i]]
             if not live:
                 break
-            results = self.runner([calls[i] for i in live])
+            results = self.runner([calls[i] for i in live], rows=live)
             going = []
             for i, row_results in zip(live, results, strict=True):
                 suffix = tool_suffix_ids(self.tokenizer, tool_messages(row_results, self.template_has_tools))
@@ -118,6 +132,9 @@ class ToolRollouts:
                 samples[i].ids += suffix
                 samples[i].own += [0] * len(suffix)
                 samples[i].logprobs += [0.0] * len(suffix) if sampled else []
+                samples[i].messages += [
+                    {"role": "tool", "name": n, "content": text} for n, text in row_results
+                ]
                 going.append(i)
             if not going:
                 break
@@ -133,15 +150,17 @@ class ToolRollouts:
                 if sampled:
                     sample.logprobs += rollout.sampler_logprobs[row][keep].tolist()[:left]
                 sample.last_turn = turn
+                sample.messages.append(assistant_message(self._text(turn, skip_special=True)))
             live = [i for i in going if not samples[i].truncated]
             rounds += 1
         counts = ToolCallCounts(
             self.runner.counts.calls - calls_before, self.runner.counts.failures - failures_before
         )
-        return self._rollout(first, samples, sampled, s.pad_token_id), counts
+        turns = ToolTurns(counts, [sample.messages for sample in samples])
+        return self._rollout(first, samples, sampled, s.pad_token_id), turns
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def _text(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def _next_turns(
         self, model: PreTrainedModel, samples: list[_Sample], settings: SamplingSettings, do_sample: bool

@@ -106,6 +106,11 @@ class RewardInputs:
     completion_ids: list[list[int]] | None = None  # [B] token ids without padding
     columns: dict[str, list] = field(default_factory=dict)  # every data column but `prompt`, [B] each
     state: TrainerState = field(default_factory=trainer_state)
+    # [B] multi-turn completions as chat messages (assistant turns, tool results), as TRL hands them over
+    messages: list[list[dict]] | None = None
+    # what a multi-turn rollout adds to every call (`environments`, a rollout function's fields), as it is:
+    # not copied per function, so that they read the environments themselves
+    keywords: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_column_names(self.columns, "the reward functions' inputs")
@@ -145,7 +150,10 @@ class RewardInputs:
         return bool(self.prompts) and isinstance(self.prompts[0], list)
 
     def trl_completions(self) -> list:
-        """The completions as TRL hands them over: one assistant message each for chat prompts."""
+        """The completions as TRL hands them over: one assistant message each for chat prompts (a multi-turn
+        completion's messages)."""
+        if self.messages is not None:
+            return [list(messages) for messages in self.messages]
         if not self.conversational:
             return list(self.completions)
         return [[{"role": "assistant", "content": text}] for text in self.completions]
@@ -307,7 +315,7 @@ def _call_all(reward_funcs: Sequence[Callable], inputs: RewardInputs, log: Rewar
     for fn in reward_funcs:
         own = copy.deepcopy(arguments)
         try:
-            result = fn(**own, log_extra=log.log_extra, log_metric=log.log_metric)
+            result = fn(**own, **inputs.keywords, log_extra=log.log_extra, log_metric=log.log_metric)
         except Exception as err:
             raise _raised(fn, err, inputs) from err
         results.append(result if inspect.isawaitable(result) else _check_values(fn, result, inputs))

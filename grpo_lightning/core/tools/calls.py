@@ -97,6 +97,19 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def assistant_message(text: str) -> dict:
+    """A model turn's text as the assistant message TRL hands reward functions: its text without the
+    `<tool_call>` blocks as `content`, and the well-formed calls as `tool_calls` (when it made any)."""
+    message = {"role": "assistant", "content": _CALL.sub("", text).strip()}
+    calls = [call for call in parse_tool_calls(text) if call.error is None]
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in calls
+        ]
+    return message
+
+
 _JSON_TYPES = {
     "string": (str,),
     "integer": (int,),
@@ -197,29 +210,32 @@ class ToolRunner:
         self.options = options or ToolOptions()
         self.counts = ToolCallCounts()
 
-    def __call__(self, calls_per_row: Sequence[Sequence[ToolCall]]) -> list[list[tuple[str, str]]]:
+    def __call__(
+        self, calls_per_row: Sequence[Sequence[ToolCall]], rows: Sequence[int] | None = None
+    ) -> list[list[tuple[str, str]]]:
         """Each row's `(tool name, result text)` per call, in the calls' order; the async tools of every row
-        awaited together."""
+        awaited together. `rows`: the rollout rows the calls come from (their own tools, `RowToolRunner`)."""
         results: list[list[tuple[str, str] | None]] = [[None] * len(calls) for calls in calls_per_row]
         pending = []  # (row, index, name, coroutine)
         for row, calls in enumerate(calls_per_row):
+            tools, schemas = self.tools_of(None if rows is None else rows[row])
             for index, call in enumerate(calls):
                 self.counts.calls += 1
                 name = call.name or "unknown"
                 problem = call.error
-                if problem is None and call.name not in self.tools:
-                    problem = f"no tool is named {call.name!r} (tools: {', '.join(self.tools)})"
+                if problem is None and call.name not in tools:
+                    problem = f"no tool is named {call.name!r} (tools: {', '.join(tools)})"
                 if problem is None:
-                    problem = argument_error(call.arguments, self.schemas[call.name])
+                    problem = argument_error(call.arguments, schemas[call.name])
                 if problem is not None:
                     results[row][index] = self._failed(name, problem)
                     continue
                 try:
-                    outcome = self.tools[name](**call.arguments)
+                    outcome = tools[name](**call.arguments)
                 except Exception as error:  # the model's call failed: it reads why, the trainer goes on
                     results[row][index] = self._failed(name, _describe(error))
                     continue
-                if is_async_tool(self.tools[name]):
+                if is_async_tool(tools[name]):
                     pending.append((row, index, name, outcome))
                 else:
                     results[row][index] = (name, self._cut(result_text(outcome)))
@@ -231,6 +247,10 @@ class ToolRunner:
                 results[row][index] = (name, self._cut(result_text(outcome)))
         return results  # type: ignore[return-value]  every slot is filled above
 
+    def tools_of(self, row: int | None) -> tuple[dict[str, Tool], dict[str, dict]]:
+        """The tools rollout row `row` calls, by name, and their schemas: the runner's, for every row."""
+        return self.tools, self.schemas
+
     def _failed(self, name: str, message: str) -> tuple[str, str]:
         self.counts.failures += 1
         return name, self._cut(error_text(message))
@@ -241,3 +261,31 @@ class ToolRunner:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class RowToolRunner(ToolRunner):
+    """A `ToolRunner` whose rollout rows call tools of their own: row i calls `row_tools[i]` (TRL's
+    `environment_factory`: the shared tools and the methods of that sample's environment). `tools` and
+    `schemas` hold every row's, for what the chat template is shown once."""
+
+    def __init__(self, row_tools: Sequence[Sequence[Tool]], options: ToolOptions | None = None) -> None:
+        self.row_tools = [tools_by_name(tools) for tools in row_tools]
+        # A schema is the function's, whichever instance a method is bound to: read once per function.
+        by_function: dict[object, dict] = {}
+
+        def schema(tool: Tool) -> dict:
+            function = getattr(tool, "__func__", tool)
+            if function not in by_function:
+                by_function[function] = tool_schema(tool)
+            return by_function[function]
+
+        self.row_schemas = [{name: schema(tool) for name, tool in tools.items()} for tools in self.row_tools]
+        self.tools = {name: tool for tools in self.row_tools for name, tool in tools.items()}
+        self.schemas = {name: found for schemas in self.row_schemas for name, found in schemas.items()}
+        self.options = options or ToolOptions()
+        self.counts = ToolCallCounts()
+
+    def tools_of(self, row: int | None) -> tuple[dict[str, Tool], dict[str, dict]]:
+        if row is None:
+            raise ValueError("a RowToolRunner runs the calls of known rows: pass rows=")
+        return self.row_tools[row], self.row_schemas[row]

@@ -1,0 +1,345 @@
+"""Multi-turn rollouts for `GRPOModule`, through TRL 1.16's three entry points, with TRL's meaning:
+
+- `tools=[fn, ...]`: typed functions with a Google-style docstring (or their import paths), shown to the
+  chat template as `tools=` (or in a Hermes system prompt where the template cannot show tools), called by
+  the policy in `<tool_call>` blocks (`core.generation.multi_turn.ToolRollouts`).
+- `environment_factory=Cls` or `{name: Cls}`: one instance per rollout sample, `reset(**row)` before the
+  sample is drawn (the text it returns, if any, is appended to the last user message), its public methods
+  the sample's tools besides `tools`; a `get_reward()` method is a reward source of its own (weight 1, named
+  after the class). With a dict, each row's `environment` column picks the environment.
+- `rollout_func(prompts, module)`: the whole rollout in the user's hands. It gets one prompt per sample (each
+  prompt repeated G times) and returns `prompt_ids`, `completion_ids` and `logprobs` (lists per sample),
+  optionally `env_mask` (1 on the policy's tokens, 0 on tokens the loss must not count) and any other field,
+  which reaches the reward functions as a keyword.
+
+The reward functions then get what TRL's get in such runs: the prompts as the policy saw them (with the
+environments' observations), the completions as chat messages (each assistant turn with its `tool_calls`,
+each result a `tool` message) and `environments=`. Validation, test and predict sample through the same
+loop, greedily where they decode greedily.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from transformers import TrainerState
+
+from grpo_lightning.core.generation.multi_turn import ToolRollouts
+from grpo_lightning.core.generation.sampling import stop_token_ids
+from grpo_lightning.core.rewards.scoring import RewardInputs
+from grpo_lightning.core.tools.calls import RowToolRunner, ToolOptions
+from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
+from grpo_lightning.core.types import Rollout
+from grpo_lightning.io.checkpoints import import_object, resolve_callable
+
+ENVIRONMENT_COLUMN = "environment"  # with a dict of environments: the row's column naming its own
+ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what a rollout_func must return
+NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that the policy does not call
+
+
+@dataclass
+class SampledTurns:
+    """What a multi-turn rollout hands the reward functions beyond its ids and text, one entry per sample."""
+
+    prompts: list  # the prompts as the policy saw them (an environment's observation appended)
+    messages: list[list[dict]] | None = None  # each completion as chat messages; None: plain completions
+    environments: list | None = None  # each sample's environment instance
+    keywords: dict[str, object] = field(default_factory=dict)  # a rollout_func's extra fields
+    metrics: dict[str, float] = field(default_factory=dict)  # tools/call_frequency, tools/failure_frequency
+
+    def reward_inputs(
+        self, batch: dict[str, list], rollout: Rollout, completions: list[str], state: TrainerState
+    ) -> RewardInputs:
+        """The reward functions' inputs: the batch's columns per sample, and these turns."""
+        inputs = RewardInputs.of_rollout(batch, rollout, completions, state)
+        keywords = dict(self.keywords)
+        if self.environments is not None:
+            keywords["environments"] = self.environments
+        return replace(inputs, prompts=list(self.prompts), messages=self.messages, keywords=keywords)
+
+
+def prompt_answers(prompts: list, completions: list[str], turns: SampledTurns | None) -> list[dict]:
+    """`predict_step`'s answers: `{"prompt", "completions"}` per prompt, its samples contiguous, and with a
+    multi-turn rollout's messages each sample's `transcripts` (its tool calls and results)."""
+    k = len(completions) // len(prompts)
+    answers = [{"prompt": p, "completions": completions[i * k : (i + 1) * k]} for i, p in enumerate(prompts)]
+    for i, answer in enumerate(answers if turns is not None and turns.messages is not None else []):
+        answer["transcripts"] = turns.messages[i * k : (i + 1) * k]
+    return answers
+
+
+def environment_tools(environment: object) -> list[Tool]:
+    """The methods of `environment` the policy may call: its class's public functions but `reset` and
+    `get_reward`, bound to it (read on the class: reading the instance would run its properties)."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in NOT_TOOLS
+    ]
+
+
+class EnvironmentReward:
+    """The reward of the environments of class `cls`: each sample's `get_reward()` where its environment is
+    of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls, self.__name__ = cls, cls.__name__
+
+    def __call__(self, environments: Sequence[object] | None = None, **kwargs: object) -> object:
+        ours = [type(e) is self.cls for e in environments or []]
+        if not inspect.iscoroutinefunction(self.cls.get_reward):
+            return [e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)]
+
+        async def rewards() -> list:
+            return [
+                await e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)
+            ]
+
+        return rewards()
+
+
+def _resolved(value: object, option: str) -> object:
+    """A tool, environment class or rollout function given as itself or as its import path."""
+    if isinstance(value, str):
+        try:
+            return import_object(value)
+        except (ImportError, ValueError) as err:
+            raise ValueError(f"{option}={value!r}: cannot import it ({err})") from None
+    return resolve_callable(value, option)
+
+
+class ToolSampling:
+    """The multi-turn rollouts of one module: its `tools`, `environment_factory` or `rollout_func` (see the
+    module's docstring), bounded by `options`. `owner`: the module a `rollout_func` is handed.
+
+    Each environment class is built once here, as TRL probes it: it must have a `reset` method."""
+
+    def __init__(
+        self,
+        tools: Sequence[Tool | str] | None = None,
+        environment_factory: Callable | str | Mapping[str, Callable | str] | None = None,
+        rollout_func: Callable | str | None = None,
+        options: ToolOptions | Mapping | None = None,
+        owner: object | None = None,
+    ) -> None:
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError(
+                "rollout_func samples the whole rollout itself: pass it without tools or environment_factory"
+            )
+        self.options = ToolOptions(**options) if isinstance(options, Mapping) else options or ToolOptions()
+        self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
+        self.rollout_func = None if rollout_func is None else _resolved(rollout_func, "rollout_func")
+        self.multi_environment = isinstance(environment_factory, Mapping)
+        if environment_factory is None:
+            factories = {}
+        elif self.multi_environment:
+            factories = {
+                str(name): _resolved(cls, f"environment_factory[{name!r}]")
+                for name, cls in environment_factory.items()
+            }
+        else:
+            factories = {None: _resolved(environment_factory, "environment_factory")}
+        self.factories: dict[str | None, Callable] = factories
+        self.pool: dict[str | None, list] = {}  # instances reused across batches, as TRL's pool
+        self.rewards: list[EnvironmentReward] = []
+        for name, factory in factories.items():
+            probe = factory()
+            if not callable(getattr(probe, "reset", None)):
+                shown = f"environment_factory[{name!r}]" if name is not None else "environment_factory"
+                raise ValueError(f"{shown}: an environment must have a reset(**row) method")
+            self.pool[name] = [probe]
+            has_reward = callable(getattr(type(probe), "get_reward", None))
+            if has_reward and all(reward.cls is not type(probe) for reward in self.rewards):
+                self.rewards.append(EnvironmentReward(type(probe)))
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @classmethod
+    def of(
+        cls,
+        tools: Sequence[Tool | str] | None,
+        environment_factory: Callable | str | Mapping | None,
+        rollout_func: Callable | str | None,
+        options: ToolOptions | Mapping | None,
+        owner: object,
+    ) -> ToolSampling | None:
+        """The module's multi-turn rollouts, or None where it samples single turns."""
+        if not tools and environment_factory is None and rollout_func is None:
+            return None
+        return cls(tools, environment_factory, rollout_func, options, owner)
+
+    @property
+    def supplied_keywords(self) -> set[str] | None:
+        """The reward keywords these rollouts add beyond the data's columns; None where they are not known
+        before the first rollout (a `rollout_func`'s fields)."""
+        if self.rollout_func is not None:
+            return None
+        return {"environments"} if self.factories else set()
+
+    def with_rewards(self, funcs: list[Callable], weights: list[float]) -> tuple[list[Callable], list[float]]:
+        """The module's reward functions and weights with each environment class's `get_reward`, weight 1."""
+        return funcs + list(self.rewards), weights + [1.0] * len(self.rewards)
+
+    def _environments(self, batch: dict[str, list], G: int) -> tuple[list, list[str | None]]:
+        """One environment per sample (G per row), reused from the pool, and each one's name."""
+        rows = len(batch["prompt"])
+        if self.multi_environment:
+            if ENVIRONMENT_COLUMN not in batch:
+                raise ValueError(
+                    "environment_factory is a dict of environments: every row needs an 'environment' column "
+                    "naming its own"
+                )
+            names = [batch[ENVIRONMENT_COLUMN][i] for i in range(rows) for _ in range(G)]
+        else:
+            names = [None] * (rows * G)
+        handed: dict[str | None, int] = {}
+        environments = []
+        for name in names:
+            if name not in self.factories:
+                raise ValueError(
+                    f"a row's environment={name!r} is none of environment_factory's: {list(self.factories)}"
+                )
+            pool, index = self.pool[name], handed.get(name, 0)
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            handed[name] = index + 1
+            environments.append(pool[index])
+        return environments, names
+
+    def sample(
+        self, rollouts, batch: dict[str, list], num_generations: int, do_sample: bool = True
+    ) -> tuple[Rollout, list[str], SampledTurns]:
+        """`num_generations` samples of each of `batch`'s prompts through `rollouts` (a `PolicyRollouts`):
+        the rollout, its decoded completions, and what the reward functions get beyond them."""
+        if self.rollout_func is not None:
+            return self._sample_by_function(rollouts, batch, num_generations)
+        G, prompts = num_generations, batch["prompt"]
+        if not isinstance(prompts[0], list):
+            raise ValueError("tools and environment_factory need chat prompts (lists of messages), not text")
+        row_prompts = [prompt for prompt in prompts for _ in range(G)]
+        environments, names = self._environments(batch, G) if self.factories else (None, [])
+        row_tools = [list(self.tools) for _ in row_prompts]
+        if environments is not None:
+            columns = [key for key in batch if not key.startswith("_")]
+            for i, environment in enumerate(environments):
+                row = {key: batch[key][i // G] for key in columns}
+                if self.multi_environment:
+                    row.pop(ENVIRONMENT_COLUMN)  # which environment it is, not what to reset it to
+                observation = environment.reset(**row)
+                if observation is not None:
+                    last = row_prompts[i][-1]
+                    row_prompts[i] = [
+                        *row_prompts[i][:-1],
+                        {**last, "content": last["content"] + observation},
+                    ]
+                row_tools[i] += environment_tools(environment)
+        runner = RowToolRunner(row_tools, self.options)
+        tokenizer = rollouts.tokenizer
+        schemas = [
+            [runner.row_schemas[i][name] for name in runner.row_tools[i]] for i in range(len(row_tools))
+        ]
+        if not template_renders_tools(tokenizer, list(runner.schemas.values())):
+            row_prompts = [
+                with_tools_in_system_prompt(p, s) for p, s in zip(row_prompts, schemas, strict=True)
+            ]
+            schemas = None
+        # Rows of one group with one prompt and one tool set: the group's prompt encoded (and prefilled) once.
+        shared = all(
+            row_prompts[i] == row_prompts[i - i % G] and (schemas is None or schemas[i] == schemas[i - i % G])
+            for i in range(len(row_prompts))
+        )
+        encoded = row_prompts[::G] if shared else row_prompts
+        encoded_tools = None if schemas is None else schemas[::G] if shared else schemas
+        with rollouts.ready_engine() as (engine, device):
+            ids, mask = rollouts.encoder.encode(encoded, device, tools=encoded_tools)
+            rollout, turns = ToolRollouts(engine, tokenizer, runner).generate(
+                rollouts.policy, ids, mask, num_generations=G if shared else 1, do_sample=do_sample
+            )
+        completions = rollouts.encoder.decode(rollout)
+        sampled = SampledTurns(
+            prompts=row_prompts,
+            messages=turns.messages,
+            environments=environments,
+            metrics=turns.counts.metrics(len(row_prompts)),
+        )
+        return rollout, completions, sampled
+
+    def _sample_by_function(
+        self, rollouts, batch: dict[str, list], G: int
+    ) -> tuple[Rollout, list[str], SampledTurns]:
+        """The rollout a `rollout_func` returns, checked and padded into a `Rollout`."""
+        row_prompts = [prompt for prompt in batch["prompt"] for _ in range(G)]
+        owner = self._owner() if self._owner is not None else None
+        output = self.rollout_func(row_prompts, owner)
+        if not isinstance(output, Mapping):
+            raise ValueError(f"rollout_func must return a dict, got a {type(output).__name__}")
+        missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
+        if missing:
+            raise ValueError(f"rollout_func must return {list(ROLLOUT_FUNC_KEYS)}; it lacks {missing}")
+        extra = {key: value for key, value in output.items() if key not in ROLLOUT_FUNC_KEYS}
+        env_mask = extra.pop("env_mask", None)
+        device = rollouts.device or next(rollouts.policy.parameters()).device
+        eos = stop_token_ids(rollouts.policy, rollouts.tokenizer)
+        rollout = rollout_of_lists(
+            output["prompt_ids"],
+            output["completion_ids"],
+            output["logprobs"],
+            env_mask,
+            rows=len(row_prompts),
+            pad_token_id=rollouts.tokenizer.pad_token_id,
+            eos_token_ids=eos,
+            device=device,
+        )
+        completions = rollouts.encoder.decode(rollout)
+        return rollout, completions, SampledTurns(prompts=row_prompts, keywords=extra)
+
+
+def _padded(rows: Sequence[Sequence], value: float, left: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    width = max(1, max(len(row) for row in rows))
+    values = torch.full((len(rows), width), value, dtype=dtype)  # [B, W]
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            cols = slice(width - len(row), width) if left else slice(0, len(row))
+            values[i, cols], mask[i, cols] = torch.tensor(list(row), dtype=dtype), 1
+    return values, mask
+
+
+def rollout_of_lists(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]] | None,
+    env_mask: Sequence[Sequence[int]] | None,
+    *,
+    rows: int,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> Rollout:
+    """A `Rollout` of per-sample id lists (a `rollout_func`'s): prompts left-padded, completions
+    right-padded; `env_mask` as the `tool_mask` (0: not the policy's token); a completion is truncated when
+    it does not end with an end-of-sequence id. Each list must have `rows` entries, each sample's
+    `logprobs` and `env_mask` as many as its completion ids."""
+    named = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+    for name, values in {**named, "env_mask": env_mask}.items():
+        if values is not None and len(values) != rows:
+            raise ValueError(f"rollout_func returned {len(values)} {name} for {rows} samples")
+    for name, values in {"logprobs": logprobs, "env_mask": env_mask}.items():
+        for i, (ids, per_token) in enumerate(zip(completion_ids, values or [], strict=False)):
+            if len(per_token) != len(ids):
+                raise ValueError(
+                    f"rollout_func's {name}[{i}] has {len(per_token)} values for {len(ids)} completion ids"
+                )
+    prompt, prompt_mask = _padded(prompt_ids, pad_token_id, left=True, dtype=torch.long)  # [B, P]
+    completion, completion_mask = _padded(
+        completion_ids, pad_token_id, left=False, dtype=torch.long
+    )  # [B, T]
+    sampler = None if logprobs is None else _padded(logprobs, 0.0, left=False, dtype=torch.float32)[0]
+    tool_mask = None if env_mask is None else _padded(env_mask, 0, left=False, dtype=torch.long)[0]
+    truncated = torch.tensor([not ids or ids[-1] not in eos_token_ids for ids in completion_ids])
+    tensors = (prompt, prompt_mask, completion, completion_mask, truncated, sampler, tool_mask)
+    return Rollout(*(None if t is None else t.to(device) for t in tensors))

@@ -1,0 +1,359 @@
+"""TRL's multi-turn entry points on `GRPOModule` (`training/tool_rollouts.py`): a `rollout_func` whose
+`env_mask` keeps its tokens out of the loss (black-box: the loss and gradients of one training step), its
+extra fields reaching the rewards; `environment_factory` (one instance per sample, `reset`, methods as
+tools, `get_reward` as a reward) over a scripted engine; `tools` as import paths from the CLI."""
+
+import copy
+import json
+import re
+
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.engines import RolloutEngine
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.rewards.verifiable import completion_text
+from grpo_lightning.core.tools.calculator import calculator
+from grpo_lightning.core.tools.schemas import tool_schema
+from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
+from grpo_lightning.core.types import Rollout
+from grpo_lightning.offline.tiny import CHATML_TEMPLATE
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.tool_rollouts import rollout_of_lists
+from tests.helpers import quiet_trainer
+
+TAIL = 3  # the tokens that end every scripted completion, which the rollout function may mark as not ours
+
+
+def given_score(completions, score, **kwargs):
+    """The reward a rollout function hands over in its `score` field: independent of the tokens."""
+    return list(score)
+
+
+def scripted_rollout(tail: list[int], env: int):
+    """A rollout function: each sample's completion is a few body tokens of its own (by row), then `tail`
+    and the end-of-sequence id, those last `TAIL` tokens marked `env_mask = env`."""
+
+    def rollout_func(prompts, module):
+        tok = module.tokenizer
+        prompt_ids = [
+            tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts
+        ]
+        body = tok("The answer is 12 and 3", add_special_tokens=False)["input_ids"]
+        completions = [body[: 3 + row % 4] + tail + [tok.eos_token_id] for row in range(len(prompts))]
+        return {
+            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "completion_ids": completions,
+            "logprobs": [[-1.0] * len(c) for c in completions],
+            "env_mask": [[1] * (len(c) - TAIL) + [env] * TAIL for c in completions],
+            "score": [float(row % 3) for row in range(len(prompts))],
+        }
+
+    return rollout_func
+
+
+class Gradients(L.Callback):
+    """The policy's gradients at the step's optimizer step, and the step's logged loss."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.clone() for n, p in pl_module.policy.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.loss = float(trainer.callback_metrics["train/loss"])
+
+
+def one_step(model_dir: str, tail: list[int], env: int) -> Gradients:
+    torch.manual_seed(0)
+    # An entropy bonus: the loss's value, not only its gradient, reads the tokens' distributions (with one
+    # optimizer step per rollout the clipped term's value is the advantages' alone).
+    options = dict(num_generations=4, max_completion_length=32, entropy_coef=0.01)
+    grpo = GRPOConfig(**options, preflight=False, log_completions_every=0)
+    module = GRPOModule(
+        model_dir, reward_funcs=[given_score], grpo=grpo, rollout_func=scripted_rollout(tail, env)
+    )
+    data = [{"prompt": [{"role": "user", "content": "What is 4 times 3?"}], "answer": "12"}] * 2
+    grads = Gradients()
+    trainer = quiet_trainer(max_steps=1, callbacks=[grads], limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader_of(data))
+    return grads
+
+
+def _collate(rows: list[dict]) -> dict[str, list]:
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+def test_tokens_marked_env_mask_0_change_neither_the_loss_nor_the_gradients(tiny_model_dir):
+    first, second = [30, 31], [200, 201]  # then the end-of-sequence id: the last TAIL tokens
+    masked = one_step(tiny_model_dir, first, env=0), one_step(tiny_model_dir, second, env=0)
+    assert masked[0].grads and masked[0].loss == pytest.approx(masked[1].loss, abs=0)
+    for name, grad in masked[0].grads.items():
+        assert torch.equal(grad, masked[1].grads[name]), name
+    counted = one_step(tiny_model_dir, first, env=1), one_step(tiny_model_dir, second, env=1)
+    assert counted[0].loss != counted[1].loss
+    assert any(not torch.equal(g, counted[1].grads[n]) for n, g in counted[0].grads.items())
+
+
+def test_a_rollout_functions_lists_become_a_padded_rollout():
+    rollout = rollout_of_lists(
+        [[5, 6], [7]],
+        [[1, 2, 9], [3]],
+        [[-0.5, -0.5, -0.5], [-1.0]],
+        [[1, 0, 1], [1]],
+        rows=2,
+        pad_token_id=0,
+        eos_token_ids=[9],
+    )
+    assert rollout.prompt_ids.tolist() == [[5, 6], [0, 7]] and rollout.prompt_mask.tolist() == [
+        [1, 1],
+        [0, 1],
+    ]
+    assert rollout.completion_ids.tolist() == [[1, 2, 9], [3, 0, 0]]
+    assert rollout.model_mask.tolist() == [[1, 0, 1], [1, 0, 0]]
+    assert rollout.truncated.tolist() == [False, True]
+    with pytest.raises(ValueError, match=r"logprobs\[1\] has 2 values for 1 completion ids"):
+        rollout_of_lists(
+            [[5], [7]], [[1], [3]], [[0.0], [0.0, 0.0]], None, rows=2, pad_token_id=0, eos_token_ids=[9]
+        )
+    with pytest.raises(ValueError, match="returned 1 prompt_ids for 2 samples"):
+        rollout_of_lists([[5]], [[1], [3]], None, None, rows=2, pad_token_id=0, eos_token_ids=[9])
+
+
+class Shop:
+    """An environment: the row's answer is its stock; buying empties it; empty is a reward of 1."""
+
+    def __init__(self) -> None:
+        self.stock = 0
+
+    def reset(self, answer: str, **row) -> str:
+        self.stock = int(answer)
+        return f" (stock {self.stock})"
+
+    def buy(self, n: int) -> str:
+        """Buy from the shop.
+
+        Args:
+            n: how many
+        """
+        self.stock -= n
+        return f"left {self.stock}"
+
+    def get_reward(self) -> float:
+        return float(self.stock == 0)
+
+
+class Bank:
+    """Another environment, without a reward of its own and with other tools."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def deposit(self, n: int) -> str:
+        """Deposit money.
+
+        Args:
+            n: how much
+        """
+        return "ok"
+
+
+class BuyingEngine(RolloutEngine):
+    """A `RolloutEngine` whose model buys the whole stock its prompt shows, then says it is done; it keeps
+    every context it was given."""
+
+    def __init__(self, tokenizer, max_new_tokens: int = 160) -> None:
+        self.tokenizer, self.contexts = tokenizer, []
+        eos = (tokenizer.eos_token_id,)
+        self.settings = SamplingSettings(max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=0)
+
+    def turn(self, context: str) -> str:
+        if "<tool_response>" in context:
+            return "Done.<|im_end|>"
+        stock = re.search(r"\(stock (\d+)\)", context).group(1)
+        return f'<tool_call>{{"name": "buy", "arguments": {{"n": {stock}}}}}</tool_call><|im_end|>'
+
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
+        s = settings or self.settings
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
+        turns = []
+        for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
+            context = self.tokenizer.decode(ids[mask.bool()])
+            self.contexts.append(context)
+            turns.append(self.tokenizer(self.turn(context), add_special_tokens=False)["input_ids"])
+        ids = torch.full((len(turns), max(map(len, turns))), s.pad_token_id)  # [B, T]
+        mask = torch.zeros_like(ids)
+        for row, turn in enumerate(turns):
+            ids[row, : len(turn)], mask[row, : len(turn)] = torch.tensor(turn), 1
+        return Rollout(prompt_ids, prompt_mask, ids, mask, torch.zeros(len(turns), dtype=torch.bool))
+
+    def weights_changed(self) -> None: ...
+    def refresh(self, model, device) -> None: ...
+    def metrics(self) -> dict:
+        return {}
+
+
+SEEN = {}  # what the reward function below was handed, by keyword
+
+
+def saw_environments(completions, environments, **kwargs):
+    SEEN.update(completions=completions, environments=environments, prompts=kwargs["prompts"])
+    return [0.0] * len(completions)
+
+
+def shop_module(model_dir: str, factory, engine_holder: list) -> GRPOModule:
+    grpo = GRPOConfig(num_generations=2, max_completion_length=160, preflight=False, log_completions_every=0)
+    module = GRPOModule(model_dir, reward_funcs=[saw_environments], grpo=grpo, environment_factory=factory)
+    engine = BuyingEngine(module.tokenizer)
+    module.rollouts.build_engine = lambda: engine  # the scripted model samples every rollout
+    engine_holder.append(engine)
+    return module
+
+
+def test_environment_factory_one_instance_per_sample_reset_with_its_row(tiny_model_dir):
+    holder = []
+    module = shop_module(tiny_model_dir, Shop, holder)
+    assert module.reward_names == ["saw_environments", "Shop"]  # get_reward: a reward of its own
+    prompts = [[{"role": "user", "content": "Buy them all."}]] * 2
+    data = [{"prompt": p, "answer": a} for p, a in zip(prompts, ["3", "5"], strict=True)]
+    metrics = Metrics()
+    trainer = quiet_trainer(max_steps=1, callbacks=[metrics], limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader_of(data))
+    environments = SEEN["environments"]
+    assert len({id(e) for e in environments}) == 4 and all(e.stock == 0 for e in environments)
+    assert [p[-1]["content"] for p in SEEN["prompts"]] == ["Buy them all. (stock 3)"] * 2 + [
+        "Buy them all. (stock 5)"
+    ] * 2
+    call = {"type": "function", "function": {"name": "buy", "arguments": {"n": 5}}}
+    assert SEEN["completions"][2] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "buy", "content": "left 0"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    # The template shows no tools: they are described in a Hermes system prompt, the environment's method.
+    assert '"name": "buy"' in holder[0].contexts[0] and "<tools>" in holder[0].contexts[0]
+    assert metrics.logged["train/rewards/Shop"] == 1.0
+    assert metrics.logged["train/tools/call_frequency"] == 1.0
+    assert torch.isfinite(torch.tensor(metrics.logged["train/loss"]))
+
+
+def test_a_dict_of_environments_routes_each_row_by_its_environment_column(tiny_model_dir):
+    holder = []
+    module = shop_module(tiny_model_dir, {"shop": Shop, "bank": Bank}, holder)
+    assert module.reward_names == ["saw_environments", "Shop"]
+    prompt = [{"role": "user", "content": "Buy (stock 2)."}]
+    batch = {"prompt": [prompt, prompt], "answer": ["2", "2"], "environment": ["shop", "bank"]}
+    module.configure_model()  # the weights, as `fit` loads them
+    rollout, _, turns = module.rollouts.sample_batch(batch, 2)
+    assert [type(e) for e in turns.environments] == [Shop, Shop, Bank, Bank]
+    assert "buy" in holder[0].contexts[0] and "deposit" not in holder[0].contexts[0]
+    assert "deposit" in holder[0].contexts[2] and "buy" not in holder[0].contexts[2]
+    assert "no tool is named 'buy'" in turns.messages[2][1]["content"]  # the bank has none: an error result
+    assert turns.metrics == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.5}
+    assert bool((rollout.model_mask < rollout.completion_mask).any())  # the results are not the model's
+    with pytest.raises(ValueError, match="'environment' column"):
+        module.rollouts.sample_batch({"prompt": [prompt], "answer": ["2"]}, 2)
+
+
+class Metrics(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def loader_of(rows: list[dict]) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(rows, batch_size=len(rows), collate_fn=_collate)
+
+
+# A chat template that shows the tools (name and description) in a short system turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}"
+    "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    + CHATML_TEMPLATE
+)
+QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
+ANSWER = "The answer is 42.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def calling_model(tiny_model_dir):
+    """The tiny model taught (120 AdamW steps on one conversation) to call the calculator for 6*7, then
+    answer 42 from its result; the tokenizer's template shows tools."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.apply_chat_template(
+        QUESTION, tools=[tool_schema(calculator)], add_generation_prompt=True, return_dict=False
+    )
+    call, answer = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (CALL, ANSWER))
+    result = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], True))
+    ids = torch.tensor([prompt + call + result + answer])  # [1, L]
+    labels = ids.clone()  # the model's turns only
+    labels[0, : len(prompt)] = labels[
+        0, len(prompt) + len(call) : len(prompt) + len(call) + len(result)
+    ] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(120):
+        optimizer.zero_grad()
+        model(ids, labels=labels).loss.backward()
+        optimizer.step()
+    return model, tokenizer
+
+
+def answered_42(completions, **kwargs):
+    return [float("42" in completion_text(c)) for c in completions]
+
+
+class Trajectories(L.Callback):
+    """The trajectory of each training step (what the loss reads), and the step's logged metrics."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        build = pl_module.update.trajectory
+
+        def recorded(*args, **kwargs):
+            self.trajectory = build(*args, **kwargs)
+            return self.trajectory
+
+        pl_module.update.trajectory = recorded
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_a_scripted_tool_call_trains_with_its_result_out_of_the_loss(calling_model, backend, tmp_path):
+    model, tokenizer = calling_model
+    options = dict(num_generations=2, max_completion_length=128, temperature=0.3, learning_rate=1e-4)
+    grpo = GRPOConfig(**options, generation_backend=backend, preflight=False, log_completions_every=0)
+    module = GRPOModule(
+        copy.deepcopy(model), tokenizer, reward_funcs=[answered_42], grpo=grpo, tools=[calculator]
+    )
+    rows = [{"prompt": QUESTION, "answer": "42"}] * 3
+    data = PromptDataModule(source=Dataset.from_list(rows), batch_size=2, val_size=1, val_batch_size=1)
+    record, results = Trajectories(), ValidationResultsWriter(str(tmp_path / "val.jsonl"), overwrite=True)
+    trainer = quiet_trainer(max_steps=1, callbacks=[record, results], num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    trajectory, logged = record.trajectory, record.logged
+    rollout = trajectory.rollout
+    assert "42" in trajectory.completions[0] and logged["train/tools/call_frequency"] >= 1
+    tool_tokens = rollout.completion_mask.bool() & ~rollout.tool_mask.bool()  # [B, T]
+    assert tool_tokens.any(dim=1).all(), "every sample has a tool turn"
+    assert torch.equal(trajectory.loss_mask, rollout.model_mask.float())  # the tool turn is out of the loss
+    assert torch.isfinite(torch.tensor(logged["train/loss"]))
+    assert logged["train/completion_length"] == float(rollout.model_mask.sum(1).float().mean())
+    trainer.validate(module, data)  # greedy, through the same loop: each transcript written
+    [line] = (tmp_path / "val.jsonl").read_text().splitlines()
+    transcript = json.loads(line)["transcript"]
+    assert [m["role"] for m in transcript] == ["assistant", "tool", "assistant"]
+    assert transcript[0]["tool_calls"][0]["function"] == {
+        "name": "calculator",
+        "arguments": {"expression": "6*7"},
+    }
+    assert transcript[1]["content"] == "42" and transcript[2]["content"] == "The answer is 42."
+    assert json.loads(line)["correct"] is True
