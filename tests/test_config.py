@@ -63,7 +63,7 @@ REFUSED = {
         "temperature": below(0, inclusive=True) | NOT_A_NUMBER,
         "top_p": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "top_k": ints_below(0) | st.just(None) | st.just(2.5),
-        "dynamic_sampling": NOT_A_FLAG,
+        "dynamic_sampling": st.sampled_from([0, 1, "true", "yes", 1.0]),  # None: off
         "dynamic_sampling_max_rounds": ints_below(0) | st.just(None),
         "dynamic_sampling_metric": st.sampled_from([1, ["accuracy_reward"]]),
         "scale_rewards": st.sampled_from(["std", "Group", None, True]),

@@ -283,8 +283,6 @@ class ValidationResultsWriter(HoldsOutputLock):
                 continue
             record = {"set": outputs.get("set")} | self._data_columns(batch, shown, i // k)
             record.update(sample=i % k, completion=completion)
-            if "transcripts" in outputs:  # a multi-turn rollout's turns: tool calls and results
-                record["transcript"] = outputs["transcripts"][i]
             if "rewards" in outputs:  # judged by the set's reward function
                 record.update(reward=outputs["rewards"][i], correct=outputs["correct"][i])
             else:
@@ -293,6 +291,8 @@ class ValidationResultsWriter(HoldsOutputLock):
                     record.update(self._judged(batch[column][i // k], record["extracted"]))
                 if "correct" in outputs:
                     record["correct"] = outputs["correct"][i]
+            if "transcripts" in outputs:  # a multi-turn rollout's turns (tool calls, results), written last
+                record["transcript"] = outputs["transcripts"][i]
             self._records.append(record)
 
     @staticmethod
@@ -333,7 +333,7 @@ class ValidationResultsWriter(HoldsOutputLock):
 
 
 # The fields a results line holds beside the row's data columns.
-RESULT_FIELDS = ("set", "sample", "completion", "extracted", "answer", "correct", "reward")
+RESULT_FIELDS = ("set", "sample", "completion", "extracted", "answer", "correct", "reward", "transcript")
 # What follows the data columns on each line, in order: predict's answers and validation's or test's
 # completions, judged by the numeric check or by a reward function (`ValidationResultsWriter`).
 RESULT_TAILS = {
@@ -456,5 +456,7 @@ def _is_results_file(path: str) -> bool:
 
 
 def _results_tail(keys: list[str]) -> tuple[str, ...]:
-    """A line's keys from its `sample` on: the fields written after the row's data columns."""
-    return tuple(keys[keys.index("sample") :]) if "sample" in keys else ()
+    """A line's keys from its `sample` on: the fields written after the row's data columns (a multi-turn
+    sample's `transcript`, written last, aside)."""
+    tail = tuple(keys[keys.index("sample") :]) if "sample" in keys else ()
+    return tail[:-1] if tail[-1:] == ("transcript",) else tail
