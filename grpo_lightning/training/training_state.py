@@ -44,7 +44,7 @@ def save_grpo_state(
     reference_syncs: int | None = None,
 ) -> None:
     """Store the GRPO state of every rank (a collective under several processes: every rank calls it), and
-    the reference syncs done (`(grpo.reference_sync is not None)`; None without)."""
+    the reference syncs done (`grpo.reference_sync`; None without)."""
     buffer = {k: _plain(v) for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
     own = {"rng": rng, "group_buffer": move_data_to_device(buffer, "cpu")}
     checkpoint[STATE_KEY] = {"bad_steps": bad_steps, "per_rank": gather_per_rank(own)}
