@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.advantages import AdvantageOptions, group_advantages
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
 SIGN = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
@@ -25,7 +25,7 @@ SIGN = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     ],
 )
 def test_group_advantages_hand_values(scale: str, baseline: str, magnitude: float) -> None:
-    advantages = group_advantages(REWARDS, 4, scale=scale, baseline=baseline)
+    advantages = group_advantages(REWARDS, 4, AdvantageOptions(scale, baseline))
     torch.testing.assert_close(advantages, SIGN * magnitude)
     assert torch.equal(advantages[4:], torch.zeros(4))
 
@@ -36,7 +36,7 @@ def test_loo_is_reward_minus_mean_of_others() -> None:
         r - (sum(group) - r) / 2 for group in (rewards[:3].tolist(), rewards[3:].tolist()) for r in group
     ]
     torch.testing.assert_close(
-        group_advantages(rewards, 3, scale="none", baseline="loo"),
+        group_advantages(rewards, 3, AdvantageOptions("none", "loo")),
         torch.tensor(expected, dtype=torch.float64),
     )
 
@@ -45,31 +45,41 @@ def test_zero_variance_group_is_exactly_zero() -> None:
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.0, 1.0, 0.5])
     for scale in ("group", "batch", "none"):
         for baseline in ("mean", "loo"):
-            advantages = group_advantages(rewards, 3, scale=scale, baseline=baseline)
+            advantages = group_advantages(rewards, 3, AdvantageOptions(scale, baseline))
             assert torch.equal(advantages[:6], torch.zeros(6))
             assert advantages[6] < 0 < advantages[7]
 
 
 def test_advantage_clip() -> None:
-    advantages = group_advantages(torch.tensor([0.0, 0.0, 0.0, 10.0]), 4, scale="none", clip=1.0)
+    advantages = group_advantages(torch.tensor([0.0, 0.0, 0.0, 10.0]), 4, AdvantageOptions("none", clip=1.0))
     torch.testing.assert_close(advantages, torch.tensor([-1.0, -1.0, -1.0, 1.0]))
 
 
 @pytest.mark.parametrize(
-    ("rewards", "group_size", "kwargs", "match"),
+    ("rewards", "group_size", "match"),
     [
-        (torch.ones(6), 4, {}, "not divisible"),
-        (torch.ones(6), 1, {}, "at least 2"),
-        (torch.tensor([1.0, float("nan")]), 2, {}, "non-finite"),
-        (torch.tensor([1.0, float("inf")]), 2, {}, "non-finite"),
-        (torch.ones(4), 2, {"scale": "std"}, "scale='std': must be one of group, batch, none"),
-        (torch.ones(4), 2, {"baseline": "median"}, "baseline='median': must be one of mean, loo"),
-        (torch.ones(4), 2, {"clip": 0.0}, "clip"),
+        (torch.ones(6), 4, "not divisible"),
+        (torch.ones(6), 1, "at least 2"),
+        (torch.tensor([1.0, float("nan")]), 2, "non-finite"),
+        (torch.tensor([1.0, float("inf")]), 2, "non-finite"),
     ],
 )
-def test_group_advantages_errors(rewards: torch.Tensor, group_size: int, kwargs: dict, match: str) -> None:
+def test_group_advantages_errors(rewards: torch.Tensor, group_size: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        group_advantages(rewards, group_size, **kwargs)
+        group_advantages(rewards, group_size)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"scale_rewards": "std"}, "scale_rewards='std': must be one of group, batch, none"),
+        ({"baseline": "median"}, "baseline='median': must be one of mean, loo"),
+        ({"clip": 0.0}, "clip"),
+    ],
+)
+def test_advantage_options_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AdvantageOptions(**kwargs)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -83,7 +93,9 @@ def test_group_advantages_match_trl_formula(scale: str) -> None:
     expected = rewards - mean
     if scale != "none":
         expected = expected / (std + 1e-4)
-    torch.testing.assert_close(group_advantages(rewards, 4, scale=scale), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        group_advantages(rewards, 4, AdvantageOptions(scale)), expected, atol=1e-6, rtol=0
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -96,8 +108,8 @@ def test_group_advantages_match_trl_formula(scale: str) -> None:
 def test_permuting_a_group_permutes_advantages(rewards: list, perm: list, scale: str, baseline: str) -> None:
     rewards = torch.tensor(rewards)
     index = torch.cat([torch.tensor(perm), torch.arange(4, 12)])  # permute the first group only
-    advantages = group_advantages(rewards, 4, scale=scale, baseline=baseline)
-    permuted = group_advantages(rewards[index], 4, scale=scale, baseline=baseline)
+    advantages = group_advantages(rewards, 4, AdvantageOptions(scale, baseline))
+    permuted = group_advantages(rewards[index], 4, AdvantageOptions(scale, baseline))
     torch.testing.assert_close(permuted, advantages[index], atol=1e-5, rtol=1e-4)
 
 
@@ -113,5 +125,5 @@ def test_equal_rewards_give_zero(
     value: float, groups: int, group_size: int, scale: str, baseline: str
 ) -> None:
     rewards = torch.full((groups * group_size,), value, dtype=torch.float64)
-    advantages = group_advantages(rewards, group_size, scale=scale, baseline=baseline)
+    advantages = group_advantages(rewards, group_size, AdvantageOptions(scale, baseline))
     assert torch.equal(advantages, torch.zeros_like(rewards))

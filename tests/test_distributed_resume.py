@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.advantages import AdvantageOptions, group_advantages
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.data import GSM8KDataModule
@@ -210,9 +210,9 @@ def test_ddp_resume_continues_every_rank_exactly(runs):
     local_std_differs = False
     for batch0, batch1 in zip(*straight, strict=True):
         rewards = torch.tensor(batch0["rewards"] + batch1["rewards"])
-        expected = group_advantages(rewards, 2, "batch").tolist()
+        expected = group_advantages(rewards, 2, AdvantageOptions("batch")).tolist()
         assert batch0["advantages"] + batch1["advantages"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-        own = group_advantages(torch.tensor(batch0["rewards"]), 2, "batch").tolist()
+        own = group_advantages(torch.tensor(batch0["rewards"]), 2, AdvantageOptions("batch")).tolist()
         local_std_differs |= own != pytest.approx(batch0["advantages"], rel=1e-5, abs=1e-6)
     assert local_std_differs, "the two ranks' reward spreads never differed: the check would be empty"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from grpo_lightning.core.algorithm.advantages import group_advantages
+from grpo_lightning.core.algorithm.advantages import AdvantageOptions, group_advantages
 from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.kl import kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
@@ -48,7 +48,7 @@ def test_advantages_are_the_groups_of_the_rewards(scale, baseline):
     rewards = [1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 1.0, 0.0]
     cfg = GRPOConfig(num_generations=G, scale_rewards=scale, baseline=baseline)
     t = build_trajectory(scored(rewards), cfg)
-    expected = group_advantages(torch.tensor(rewards), G, scale, baseline)
+    expected = group_advantages(torch.tensor(rewards), G, AdvantageOptions(scale, baseline))
     torch.testing.assert_close(t.advantages, expected, atol=0, rtol=0)
     assert t.token_advantages is t.advantages and t.stats == {}  # no step credit, no KL in the reward
 
@@ -59,7 +59,7 @@ def test_batch_std_over_ranks_uses_every_ranks_rewards():
     ranks = [[1.0, 0.0, 0.0, 0.0], [3.0, 0.0, 5.0, 1.0, 0.0, 0.0, 0.0, 2.0]]  # B differs between ranks
     everyone = torch.tensor(sum(ranks, []))
     cfg = GRPOConfig(num_generations=G, scale_rewards="batch")
-    whole = group_advantages(everyone, G, "batch")  # [12]
+    whole = group_advantages(everyone, G, AdvantageOptions("batch"))  # [12]
     start = 0
     for rank, own in enumerate(ranks):
         others = SimpleNamespace(world_size=2, rank=rank, gather=lambda values: ranks)  # core's `Ranks`

@@ -145,8 +145,7 @@ def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
 def advantages_of(outcome: Tensor, cfg: UpdateSections, ranks: Ranks | None = None) -> Tensor:
     """Group-relative advantages `[B]` of this rank's outcome. With `ranks` (scale_rewards="batch" over
     several ranks) the std is that of the whole batch over all ranks, as TRL computes it."""
-    a = cfg.advantages
-    args = (cfg.sampling.num_generations, a.scale_rewards, a.baseline, a.clip)
+    args = (cfg.sampling.num_generations, cfg.advantages)
     if ranks is None:
         return group_advantages(outcome, *args)  # [B]
     # As lists: B may differ between ranks (dynamic sampling's update at an epoch's short last batch).

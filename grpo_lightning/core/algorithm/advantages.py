@@ -37,52 +37,6 @@ ScaleRewards = Literal[tuple(REWARD_SCALES)]
 Baseline = Literal[tuple(BASELINES)]
 
 
-def group_advantages(
-    rewards: Tensor,
-    group_size: int,
-    scale: ScaleRewards = "group",
-    baseline: Baseline = "mean",
-    clip: float | None = None,
-) -> Tensor:
-    """Group-relative advantages, one per completion (DeepSeekMath arXiv:2402.03300, section 4.1.2).
-
-    Args:
-        rewards: ``[N * G]`` scalar rewards, the ``G = group_size`` completions of each prompt contiguous.
-        group_size: completions per prompt, at least 2.
-        scale: ``"group"`` divides by the group's reward std (GRPO), ``"batch"`` by the std of all rewards,
-            ``"none"`` only centres (Dr. GRPO, arXiv:2503.20783). Stds are unbiased and get ``1e-4`` added.
-        baseline: ``"mean"`` subtracts the group mean (GRPO); ``"loo"`` subtracts the mean of the other
-            ``G - 1`` rewards of the group (RLOO, arXiv:2402.14740), i.e. ``G / (G - 1) * (r_i - mean)``.
-        clip: if given, advantages are clamped to ``[-clip, clip]``.
-
-    Returns:
-        ``[N * G]`` advantages. A group whose rewards are all equal gets exactly 0.
-    """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N * group_size], got shape {tuple(rewards.shape)}.")
-    if group_size < 2:
-        raise ValueError(f"group_size must be at least 2, got {group_size}.")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards.numel()={rewards.numel()} is not divisible by group_size={group_size}.")
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"rewards contain non-finite values: {rewards.tolist()}.")
-    if clip is not None and clip <= 0:
-        raise ValueError(f"clip must be positive, got {clip}.")
-
-    loo_factor, std = BASELINES[baseline], REWARD_SCALES[scale]
-    rewards = rewards if rewards.is_floating_point() else rewards.float()
-    grouped = rewards.view(-1, group_size)  # [N, G]
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [N, G]
-    advantages = advantages * loo_factor(group_size) / std(grouped)  # [N, G] / ([N, 1], 0-d or 1.0)
-
-    # Rounding in the mean can leave tiny non-zero values in a constant group: force them to 0.
-    constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [N, 1]
-    advantages = advantages.masked_fill(constant_group, 0.0)  # [N, G]
-    if clip is not None:
-        advantages = advantages.clamp(-clip, clip)
-    return advantages.reshape(-1)  # [N * G]
-
-
 @dataclass(frozen=True)
 class AdvantageOptions:
     """How rewards become advantages (`GRPOConfig.advantages`)."""
@@ -105,3 +59,44 @@ class AdvantageOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, options: AdvantageOptions = AdvantageOptions()
+) -> Tensor:
+    """Group-relative advantages, one per completion (DeepSeekMath arXiv:2402.03300, section 4.1.2).
+
+    Args:
+        rewards: ``[N * G]`` scalar rewards, the ``G = group_size`` completions of each prompt contiguous.
+        group_size: completions per prompt, at least 2.
+        options: the scale (``"group"`` divides by the group's reward std as GRPO, ``"batch"`` by the std of
+            all rewards, ``"none"`` only centres as Dr. GRPO, arXiv:2503.20783; stds are unbiased and get
+            ``1e-4`` added), the baseline (``"mean"``: the group mean as GRPO; ``"loo"``: the mean of the
+            other ``G - 1`` rewards of the group as RLOO, arXiv:2402.14740, i.e. ``G / (G - 1) * (r_i -
+            mean)``) and the clip (advantages clamped to ``[-clip, clip]``). ``step_credit`` is not read here
+            (``credit.step_credit_penalties``).
+
+    Returns:
+        ``[N * G]`` advantages. A group whose rewards are all equal gets exactly 0.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N * group_size], got shape {tuple(rewards.shape)}.")
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2, got {group_size}.")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards.numel()={rewards.numel()} is not divisible by group_size={group_size}.")
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"rewards contain non-finite values: {rewards.tolist()}.")
+
+    loo_factor, std = BASELINES[options.baseline], REWARD_SCALES[options.scale_rewards]
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    grouped = rewards.view(-1, group_size)  # [N, G]
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [N, G]
+    advantages = advantages * loo_factor(group_size) / std(grouped)  # [N, G] / ([N, 1], 0-d or 1.0)
+
+    # Rounding in the mean can leave tiny non-zero values in a constant group: force them to 0.
+    constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [N, 1]
+    advantages = advantages.masked_fill(constant_group, 0.0)  # [N, G]
+    if options.clip is not None:
+        advantages = advantages.clamp(-options.clip, options.clip)
+    return advantages.reshape(-1)  # [N * G]
