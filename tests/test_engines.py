@@ -105,7 +105,11 @@ def test_evaluation_builds_its_settings_and_sees_no_training_knob(tiny_model_dir
         def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
             self.seen = settings
             return super().generate(
-                model, prompt_ids, prompt_mask, num_generations=num_generations, do_sample=do_sample,
+                model,
+                prompt_ids,
+                prompt_mask,
+                num_generations=num_generations,
+                do_sample=do_sample,
                 settings=settings,
             )
 

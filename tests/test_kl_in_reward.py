@@ -71,9 +71,9 @@ def test_the_kl_moves_from_the_loss_into_the_advantages(tiny_model_dir, monkeypa
     betas = []
     loss = grpo_lightning.core.update.grpo_loss
 
-    def recording_loss(*args, **kwargs):
-        betas.append(kwargs["beta"])
-        return loss(*args, **kwargs)
+    def recording_loss(logprobs, advantages, mask, options, kl, **kwargs):
+        betas.append(kl.loss_beta)
+        return loss(logprobs, advantages, mask, options, kl, **kwargs)
 
     monkeypatch.setattr(grpo_lightning.core.update, "grpo_loss", recording_loss)
 

@@ -8,8 +8,9 @@ from typing import get_args
 import pytest
 import torch
 
-from grpo_lightning.core.algorithm.kl import kl_penalty
-from grpo_lightning.core.algorithm.loss import LossType, grpo_loss
+from grpo_lightning.core.algorithm.kl import KLOptions, kl_penalty
+from grpo_lightning.core.algorithm.loss import LossType, PolicyLossOptions, grpo_loss
+from grpo_lightning.core.config import GRPOConfig
 
 LOSS_TYPES = get_args(LossType)
 LEVELS = ("token", "sequence")
@@ -17,11 +18,23 @@ MAX_LEN = 8  # max_completion_length used for dr_grpo throughout
 
 
 def loss_options(loss_type: str, **kwargs) -> dict:
-    """grpo_loss keyword options; cispo gets a raw ratio bound for epsilon_high, as in TRL."""
+    """Options by their flat (TRL) names, as the reference and TRL's code read them; cispo gets a raw ratio
+    bound for epsilon_high, as in TRL. `sections` turns them into grpo_loss's arguments."""
     options = {"loss_type": loss_type, "max_completion_length": MAX_LEN}
     if loss_type == "cispo":
         options["epsilon_high"] = 1.3
     return options | kwargs
+
+
+def sections(options: dict) -> dict:
+    """grpo_loss's option arguments (its sections and max_completion_length) from flat names, through
+    GRPOConfig's alias table."""
+    config = GRPOConfig(**options)
+    return {
+        "options": config.loss,
+        "kl": config.kl,
+        "max_completion_length": config.sampling.max_completion_length,
+    }
 
 
 def random_batch(seed: int = 0, batch: int = 4, length: int = 5, dtype: torch.dtype = torch.float64) -> dict:
@@ -151,7 +164,7 @@ HAND = {
     ],
 )
 def test_clipped_loss_hand_values(loss_type: str, delta: float | None, expected: float) -> None:
-    loss, stats = grpo_loss(**HAND, **loss_options(loss_type, delta=delta))
+    loss, stats = grpo_loss(**HAND, **sections(loss_options(loss_type, delta=delta)))
     torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.2))
     torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.2))
@@ -161,7 +174,7 @@ def test_clipped_loss_hand_values(loss_type: str, delta: float | None, expected:
 
 def test_clipped_gradient_hand_values() -> None:
     logprobs = HAND["logprobs"].clone().requires_grad_()
-    loss, _ = grpo_loss(**(HAND | {"logprobs": logprobs}), loss_type="dapo")
+    loss, _ = grpo_loss(**(HAND | {"logprobs": logprobs}), options=PolicyLossOptions("dapo"))
     loss.backward()
     # d(-ratio * A)/d logprob = -ratio * A on unclipped tokens, 0 on clipped tokens and padding; / 5 tokens.
     expected = torch.tensor([[0.0, -0.5, 0.0], [1.5, 0.0, 1.0]], dtype=torch.float64) / 5
@@ -170,7 +183,9 @@ def test_clipped_gradient_hand_values() -> None:
 
 def test_cispo_hand_values() -> None:
     logprobs = HAND["logprobs"].clone().requires_grad_()
-    loss, stats = grpo_loss(**(HAND | {"logprobs": logprobs}), loss_type="cispo", epsilon_high=1.3)
+    loss, stats = grpo_loss(
+        **(HAND | {"logprobs": logprobs}), options=PolicyLossOptions("cispo", epsilon_high=1.3)
+    )
     # -min(ratio, 1.3) * A * logprob: row 0: 1.3, 1.0; row 1: -0.65, -0.75, -3.0.
     torch.testing.assert_close(loss, torch.tensor(-2.1 / 5, dtype=torch.float64))
     loss.backward()
@@ -183,8 +198,8 @@ def test_cispo_hand_values() -> None:
 
 def test_cispo_without_epsilon_high_caps_the_weights_at_trls_recommended_5() -> None:
     # Ratio 7 on a masked token only: the largest weight that counts is 1.5, under the cap of 5, over 0.2.
-    default, stats = grpo_loss(**HAND, loss_type="cispo")
-    explicit, _ = grpo_loss(**HAND, loss_type="cispo", epsilon_high=5.0)
+    default, stats = grpo_loss(**HAND, options=PolicyLossOptions("cispo"))
+    explicit, _ = grpo_loss(**HAND, options=PolicyLossOptions("cispo", epsilon_high=5.0))
     torch.testing.assert_close(default, explicit)
     # -ratio * A * logprob with no ratio capped (a cap of 0.2 would give 0.2 in place of 1.5 and 0.5).
     expected = -(1.5 * -1.0 + 0.5 * -2.0 - (1.5 * -0.5 + 0.5 * -1.5 + 1.0 * -3.0)) / 5
@@ -214,10 +229,8 @@ def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(
             lp,
             torch.zeros(1, dtype=torch.float64),
             torch.ones(1, 1),
+            kl=KLOptions(beta=1.0, estimator=estimator, bias_correction=bias_correction),
             ref_logprobs=ref_logprobs[token].view(1, 1),
-            beta=1.0,
-            kl_estimator=estimator,
-            use_bias_correction_kl=bias_correction,
         )
         weighted = weighted + probs[token] * loss
     (expected_grad,) = torch.autograd.grad(weighted, theta, retain_graph=True)
@@ -231,7 +244,7 @@ def test_kl_term_gradient_pulls_towards_the_reference_in_expectation(
 
 
 def test_sequence_level_hand_values() -> None:
-    loss, stats = grpo_loss(**HAND, loss_type="grpo", importance_sampling_level="sequence")
+    loss, stats = grpo_loss(**HAND, options=PolicyLossOptions("grpo", importance_sampling_level="sequence"))
     # Geometric-mean ratios: row 0 (1.5 * 0.5) ** (1/2), row 1 (1.5 * 0.5 * 1.0) ** (1/3), both unclipped.
     expected = (-(0.75**0.5) + 0.75 ** (1 / 3)) / 2
     torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
@@ -268,8 +281,10 @@ CONFIGS = [
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_reference(loss_type: str, level: str, config: dict) -> None:
     data = random_batch(3)
+    if loss_type == "cispo":  # delta caps the clipped surrogate only; under cispo's cap it is refused
+        config = {key: value for key, value in config.items() if key != "delta"}
     options = loss_options(loss_type, importance_sampling_level=level, **config)
-    loss, stats = grpo_loss(**data, **options)
+    loss, stats = grpo_loss(**data, **sections(options))
     torch.testing.assert_close(loss, torch.tensor(_reference_loss(**data, **options), dtype=torch.float64))
     mask = data["mask"]
     torch.testing.assert_close(stats["entropy"], (data["entropies"][mask].mean()).float())
@@ -287,7 +302,7 @@ def test_advantages_per_token_match_reference() -> None:
     data["advantages"] = torch.randn(data["logprobs"].shape, generator=torch.Generator().manual_seed(5))
     data["advantages"] = data["advantages"].double()
     for level in LEVELS:
-        loss, _ = grpo_loss(**data, loss_type="grpo", importance_sampling_level=level)
+        loss, _ = grpo_loss(**data, options=PolicyLossOptions("grpo", importance_sampling_level=level))
         expected = _reference_loss(**data, loss_type="grpo", importance_sampling_level=level)
         torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
 
@@ -295,14 +310,12 @@ def test_advantages_per_token_match_reference() -> None:
 def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
     data = random_batch(6)
     mask = data["mask"]
-    base, _ = grpo_loss(**data, loss_type="dapo")
+    base, _ = grpo_loss(**data, options=PolicyLossOptions("dapo"))
     for estimator in ("k2", "k3"):
-        with_kl, _ = grpo_loss(
-            **data, loss_type="dapo", beta=0.5, kl_estimator=estimator, use_bias_correction_kl=False
-        )
+        with_kl, _ = grpo_loss(**data, kl=KLOptions(beta=0.5, estimator=estimator, bias_correction=False))
         kl = kl_penalty(data["logprobs"], data["ref_logprobs"], estimator)
         torch.testing.assert_close(with_kl - base, 0.5 * kl[mask].mean())
-    with_entropy, stats = grpo_loss(**data, loss_type="dapo", entropy_coef=0.3)
+    with_entropy, stats = grpo_loss(**data, options=PolicyLossOptions("dapo", entropy_coef=0.3))
     torch.testing.assert_close(with_entropy, base - 0.3 * data["entropies"][mask].mean())
     torch.testing.assert_close(stats["policy_loss"], base)
 
@@ -315,11 +328,21 @@ def test_beta_adds_kl_and_entropy_bonus_subtracts_mean_entropy() -> None:
             {"importance_sampling_level": "batch"},
             "importance_sampling_level='batch': must be one of token, sequence",
         ),
-        ({"kl_estimator": "k5"}, "kl_estimator='k5'"),
-        ({"beta": 0.1, "ref_logprobs": None}, "ref_logprobs"),
-        ({"entropy_coef": 0.1, "entropies": None}, "entropies"),
-        ({"loss_type": "dr_grpo", "max_completion_length": None}, "max_completion_length"),
+        ({"kl_estimator": "k5"}, r"kl.estimator='k5' \(kl_estimator\): must be one of k1, k2, k3"),
         ({"beta": 0.1, "kl_estimator": "k1"}, "k1.*regularises nothing.*use_kl_in_reward"),
+    ],
+)
+def test_loss_options_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sections(kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kl": KLOptions(beta=0.1), "ref_logprobs": None}, "ref_logprobs"),
+        ({"options": PolicyLossOptions(entropy_coef=0.1), "entropies": None}, "entropies"),
+        ({"options": PolicyLossOptions("dr_grpo")}, "max_completion_length"),
     ],
 )
 def test_grpo_loss_errors(kwargs: dict, match: str) -> None:

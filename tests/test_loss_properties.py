@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from grpo_lightning.core.algorithm.advantages import group_advantages
 from grpo_lightning.core.algorithm.loss import grpo_loss
-from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
+from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch, sections
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -28,7 +28,7 @@ def test_padding_invariance(loss_type: str, level: str) -> None:
     padded["mask"] = torch.cat([data["mask"], torch.zeros(data["mask"].shape[0], extra, dtype=torch.bool)], 1)
     padded["logprobs"][:, -1] = -torch.inf  # padding may hold anything, even -inf
     padded["advantages"] = data["advantages"]
-    options = loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
+    options = sections(loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01))
 
     logprobs = data["logprobs"].clone().requires_grad_()
     loss, stats = grpo_loss(**(data | {"logprobs": logprobs}), **options)
@@ -55,7 +55,8 @@ def test_zero_variance_group_gives_zero_gradient(loss_type: str, level: str) -> 
     )
     logprobs = data["logprobs"].clone().requires_grad_()
     loss, stats = grpo_loss(
-        **(data | {"logprobs": logprobs}), **loss_options(loss_type, importance_sampling_level=level)
+        **(data | {"logprobs": logprobs}),
+        **sections(loss_options(loss_type, importance_sampling_level=level)),
     )
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(value) for value in stats.values())
@@ -68,7 +69,7 @@ def test_zero_variance_group_gives_zero_gradient(loss_type: str, level: str) -> 
 def test_micro_batches_sum_to_full_batch(loss_type: str, level: str) -> None:
     data = random_batch(11, batch=6, length=6)
     data["mask"][3] = False  # an empty completion must not break the totals
-    options = loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01)
+    options = sections(loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01))
 
     logprobs = data["logprobs"].clone().requires_grad_()
     full_loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
@@ -95,7 +96,7 @@ def test_all_zero_mask_gives_zero_loss() -> None:
     for loss_type in LOSS_TYPES:
         for level in LEVELS:
             loss, stats = grpo_loss(
-                **data, **loss_options(loss_type, importance_sampling_level=level, beta=0.1)
+                **data, **sections(loss_options(loss_type, importance_sampling_level=level, beta=0.1))
             )
             assert loss == 0
             assert all(torch.isfinite(value) for value in stats.values())
@@ -125,7 +126,9 @@ def test_loss_finite_for_finite_inputs(
         old_logprobs=tensor(-1e4, 0.0),
         ref_logprobs=tensor(-1e4, 0.0),
         entropies=tensor(0.0, 20.0),
-        **loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01, delta=2.0),
+        **sections(
+            loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01, delta=2.5)
+        ),
     )
     loss.backward()
     assert torch.isfinite(loss)

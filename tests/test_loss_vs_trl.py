@@ -10,7 +10,7 @@ import torch
 
 from grpo_lightning.core.algorithm.loss import grpo_loss
 from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
-from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch
+from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch, sections
 
 
 def _trl_compute_loss(
@@ -85,14 +85,14 @@ def test_matches_trl(
         loss_type,
         importance_sampling_level=level,
         beta=beta,
-        delta=delta,
+        delta=None if loss_type == "cispo" else delta,  # delta caps the clipped surrogate only
         epsilon_high=1.1 if loss_type == "cispo" else 0.28,
         entropy_coef=0.02 if beta else 0.0,
         use_bias_correction_kl=bias_correction,
     )
 
     logprobs = data["logprobs"].clone().requires_grad_()
-    loss, stats = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+    loss, stats = grpo_loss(**(data | {"logprobs": logprobs}), **sections(options))
     trl_logprobs = data["logprobs"].clone().requires_grad_()
     trl_loss, metrics = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
 
@@ -123,7 +123,7 @@ def test_the_bias_corrected_kl_changes_the_on_policy_gradient_as_trl(level: str)
         options = loss_options("dapo", importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
         options["use_bias_correction_kl"] = bias_correction
         logprobs = data["logprobs"].clone().requires_grad_()
-        loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+        loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **sections(options))
         loss.backward()
         trl_logprobs = data["logprobs"].clone().requires_grad_()
         trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
@@ -157,7 +157,7 @@ def test_truncated_importance_weights_and_their_capped_share_are_trls_token_trun
 
     options = loss_options("dapo", beta=0.04, epsilon_high=0.28)
     logprobs = data["logprobs"].clone().requires_grad_()
-    loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options, importance_weights=weights)
+    loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **sections(options), importance_weights=weights)
     loss.backward()
     trl_logprobs = data["logprobs"].clone().requires_grad_()
     trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options, trl_weights)

@@ -319,22 +319,15 @@ def micro_batch_loss(
         logprobs,
         t.token_advantages[rows],
         t.loss_mask[rows],
+        cfg.loss,
+        cfg.kl,  # its loss_beta is 0 when the KL is in the rewards already
         old_logprobs=old_logprobs,
         ref_logprobs=None if t.ref_logprobs is None else t.ref_logprobs[rows],
-        loss_type=cfg.loss.loss_type,
-        importance_sampling_level=cfg.loss.importance_sampling_level,
-        epsilon=cfg.loss.epsilon,
-        epsilon_high=cfg.loss.epsilon_high,
-        delta=cfg.loss.delta,
-        beta=0.0 if cfg.kl.in_reward else cfg.kl.beta,  # else the KL is in the rewards already
-        kl_estimator=cfg.kl.estimator,
         max_completion_length=cfg.sampling.max_completion_length,
         entropies=entropies,
-        entropy_coef=cfg.loss.entropy_coef,
         total_tokens=total_tokens,
         total_sequences=total_sequences,
         importance_weights=weights,
-        use_bias_correction_kl=cfg.kl.bias_correction,
     )
     return loss, {**stats, **gap}
 

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.algorithm.kl import K1_IN_LOSS, KLEstimator, kl_penalty
+from grpo_lightning.core.algorithm.kl import KLOptions, kl_penalty
 from grpo_lightning.core.options import Choices, PositiveFloat, Range, check_fields, option_error
 
 MAX_LOG_RATIO = 20.0  # bound on |log-ratio| before exp in the importance ratio
@@ -110,158 +110,6 @@ LossType = Literal[tuple(LOSS_TYPES)]
 ImportanceSamplingLevel = Literal[tuple(IMPORTANCE_SAMPLING_LEVELS)]
 
 
-def grpo_loss(
-    logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    loss_type: LossType = "dapo",
-    importance_sampling_level: ImportanceSamplingLevel = "token",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    max_completion_length: int | None = None,
-    entropies: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    total_tokens: float | Tensor | None = None,
-    total_sequences: int | Tensor | None = None,
-    importance_weights: Tensor | None = None,
-    use_bias_correction_kl: bool = True,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
-
-    Per token, with importance ratio ``rho = pi / pi_old`` and advantage ``A`` (DeepSeekMath eq. 3)::
-
-        l = -min(rho * A, clamp(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
-
-    ``epsilon_high > epsilon`` is DAPO's clip-higher (arXiv:2503.14476). ``delta`` additionally caps ``rho``
-    in the unclipped branch (two-sided clipping, INTELLECT-2 arXiv:2505.07291). With
-    ``importance_sampling_level="sequence"``, ``rho`` is the exp of the sequence's mean token log-ratio
-    (GSPO, arXiv:2507.18071). ``loss_type="cispo"`` replaces the surrogate by
-    ``l = -sg(min(rho, epsilon_high)) * A * log pi`` (MiniMax-M1, arXiv:2506.13585); as in TRL,
-    ``epsilon_high`` is then the raw upper bound of the ratio, not an offset from 1. Unset, it is 5.0 for
-    cispo (TRL's documented recommendation, from ScaleRL arXiv:2510.13786), not ``epsilon``: TRL falls back
-    to ``epsilon`` (0.2), which would cap every weight far below 1.
-
-    The KL term uses ``k2`` or ``k3``: ``k1 = log pi - log pi_ref`` has the gradient ``grad log pi``, whose
-    mean under pi is 0, so in the loss it regularises nothing. ``k1`` belongs in the reward
-    (``kl_in_reward``), as verl uses it. In expectation over tokens of pi, ``k2``'s gradient,
-    ``(log pi - log pi_ref) grad log pi``, is that of the reverse KL, KL(pi || pi_ref); ``k3``'s,
-    ``(1 - pi_ref / pi) grad log pi``, is that of the forward KL, KL(pi_ref || pi). With
-    ``use_bias_correction_kl`` (the default, as TRL's) each token's KL is multiplied by the importance ratio
-    ``rho`` (with its gradient; the sequence's at ``importance_sampling_level="sequence"``), which makes
-    ``k3``'s gradient ``rho (log pi - log pi_ref) grad log pi``: the reverse KL's, also off-policy
-    (DeepSeek-V3.2, arXiv:2512.02556). On-policy ``rho`` is 1: the loss is unchanged, its gradient is not.
-    For ``k2`` it gives the gradient of E_pi[k2] instead of the reverse KL's.
-
-    Aggregation over the masked tokens:
-        - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
-        - ``bnpo``, ``dapo``, ``cispo``: token sum / number of tokens.
-        - ``dr_grpo``: token sum / (number of sequences * ``max_completion_length``) (arXiv:2503.20783).
-
-    When a batch is split into micro-batches (or across devices), pass the full batch's ``total_tokens``
-    (replaces the local token count) and ``total_sequences`` (replaces the local ``B``): the micro-batch
-    losses then sum to the full-batch loss. The defaults use the local counts, as TRL.
-
-    ``importance_weights`` ``w`` (detached, ``[B, T]``) multiply each token's policy term, ``l = -w * min(...)
-    + beta * KL``: the truncated importance weights ``min(pi_old / pi_sampler, C)`` of tokens drawn by a
-    sampler other than ``pi_old`` (Yao et al. 2025, TIS; TRL weights the same term, not the KL). All ones
-    leave the loss and its gradient unchanged.
-
-    The entropy bonus subtracts ``entropy_coef`` times the masked token mean of ``entropies`` (its token
-    count is ``total_tokens`` when given).
-
-    Args:
-        logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
-        advantages: ``[B]`` or ``[B, T]``.
-        mask: ``[B, T]``, non-zero for real completion tokens, 0 for padding (bool, int or float).
-        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
-        ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when ``beta != 0``.
-        loss_type: one of ``"grpo"``, ``"bnpo"``, ``"dapo"``, ``"dr_grpo"``, ``"cispo"``.
-        importance_sampling_level: ``"token"`` or ``"sequence"``.
-        epsilon: lower clipping range.
-        epsilon_high: upper clipping range, defaults to ``epsilon`` (for ``cispo``: ``CISPO_EPSILON_HIGH``).
-        delta: optional cap on the ratio in the unclipped branch (should exceed ``1 + epsilon_high``).
-        beta: KL coefficient.
-        max_completion_length: required for ``dr_grpo``.
-        entropies: ``[B, T]`` per-token entropies; required when ``entropy_coef != 0``.
-        entropy_coef: entropy bonus coefficient.
-        kl_estimator: ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`); ``"k1"`` only with ``beta=0``.
-        total_tokens: global number of masked tokens (float or 0-d tensor).
-        total_sequences: global number of sequences (int or 0-d tensor).
-        importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
-        use_bias_correction_kl: multiply the per-token KL by the importance ratio (TRL's option).
-
-    Returns:
-        ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
-        ``kl`` (the per-token KL as the loss weighs it: times ``rho`` with the bias correction, as TRL logs
-        it), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and ``clip_ratio/region_mean``.
-        Stats are local masked token means (for a sequence-level ratio, clip fractions are means over
-        sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
-        ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
-    """
-    surrogate, aggregate = LOSS_TYPES[loss_type]
-    ratio_of_level = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level]
-    if beta != 0.0 and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
-    if beta != 0.0 and kl_estimator == "k1":
-        raise ValueError(f"kl_estimator='k1': {K1_IN_LOSS}")
-    if entropy_coef != 0.0 and entropies is None:
-        raise ValueError(f"entropies are required when entropy_coef != 0 (entropy_coef={entropy_coef}).")
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("max_completion_length is required when loss_type='dr_grpo'.")
-
-    if epsilon_high is None:
-        epsilon_high = CISPO_EPSILON_HIGH if loss_type == "cispo" else epsilon
-    mask = mask.bool()  # [B, T]
-    token_counts = mask.sum(-1).clamp(min=1).to(logprobs.dtype)  # [B]
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)  # [B, 1]
-    advantages = advantages.to(logprobs.dtype)  # [B, 1] or [B, T]
-    if old_logprobs is None:
-        old_logprobs = logprobs.detach()
-
-    log_ratio = ratio_of_level(logprobs - old_logprobs, mask, token_counts)  # [B, T] or [B, 1]
-    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] or [B, 1]
-    per_token_loss, is_low_clipped, is_high_clipped = surrogate(
-        ratio, advantages, logprobs, epsilon, epsilon_high, delta
-    )  # [B, T] or [B, 1], and the clip masks
-    if importance_weights is not None:
-        per_token_loss = per_token_loss * importance_weights.detach()  # [B, T]
-
-    per_token_kl = None
-    if ref_logprobs is not None:
-        per_token_kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)  # [B, T]
-        if use_bias_correction_kl:  # the ratio before any clip or delta cap, as TRL's coef_1
-            per_token_kl = per_token_kl * ratio  # [B, T] x ([B, T] or [B, 1])
-    if beta != 0.0:
-        per_token_loss = per_token_loss + beta * per_token_kl  # [B, T]
-
-    num_tokens = _denominator(mask.sum() if total_tokens is None else total_tokens, logprobs)
-    num_sequences = _denominator(logprobs.shape[0] if total_sequences is None else total_sequences, logprobs)
-    counts = (token_counts, num_tokens, num_sequences, max_completion_length)
-    policy_loss = aggregate(per_token_loss, mask, *counts)
-
-    loss = policy_loss
-    if entropy_coef != 0.0:
-        loss = loss - entropy_coef * _masked_sum(entropies, mask) / num_tokens
-
-    zero = torch.zeros((), device=logprobs.device)
-    stats = {
-        "policy_loss": policy_loss.detach(),
-        "kl": zero if per_token_kl is None else _stat_mean(per_token_kl, mask),
-        "entropy": zero if entropies is None else _stat_mean(entropies, mask),
-        "clip_ratio/low_mean": _stat_mean(is_low_clipped, mask),
-        "clip_ratio/high_mean": _stat_mean(is_high_clipped, mask),
-        "clip_ratio/region_mean": _stat_mean(is_low_clipped | is_high_clipped, mask),
-    }
-    return loss, stats
-
-
 @dataclass(frozen=True)
 class PolicyLossOptions:
     """The policy loss: its variant, the importance ratio and its clipping, the entropy bonus
@@ -295,3 +143,145 @@ class PolicyLossOptions:
             raise option_error(
                 self, "delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)"
             )
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: PolicyLossOptions = PolicyLossOptions(),
+    kl: KLOptions = KLOptions(),
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    max_completion_length: int | None = None,
+    entropies: Tensor | None = None,
+    total_tokens: float | Tensor | None = None,
+    total_sequences: int | Tensor | None = None,
+    importance_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
+
+    Per token, with importance ratio ``rho = pi / pi_old`` and advantage ``A`` (DeepSeekMath eq. 3)::
+
+        l = -min(rho * A, clamp(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
+
+    with the ``options`` of the policy loss (``PolicyLossOptions``) and beta, the estimator and the bias
+    correction of ``kl`` (``KLOptions``; its ``loss_beta``: no KL term when the KL is charged to the reward).
+    ``epsilon_high > epsilon`` is DAPO's clip-higher (arXiv:2503.14476). ``delta`` additionally caps ``rho``
+    in the unclipped branch (two-sided clipping, INTELLECT-2 arXiv:2505.07291). With
+    ``importance_sampling_level="sequence"``, ``rho`` is the exp of the sequence's mean token log-ratio
+    (GSPO, arXiv:2507.18071). ``loss_type="cispo"`` replaces the surrogate by
+    ``l = -sg(min(rho, epsilon_high)) * A * log pi`` (MiniMax-M1, arXiv:2506.13585); as in TRL,
+    ``epsilon_high`` is then the raw upper bound of the ratio, not an offset from 1. Unset, it is 5.0 for
+    cispo (TRL's documented recommendation, from ScaleRL arXiv:2510.13786), not ``epsilon``: TRL falls back
+    to ``epsilon`` (0.2), which would cap every weight far below 1.
+
+    The KL term uses ``k2`` or ``k3``: ``k1 = log pi - log pi_ref`` has the gradient ``grad log pi``, whose
+    mean under pi is 0, so in the loss it regularises nothing. ``k1`` belongs in the reward
+    (``kl.in_reward``), as verl uses it. In expectation over tokens of pi, ``k2``'s gradient,
+    ``(log pi - log pi_ref) grad log pi``, is that of the reverse KL, KL(pi || pi_ref); ``k3``'s,
+    ``(1 - pi_ref / pi) grad log pi``, is that of the forward KL, KL(pi_ref || pi). With
+    ``kl.bias_correction`` (TRL's ``use_bias_correction_kl``, the default) each token's KL is multiplied by
+    the importance ratio ``rho`` (with its gradient; the sequence's at the sequence level), which makes
+    ``k3``'s gradient ``rho (log pi - log pi_ref) grad log pi``: the reverse KL's, also off-policy
+    (DeepSeek-V3.2, arXiv:2512.02556). On-policy ``rho`` is 1: the loss is unchanged, its gradient is not.
+    For ``k2`` it gives the gradient of E_pi[k2] instead of the reverse KL's.
+
+    Aggregation over the masked tokens (``options.loss_type``):
+        - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
+        - ``bnpo``, ``dapo``, ``cispo``: token sum / number of tokens.
+        - ``dr_grpo``: token sum / (number of sequences * ``max_completion_length``) (arXiv:2503.20783).
+
+    When a batch is split into micro-batches (or across devices), pass the full batch's ``total_tokens``
+    (replaces the local token count) and ``total_sequences`` (replaces the local ``B``): the micro-batch
+    losses then sum to the full-batch loss. The defaults use the local counts, as TRL.
+
+    ``importance_weights`` ``w`` (detached, ``[B, T]``) multiply each token's policy term, ``l = -w * min(...)
+    + beta * KL``: the truncated importance weights ``min(pi_old / pi_sampler, C)`` of tokens drawn by a
+    sampler other than ``pi_old`` (Yao et al. 2025, TIS; TRL weights the same term, not the KL). All ones
+    leave the loss and its gradient unchanged.
+
+    The entropy bonus subtracts ``options.entropy_coef`` times the masked token mean of ``entropies`` (its
+    token count is ``total_tokens`` when given).
+
+    Args:
+        logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
+        advantages: ``[B]`` or ``[B, T]``.
+        mask: ``[B, T]``, non-zero for real completion tokens, 0 for padding (bool, int or float).
+        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
+        options: the loss variant, the ratio's level and clipping, the entropy bonus.
+        kl: the KL term; its estimator also gives the ``kl`` statistic whenever ``ref_logprobs`` is given.
+        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
+        ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when
+            ``kl.loss_beta != 0``.
+        max_completion_length: required for ``dr_grpo``.
+        entropies: ``[B, T]`` per-token entropies; required when ``options.entropy_coef != 0``.
+        total_tokens: global number of masked tokens (float or 0-d tensor).
+        total_sequences: global number of sequences (int or 0-d tensor).
+        importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
+
+    Returns:
+        ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
+        ``kl`` (the per-token KL as the loss weighs it: times ``rho`` with the bias correction, as TRL logs
+        it), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean`` and ``clip_ratio/region_mean``.
+        Stats are local masked token means (for a sequence-level ratio, clip fractions are means over
+        sequences, as TRL). For ``cispo``, ``clip_ratio/high_mean`` is the fraction with
+        ``rho > epsilon_high`` and ``A > 0``, and ``clip_ratio/low_mean`` is 0.
+    """
+    surrogate, aggregate = LOSS_TYPES[options.loss_type]
+    ratio_of_level = IMPORTANCE_SAMPLING_LEVELS[options.importance_sampling_level]
+    beta, entropy_coef = kl.loss_beta, options.entropy_coef
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs is required when beta != 0 (beta={beta}).")
+    if entropy_coef != 0.0 and entropies is None:
+        raise ValueError(f"entropies are required when entropy_coef != 0 (entropy_coef={entropy_coef}).")
+    if options.loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("max_completion_length is required when loss_type='dr_grpo'.")
+
+    epsilon, epsilon_high = options.epsilon, options.epsilon_high
+    if epsilon_high is None:
+        epsilon_high = CISPO_EPSILON_HIGH if options.loss_type == "cispo" else epsilon
+    mask = mask.bool()  # [B, T]
+    token_counts = mask.sum(-1).clamp(min=1).to(logprobs.dtype)  # [B]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1]
+    advantages = advantages.to(logprobs.dtype)  # [B, 1] or [B, T]
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+
+    log_ratio = ratio_of_level(logprobs - old_logprobs, mask, token_counts)  # [B, T] or [B, 1]
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] or [B, 1]
+    per_token_loss, is_low_clipped, is_high_clipped = surrogate(
+        ratio, advantages, logprobs, epsilon, epsilon_high, options.delta
+    )  # [B, T] or [B, 1], and the clip masks
+    if importance_weights is not None:
+        per_token_loss = per_token_loss * importance_weights.detach()  # [B, T]
+
+    per_token_kl = None
+    if ref_logprobs is not None:
+        per_token_kl = kl_penalty(logprobs, ref_logprobs, kl.estimator)  # [B, T]
+        if kl.bias_correction:  # the ratio before any clip or delta cap, as TRL's coef_1
+            per_token_kl = per_token_kl * ratio  # [B, T] x ([B, T] or [B, 1])
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl  # [B, T]
+
+    num_tokens = _denominator(mask.sum() if total_tokens is None else total_tokens, logprobs)
+    num_sequences = _denominator(logprobs.shape[0] if total_sequences is None else total_sequences, logprobs)
+    counts = (token_counts, num_tokens, num_sequences, max_completion_length)
+    policy_loss = aggregate(per_token_loss, mask, *counts)
+
+    loss = policy_loss
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * _masked_sum(entropies, mask) / num_tokens
+
+    zero = torch.zeros((), device=logprobs.device)
+    stats = {
+        "policy_loss": policy_loss.detach(),
+        "kl": zero if per_token_kl is None else _stat_mean(per_token_kl, mask),
+        "entropy": zero if entropies is None else _stat_mean(entropies, mask),
+        "clip_ratio/low_mean": _stat_mean(is_low_clipped, mask),
+        "clip_ratio/high_mean": _stat_mean(is_high_clipped, mask),
+        "clip_ratio/region_mean": _stat_mean(is_low_clipped | is_high_clipped, mask),
+    }
+    return loss, stats
