@@ -41,8 +41,8 @@ _PUBLIC = {
     "RolloutEngine": "grpo_lightning.core.generation.engines",
     "EagerEngine": "grpo_lightning.core.generation.engines",
     "SamplingSettings": "grpo_lightning.core.generation.sampling",
-    "PromptSampler": "grpo_lightning.core.generation.engines",
-    "LogProbScorer": "grpo_lightning.core.generation.engines",
+    "PromptSampler": "grpo_lightning.core.generation.prompts",
+    "LogProbScorer": "grpo_lightning.core.generation.scorer",
     # callbacks
     "GSM8KAccuracyCallback": "grpo_lightning.training.evaluation",
     "ValidationResultsWriter": "grpo_lightning.training.evaluation",

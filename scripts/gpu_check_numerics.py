@@ -28,8 +28,8 @@ from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation import logprobs, sampling
-from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.inference_copy import copy_precision
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.io.arithmetic_task import arithmetic_problems

@@ -19,8 +19,9 @@ import time
 import torch
 from gpu_check_shared import ROLLOUT_SHAPES, Check, now, peak_memory_gib
 
-from grpo_lightning.core.generation.engines import EagerEngine, SamplingSettings
+from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.inference_copy import copy_precision
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.io.models import LoraOptions, apply_lora
 

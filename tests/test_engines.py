@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import EagerEngine, LogProbScorer, RolloutEngine
+from grpo_lightning.core.generation.engines import EagerEngine, RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.training.evaluation import generate_answers
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer

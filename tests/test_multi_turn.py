@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_lightning.core.generation.engines import EagerEngine, PromptEncoder
+from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
+from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import ToolOptions, ToolRunner
@@ -338,8 +339,8 @@ def test_ids_and_masks_equal_trls_tool_call_loop(tokenizer, case):
 def test_packed_scoring_of_a_multi_turn_rollout_equals_the_padded_one(tiny_model_dir, tokenizer, group_size):
     """A multi-turn completion_mask stays 1 on a prefix (tool tokens are context the scorer attends to), the
     holes are in tool_mask alone: packed rows score every model token as the padded pass does."""
-    from grpo_lightning.core.generation.engines import LogProbScorer
     from grpo_lightning.core.generation.packing import PackedLogProbScorer
+    from grpo_lightning.core.generation.scorer import LogProbScorer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     rollout, _, _ = run(tokenizer, G=2)

@@ -16,7 +16,6 @@ from transformers import (
 )
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import rows_share_prompts
 from grpo_lightning.core.generation.logprobs import completion_logprobs, position_ids
 from grpo_lightning.core.generation.sampling import (
     Rollout,
@@ -24,6 +23,7 @@ from grpo_lightning.core.generation.sampling import (
     generate_completions,
     prefill_groups,
 )
+from grpo_lightning.core.generation.scorer import rows_share_prompts
 from grpo_lightning.core.generation.shared_prompt import (
     group_completion_logprobs,
     shared_prompt_hidden,

@@ -16,10 +16,9 @@ import copy
 import pytest
 import torch
 
-from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.logprobs import completion_logprobs
-from grpo_lightning.core.generation.sampling import generate_completions
+from grpo_lightning.core.generation.sampling import SamplingSettings, generate_completions
 from grpo_lightning.core.generation.static_engine import StaticEngine, static_unsupported
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.offline.tiny import build_model

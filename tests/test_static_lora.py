@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.inference_copy import copy_precision
 from grpo_lightning.core.generation.logprobs import completion_logprobs
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.io.models import LoraOptions, apply_lora
 

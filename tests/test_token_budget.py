@@ -15,7 +15,7 @@ from grpo_lightning.core.algorithm.token_budget import (
     token_budget_micro_batches,
 )
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import LogProbScorer
+from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.ranks import OneProcess
 from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.core.update import (

@@ -27,8 +27,8 @@ from grpo_lightning.core.algorithm.reference_sync import ReferenceSyncOptions
 from grpo_lightning.core.algorithm.sampler_correction import SamplerCorrectionOptions
 from grpo_lightning.core.algorithm.schedules import OptimizerOptions
 from grpo_lightning.core.generation.backends import EngineOptions
-from grpo_lightning.core.generation.engines import ScoringOptions
 from grpo_lightning.core.generation.sampling import SamplingOptions
+from grpo_lightning.core.generation.scorer import ScoringOptions
 from grpo_lightning.core.options import (
     Alias,
     Range,
@@ -118,7 +118,7 @@ class GRPOConfig:
     """Moving the reference towards the policy (`algorithm.reference_sync`); None: off. Flat:
     `sync_ref_model: true`."""
     scoring: ScoringOptions = field(default_factory=ScoringOptions)
-    """The layout of the scoring passes (`generation.engines.ScoringOptions`)."""
+    """The layout of the scoring passes (`generation.scorer.ScoringOptions`)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """The rollout engine and its options (`generation.backends.EngineOptions`)."""
     run: RunOptions = field(default_factory=RunOptions)

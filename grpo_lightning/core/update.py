@@ -15,7 +15,7 @@
    `sampler_correction.logprob_gap_stats`); their statistics weighted by token share (`MicroBatchSums`).
 5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
 
-`RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.engines.LogProbScorer`)
+`RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.scorer.LogProbScorer`)
 and the other processes (`core.ranks.Ranks`: sums, maxima and gathers).
 """
 
@@ -42,15 +42,15 @@ from grpo_lightning.core.algorithm.sampler_correction import (
     logprob_gap_stats,
 )
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
-from grpo_lightning.core.generation.engines import LogProbScorer
 from grpo_lightning.core.generation.sampling import SamplingOptions
+from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.options import AtLeastOne, check_fields, option_error
 from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups, Trajectory
 
 MicroBatch = slice | Tensor  # rows of the rollout: a slice (full width) or indices (trimmed to their longest)
 Part = TypeVar("Part", Rollout, Trajectory)  # what a micro-batch takes its rows of
-# (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `engines.LogProbScorer`
+# (model, rollout, rows, with_entropy) -> (logprobs, entropies) [b, T] each: `scorer.LogProbScorer`
 Score = Callable[..., tuple[Tensor, Tensor]]
 
 

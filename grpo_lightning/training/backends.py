@@ -15,8 +15,9 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import EagerEngine, RolloutEngine, SamplingSettings
+from grpo_lightning.core.generation.engines import EagerEngine, RolloutEngine
 from grpo_lightning.core.generation.inference_copy import WeightSource, copy_precision, inference_copy_nbytes
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.static_engine import StaticEngine, static_unsupported
 from grpo_lightning.core.generation.vllm_engine import (
     CPU_KV_CACHE_GB,

@@ -24,14 +24,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.core.generation.engines import (
-    EagerEngine,
-    PromptEncoder,
-    PromptSampler,
-    RolloutEngine,
-    SamplingSettings,
-)
-from grpo_lightning.core.generation.sampling import stop_token_ids
+from grpo_lightning.core.generation.engines import EagerEngine, RolloutEngine
+from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler
+from grpo_lightning.core.generation.sampling import SamplingSettings, stop_token_ids
 from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.core.rng import preserved_rng

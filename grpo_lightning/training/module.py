@@ -29,7 +29,7 @@ from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOption
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import check_chat_template
+from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.core.rewards.scoring import (
     checked_reward_functions,
     score_completions,

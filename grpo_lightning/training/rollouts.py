@@ -18,15 +18,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import (
-    LogProbScorer,
-    PromptEncoder,
-    PromptSampler,
-    RolloutEngine,
-    warn_if_unteachable,
-)
+from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
+from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler, warn_if_unteachable
 from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
+from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.rewards.scoring import RewardInputs
 from grpo_lightning.core.types import Rollout
@@ -243,7 +239,7 @@ class PolicyRollouts:
         return {**engine, **self.tool_metrics}
 
     def check(self, rollout: Rollout, completions: list[str]) -> None:
-        """Warn when a training step's rollout cannot teach anything (`engines.warn_if_unteachable`)."""
+        """Warn when a training step's rollout cannot teach anything (`prompts.warn_if_unteachable`)."""
         warn_if_unteachable(
             rollout,
             completions,

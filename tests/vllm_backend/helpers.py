@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from grpo_lightning.core.generation.engines import SamplingSettings
 from grpo_lightning.core.generation.logprobs import completion_logprobs
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMSettings
 from grpo_lightning.core.types import Rollout
 

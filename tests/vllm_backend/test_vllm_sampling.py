@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_lightning.core.generation.engines import SamplingSettings
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from tests.test_static_engine import eager_greedy
 from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for, sampled_gap, scored
 

@@ -54,7 +54,7 @@ from transformers import CompileConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_lightning.core.generation.compile_watch import CompileWatch
-from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
+from grpo_lightning.core.generation.engines import RolloutEngine, rollout_speed
 from grpo_lightning.core.generation.inference_copy import (
     CopyPrecision,
     InferenceCopy,
@@ -65,6 +65,7 @@ from grpo_lightning.core.generation.inference_copy import (
 )
 from grpo_lightning.core.generation.sampling import (
     COMPACT_ABOVE_ROWS,
+    SamplingSettings,
     cache_argument,
     generate_completions,
     not_full_attention,

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
-from grpo_lightning.core.generation.engines import RolloutEngine, SamplingSettings, rollout_speed
+from grpo_lightning.core.generation.engines import RolloutEngine, rollout_speed
 from grpo_lightning.core.generation.inference_copy import (
     WeightSource,
     active_lora,
@@ -59,6 +59,7 @@ from grpo_lightning.core.generation.inference_copy import (
     own_weights,
     plain_class,
 )
+from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import Rollout
