@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_lightning.core.generation.engines import SamplingSettings  # noqa: E402
 from grpo_lightning.core.generation.logprobs import completion_logprobs  # noqa: E402
-from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
+from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions  # noqa: E402
 from grpo_lightning.offline.tiny import build_qwen2  # noqa: E402
 
 PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp")
@@ -57,8 +57,8 @@ def qwen2(dtype: torch.dtype) -> Qwen2ForCausalLM:
 
 def engine(model, **options) -> VLLMEngine:
     sampling = SamplingSettings(max_new_tokens=16, eos_token_ids=(2,), pad_token_id=0)
-    base = {"max_model_len": 128, "kv_cache_gb": 0.2, "enforce_eager": not CUDA}
-    return VLLMEngine(sampling, VLLMSettings(**{**base, **options}))
+    base = {"kv_cache_gb": 0.2, "enforce_eager": not CUDA}
+    return VLLMEngine(sampling, VLLMOptions(**{**base, **options}), max_model_len=128)
 
 
 def rollout_gap(eng: VLLMEngine, model) -> tuple[float, object]:

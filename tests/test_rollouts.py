@@ -7,13 +7,12 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.backends import EngineOptions
+from grpo_lightning.core.generation.backends import BACKENDS, EngineOptions, resolve_backend
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.packing import PackedLogProbScorer
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.generation.vllm_engine import vllm_unavailable
 from grpo_lightning.core.options import declared_rule
-from grpo_lightning.training.backends import BACKENDS, resolve_backend
 from grpo_lightning.training.rollouts import PolicyRollouts
 from tests.helpers import sliding_window_model
 

@@ -34,11 +34,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
+from grpo_lightning.core.generation.backends import BACKENDS
+from grpo_lightning.core.generation.engines import MemoryRequest
 from grpo_lightning.core.memory import MemoryEstimate, compute_bytes, estimate_memory, footprint
 from grpo_lightning.core.rewards.audit import audit_module_rewards, auditable
 from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import is_sharded
-from grpo_lightning.training.backends import BACKENDS, MemoryRequest
 
 UPDATED_WARN_SHARE = 0.5  # below this share of weights changed by an lr-sized step, updates round away
 SAMPLED_WEIGHTS = 2**16  # weights read per tensor for that share: a strided sample is as good and cheap

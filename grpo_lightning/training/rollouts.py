@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.engines import RolloutEngine
+from grpo_lightning.core.generation.backends import BACKENDS, build_engine, requested_backend
+from grpo_lightning.core.generation.engines import EngineRequest, RolloutEngine
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler, warn_if_unteachable
 from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
@@ -32,7 +33,6 @@ from grpo_lightning.io.distributed import (
     gathered_for_generation,
     is_sharded,
 )
-from grpo_lightning.training.backends import EngineRequest, build_engine, requested_backend
 from grpo_lightning.training.tool_rollouts import SampledTurns, ToolSampling
 
 
@@ -51,7 +51,7 @@ class PolicyRollouts:
         self.precision: str | None = None  # the trainer's precision flag; None without a trainer
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
-        self.backend: str | None = None  # the engine's name in `backends.BACKENDS`
+        self.backend: str | None = None  # the engine's name in `core.generation.backends.BACKENDS`
         self._share_prompt: bool | None = (
             None  # grpo.scoring.share_prompt where the policy supports it, decided once
         )
@@ -87,7 +87,7 @@ class PolicyRollouts:
             "grpo.scoring.share_prompt": (cfg.scoring.share_prompt, "every prompt is encoded G times"),
             "grpo.scoring.packed_sequences": (cfg.scoring.packed_sequences, "the passes run padded rows"),
             f"grpo.engine.backend={cfg.engine.backend!r}": (
-                requested_backend(cfg.engine.backend, device) == "static",
+                BACKENDS[requested_backend(cfg.engine.backend, device)].needs_full_attention,
                 "rollouts use eager decoding",
             ),
         }
@@ -152,10 +152,10 @@ class PolicyRollouts:
         # collective runs per token; one unit at a time for an engine with a copy of its own.
         self._gathered = gathered_for_generation if is_sharded(policy) else nullcontext
         requested = cfg.engine.backend
-        if not self.full_attention and requested_backend(requested, device) == "static":
+        if not self.full_attention and BACKENDS[requested_backend(requested, device)].needs_full_attention:
             requested = "eager"  # said once, by `full_attention`
-        request = EngineRequest(cfg, settings, policy, device, self.precision, full_weights_by_unit)
-        self.backend, engine = build_engine(request, requested)
+        request = EngineRequest(cfg.sampling, settings, policy, device, self.precision, full_weights_by_unit)
+        self.backend, engine = build_engine(request, cfg.engine, requested)
         return engine
 
     def current_engine(self) -> RolloutEngine:

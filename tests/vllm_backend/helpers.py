@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMSettings
+from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions
 from grpo_lightning.core.types import Rollout
 
 PROMPTS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])  # [2, 6] left-padded
@@ -20,11 +20,13 @@ def engine_for(
     model: PreTrainedModel, dtype: torch.dtype | None = None, engine: dict | None = None, **settings
 ) -> VLLMEngine:
     """A vLLM engine for `model` (started on its first rollout): 8 new tokens, stop at id 2, pad 0;
-    `engine`: `VLLMSettings` fields over the tests' own."""
+    `engine`: `VLLMOptions` fields and `VLLMEngine` keywords (`max_model_len`, `block_size`) over the tests'
+    own."""
     options = dict(max_new_tokens=8, eos_token_ids=(2,), pad_token_id=0)
     sampling = SamplingSettings(**{**options, **settings})
     vllm = {"max_model_len": 64, "kv_cache_gb": 0.05, "enforce_eager": True, **(engine or {})}
-    return VLLMEngine(sampling, VLLMSettings(**vllm), dtype=dtype)
+    keywords = {name: vllm.pop(name) for name in ("max_model_len", "block_size") if name in vllm}
+    return VLLMEngine(sampling, VLLMOptions(**vllm), dtype=dtype, **keywords)
 
 
 def scored(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -> Tensor:

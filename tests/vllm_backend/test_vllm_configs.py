@@ -1,7 +1,7 @@
 """Every shipped config trains 2 steps with `generation_backend: vllm` (its precision, LoRA, strategy and
 algorithm options; `tests/test_yaml_configs.py` runs them with their own engine): the rollouts come from
 vLLM, pushed once per rollout, and most trainable weights move.
-The registry: `training.backends`."""
+The registry: `core.generation.backends`."""
 
 from __future__ import annotations
 

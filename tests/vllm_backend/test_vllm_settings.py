@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from grpo_lightning.core.generation.vllm_engine import local_rank, serving_dtype
+from grpo_lightning.core.generation.vllm_engine import serving_dtype
+from grpo_lightning.core.generation.vllm_process import local_rank
 
 
 def test_a_float32_lora_engine_on_cuda_serves_bf16():

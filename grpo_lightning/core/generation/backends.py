@@ -1,18 +1,39 @@
-"""The rollout engines by name, and the options that choose one (`GRPOConfig.engine`)."""
+"""The rollout engines by name (`BACKENDS`: each engine's `Backend` entry, declared in the engine's own file),
+the options that choose one and hold each engine's own (`EngineOptions`, `GRPOConfig.engine`), and the
+choice made concrete (`resolve_backend`: what "auto" picks, and eager decoding for a model an engine cannot
+serve). The trainer builds through `build_engine` and the pre-flight asks the entries for their memory,
+with no engine named anywhere else. No Lightning here.
+"""
 
+from __future__ import annotations
+
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
 
-from grpo_lightning.core.generation.vllm_engine import VLLMOptions
-from grpo_lightning.core.options import Alias, check_fields, warn_inert
+import torch
+from transformers import PreTrainedModel
+
+from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, RolloutEngine
+from grpo_lightning.core.generation.static_engine import STATIC_BACKEND
+from grpo_lightning.core.generation.vllm_engine import VLLM_BACKEND, VLLMOptions
+from grpo_lightning.core.options import Alias, Choices, check_fields, warn_inert
+
+BACKENDS = Choices("backend", {"eager": EAGER_BACKEND, "static": STATIC_BACKEND, "vllm": VLLM_BACKEND})
+AUTO = "auto"  # the engine picked for the device (`requested_backend`)
+# What "auto" takes on a device type: the first of these that imports; on any other device, and when none
+# does, eager decoding (on CPU compiling decodes no faster: BENCHMARKS.md, "Decoding").
+AUTO_PICKS = {"cuda": ("vllm", "static")}
+GenerationBackend = Literal[(AUTO, *BACKENDS)]
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Which engine decodes the rollouts, and each engine's own options (`GRPOConfig.engine`)."""
+    """Which engine decodes the rollouts, and the options of each engine that has its own, in a field of the
+    engine's name (`GRPOConfig.engine`)."""
 
-    backend: Annotated[Literal["auto", "eager", "static", "vllm"], Alias("generation_backend")] = "auto"
-    """How rollouts are decoded (`grpo_lightning.training.backends`, one entry per engine). "eager":
+    backend: Annotated[GenerationBackend, Alias("generation_backend")] = AUTO
+    """How rollouts are decoded (`BACKENDS`, one entry per engine). "eager":
     `generate` on the training policy with a dynamic KV cache
     (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
     static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
@@ -22,7 +43,7 @@ class EngineOptions:
     one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch shape. Both stop
     decoding finished rows once at most half of a batch of more than 8 rows is live. "vllm": a colocated
     vLLM engine on every rank, pushed the policy's weights before each rollout after they changed
-    (`grpo_lightning.core.generation.vllm_engine`; options `vllm_*` below). "auto" (the default): "vllm"
+    (`grpo_lightning.core.generation.vllm_engine`; its options in `engine.vllm`). "auto" (the default): "vllm"
     on CUDA where vLLM imports, else "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no
     faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
@@ -34,6 +55,44 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.backend in ("eager", "static"):
-            for option in fields(self.vllm):
-                warn_inert(self.vllm, option.name, "engine.backend: vllm (or auto)")
+        for engine in fields(self):
+            own = getattr(self, engine.name)
+            if engine.name != "backend" and self.backend not in (AUTO, engine.name):
+                for option in fields(own):
+                    warn_inert(own, option.name, f"engine.backend: {engine.name} (or {AUTO})")
+
+    def of(self, backend: str) -> object | None:
+        """The options of engine `backend`, None for an engine without its own."""
+        return getattr(self, backend, None)
+
+
+def requested_backend(requested: str, device: torch.device) -> str:
+    """`engine.backend` as asked for on `device`: "auto" is the first of `AUTO_PICKS` for the device's type
+    that imports, else "eager"."""
+    if requested != AUTO:
+        return requested
+    available = (name for name in AUTO_PICKS.get(device.type, ()) if BACKENDS[name].unavailable() is None)
+    return next(available, "eager")
+
+
+def resolve_backend(requested: str, model: PreTrainedModel, device: torch.device) -> str:
+    """`engine.backend` made concrete (`requested_backend`); a model the chosen engine cannot serve gets
+    "eager", with one warning that says why. An engine asked for that does not import here raises, saying
+    what is missing."""
+    backend = requested_backend(requested, device)
+    if (problem := BACKENDS[backend].unavailable()) is not None:
+        raise RuntimeError(f"grpo.engine.backend={backend!r}: {problem}")
+    reason = BACKENDS[backend].unsupported(model)
+    if reason is not None:
+        warnings.warn(
+            f"grpo.engine.backend={requested!r}: {reason}; rollouts use eager decoding", stacklevel=3
+        )
+        return "eager"
+    return backend
+
+
+def build_engine(request: EngineRequest, options: EngineOptions, requested: str) -> tuple[str, RolloutEngine]:
+    """The engine of the backend `requested` (`resolve_backend`) for the request's policy, given its own
+    `options`, and the backend's name (its `BACKENDS` entry holds its memory estimate)."""
+    backend = resolve_backend(requested, request.policy, request.device)
+    return backend, BACKENDS[backend].build(request, options.of(backend))

@@ -9,6 +9,10 @@
   in `close`. Every sampled rollout carries the log-prob of each drawn token under the distribution it
   was drawn from (`Rollout.sampler_logprobs`), and the engine reports its speed (`metrics`).
 
+- `Backend`: an engine's entry in the registry (`backends.BACKENDS`): how it is built from an
+  `EngineRequest` and its own options, which models it cannot serve, what it holds in memory for a rollout
+  (`EngineMemory`, for the pre-flight's estimate), and whether it needs full attention in every layer.
+
 Text prompts reach an engine through `prompts.PromptSampler`; the training scorer is `scorer.LogProbScorer`.
 No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one) and tensors.
 """
@@ -16,14 +20,18 @@ No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one) and
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from grpo_lightning.core.generation.inference_copy import WeightSource
 from grpo_lightning.core.generation.sampling import (
     COMPACT_ABOVE_ROWS,
+    SamplingOptions,
     SamplingSettings,
     generate_completions,
     prefill_groups,
@@ -130,3 +138,77 @@ class EagerEngine(RolloutEngine):
 
     def metrics(self) -> dict[str, float]:
         return dict(self.last_speed)
+
+
+# ------------------------------------------------------------------------------- an engine's registry entry
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What building an engine takes, besides its own options.
+
+    Args:
+        sampling: the run's sampling options (lengths, for an engine that sizes its buffers by them).
+        settings: what every sampled token obeys.
+        policy: the policy, loaded (with LoRA, sharded).
+        device: where its prompts go.
+        precision: the trainer's precision flag (None without a trainer: the policy as it is).
+        weights: the policy's full weights for an engine with a copy of its own (unit by unit under FSDP2).
+    """
+
+    sampling: SamplingOptions
+    settings: SamplingSettings
+    policy: PreTrainedModel
+    device: torch.device
+    precision: str | None
+    weights: WeightSource
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a rollout of `sequences` rows of `tokens` tokens costs an engine: its KV cache's shape, the copy
+    of the weights it holds (None: it reads the policy's) and its KV pool when of a fixed size of its own
+    (None: `sequences` x `tokens`)."""
+
+    sequences: int
+    tokens: int
+    copy_bytes: int | None = None
+    kv_pool_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """The rollout the pre-flight estimates: `sequences` rows of `prompt_tokens` prompt and `new_tokens`
+    completion tokens, the policy `sharded` (FSDP2), under Lightning's `precision`."""
+
+    sequences: int
+    prompt_tokens: int
+    new_tokens: int
+    sharded: bool
+    precision: str
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One engine in the registry: `build` it from a request and its own options (the `EngineOptions` field
+    of its name, None for an engine without one), why it cannot serve a model (`unsupported`: None when it
+    can; the run then falls back to eager decoding with a warning), its `memory` for a rollout, whether it
+    needs full attention in every layer (`sampling.not_full_attention`: without, eager decoding) and why it
+    cannot run here at all (`unavailable`: a missing package, in one line; None when it can)."""
+
+    build: Callable[[EngineRequest, Any], RolloutEngine]
+    unsupported: Callable[[PreTrainedModel], str | None]
+    memory: Callable[[RolloutEngine, PreTrainedModel, MemoryRequest], EngineMemory]
+    needs_full_attention: bool = False
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+def _eager_memory(engine: RolloutEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:
+    return EngineMemory(rollout.sequences, rollout.prompt_tokens + rollout.new_tokens)
+
+
+EAGER_BACKEND = Backend(
+    build=lambda request, options: EagerEngine(request.settings),
+    unsupported=lambda model: None,
+    memory=_eager_memory,
+)

@@ -54,12 +54,21 @@ from transformers import CompileConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_lightning.core.generation.compile_watch import CompileWatch
-from grpo_lightning.core.generation.engines import RolloutEngine, rollout_speed
+from grpo_lightning.core.generation.engines import (
+    Backend,
+    EngineMemory,
+    EngineRequest,
+    MemoryRequest,
+    RolloutEngine,
+    rollout_speed,
+)
 from grpo_lightning.core.generation.inference_copy import (
     CopyPrecision,
     InferenceCopy,
     WeightSource,
+    copy_precision,
     hf_model,
+    inference_copy_nbytes,
     own_weights,
     plain_copy,
 )
@@ -431,3 +440,25 @@ def _compile_refused(twin: PreTrainedModel, cache: StaticCache, config: CompileC
     if criteria({cache_argument(twin): cache}, generation):
         return None
     return "transformers does not compile this model's decoding step (`_valid_auto_compile_criteria`)"
+
+
+# -------------------------------------------------------------------------------------- registry entry
+def _static(request: EngineRequest, options: None) -> StaticEngine:
+    return StaticEngine(
+        request.settings,
+        precision=copy_precision(request.precision),  # the copy computes as the scorer does
+        compile=request.device.type == "cuda",
+        max_prompt_tokens=request.sampling.max_prompt_length,
+        weights=request.weights,
+    )
+
+
+def _static_memory(engine: StaticEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:
+    width = -(-rollout.prompt_tokens // engine.prompt_bucket) * engine.prompt_bucket
+    sequences, tokens = engine.cache_shape(rollout.sequences, width, rollout.new_tokens)
+    sharded_mixed = rollout.sharded and str(rollout.precision).endswith("-mixed")  # gathered in that dtype
+    gathered = engine.precision.linear_dtype if sharded_mixed else None
+    return EngineMemory(sequences, tokens, inference_copy_nbytes(policy, engine.precision, gathered))
+
+
+STATIC_BACKEND = Backend(_static, static_unsupported, _static_memory, needs_full_attention=True)

@@ -7,10 +7,11 @@ changed.
   not read: `load_format="dummy"`, no tokenizer: prompts go in as token ids), so it can only sample the
   weights pushed into it; its own defaults stay out: `generation_config="vllm"` ignores the checkpoint's
   generation config, the stop ids are `SamplingSettings.eos_token_ids`, and every setting of
-  `SamplingSettings` maps onto `SamplingParams` (`sampling_params`). A prompt's G completions are one
-  request (`n=G`), its prompt prefilled once (prefix caching on). Each drawn token's log-prob is vLLM's
-  after temperature, top-k/top-p and `min_tokens` (`logprobs_mode="processed_logprobs"`), the
-  distribution it was drawn from: `Rollout.sampler_logprobs`, which the trainer compares with the loss's.
+  `SamplingSettings` maps onto `SamplingParams` (`vllm_requests.sampling_params`). A prompt's G
+  completions are one request (`n=G`), its prompt prefilled once (prefix caching on). Each drawn token's
+  log-prob is vLLM's after temperature, top-k/top-p and `min_tokens` (`logprobs_mode="processed_logprobs"`),
+  the distribution it was drawn from: `Rollout.sampler_logprobs`, which the trainer compares with the
+  loss's.
 - **The push** (`refresh`): vLLM's in-place reload (`reload_weights` through `collective_rpc`, weights in
   checkpoint format, so each layer reprocesses them as at load) fed from a `WeightSource`: the policy's
   own tensors, or under FSDP2 one unit gathered at a time, so no second full model is alive on a rank
@@ -33,11 +34,9 @@ says in one line what is missing.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -51,22 +50,32 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
-from grpo_lightning.core.generation.engines import RolloutEngine, rollout_speed
+from grpo_lightning.core.generation.engines import (
+    Backend,
+    EngineMemory,
+    EngineRequest,
+    MemoryRequest,
+    RolloutEngine,
+    rollout_speed,
+)
 from grpo_lightning.core.generation.inference_copy import (
     WeightSource,
     active_lora,
+    copy_precision,
     hf_model,
     own_weights,
     plain_class,
 )
 from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.generation.vllm_process import default_group_kept, local_rank, trainer_process_kept
+from grpo_lightning.core.generation.vllm_requests import rollout_of, sampling_params
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
-from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import Rollout
 
 # vLLM's LoRA slots come in these ranks; an adapter of rank r takes the smallest one >= r.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-CPU_KV_CACHE_GB = 1.0  # the CPU KV pool when `VLLMSettings.kv_cache_gb` is None
+CPU_KV_CACHE_GB = 1.0  # the CPU KV pool when `VLLMOptions.kv_cache_gb` is None
+MAX_NUM_BATCHED_TOKENS = 4096  # the tokens one engine step schedules, prefill chunks included
 _OPEN_ENGINES: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 
 
@@ -134,91 +143,6 @@ class VLLMOptions:
         check_fields(self)
 
 
-@dataclass(frozen=True)
-class VLLMSettings:
-    """The engine's own options (`GRPOConfig`'s `vllm_*` section documents each).
-
-    Args:
-        max_model_len: the longest prompt + completion a request may hold.
-        kv_cache_gb: the KV pool in GB; None: on CUDA vLLM's share of the GPU (`gpu_memory_utilization`),
-            on CPU `CPU_KV_CACHE_GB`.
-        gpu_memory_utilization: on CUDA, the share of the GPU's memory vLLM takes for weights and KV pool.
-        sleep: on CUDA, free the KV pool and the weights between rollouts, woken before the next one: level
-            2 (weights dropped, the next wake pushes them all) under full fine-tuning, level 1 (weights
-            kept on the host) under LoRA, whose frozen base is pushed only once.
-        enforce_eager: no `torch.compile` or CUDA graphs (faster start, slower decoding on GPU).
-        seed: vLLM's sampling seed; each rank's engine adds its rank, so that ranks draw different
-            completions (per engine: per-request seeds crash chunked prefill on CPU).
-        max_num_batched_tokens: the tokens one engine step schedules (prefill chunks included).
-        block_size: the KV cache's block size in tokens, the unit prefix caching reuses; None: vLLM's.
-    """
-
-    max_model_len: int
-    kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.3
-    sleep: bool = False
-    enforce_eager: bool = False
-    seed: int = 0
-    max_num_batched_tokens: int = 4096
-    block_size: int | None = None
-
-
-def sampling_params(settings: SamplingSettings, num_generations: int, do_sample: bool):
-    """`SamplingParams` of one prompt's group: `SamplingSettings` mapped one to one; greedy draws once."""
-    from vllm import SamplingParams
-
-    s = settings
-    sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0}
-    return SamplingParams(
-        n=num_generations if do_sample else 1,
-        max_tokens=s.max_new_tokens,
-        min_tokens=s.min_new_tokens,
-        stop_token_ids=list(s.eos_token_ids),
-        detokenize=False,
-        **(sampled if do_sample else {"temperature": 0.0}),
-    )
-
-
-def rollout_of(
-    outputs: list,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    G: int,
-    settings: SamplingSettings,
-    do_sample: bool,
-) -> Rollout:
-    """The `Rollout` of vLLM's `RequestOutput`s, one per prompt of `prompt_ids` `[N, P]`: N*G rows,
-    completions right-padded with the pad id, each drawn token's processed log-prob (0 after the end; None
-    greedy)."""
-    rows = [c for out in outputs for c in out.outputs]
-    if not do_sample:  # one greedy completion per prompt, repeated to the group
-        rows = [row for row in rows for _ in range(G)]
-    device = prompt_ids.device
-    T = max(1, max(len(c.token_ids) for c in rows))
-    ids = torch.full((len(rows), T), settings.pad_token_id, dtype=torch.long)  # [N*G, T]
-    mask = torch.zeros((len(rows), T), dtype=torch.long)  # [N*G, T]
-    logprobs = torch.zeros((len(rows), T), dtype=torch.float32)  # [N*G, T]
-    eos = set(settings.eos_token_ids)
-    ended = torch.zeros(len(rows), dtype=torch.bool)  # [N*G]
-    for i, completion in enumerate(rows):
-        tokens = list(completion.token_ids)
-        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[i, : len(tokens)] = 1
-        ended[i] = bool(tokens) and tokens[-1] in eos
-        if do_sample:
-            logprobs[i, : len(tokens)] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
-            )
-    return Rollout(
-        prompt_ids.repeat_interleave(G, dim=0),  # [N*G, P]
-        prompt_mask.repeat_interleave(G, dim=0),
-        ids.to(device),
-        mask.to(device),
-        (~ended).to(device),
-        logprobs.to(device) if do_sample else None,
-    )
-
-
 def _checkpoint_name(name: str) -> str:
     """A base weight's checkpoint name (what vLLM loads) from its name inside a PEFT-wrapped layer."""
     return name.replace(".base_layer.", ".")
@@ -233,23 +157,34 @@ class VLLMEngine(RolloutEngine):
     """Rollouts of `num_generations` completions per prompt on a colocated vLLM `LLM`, pushed the policy's
     weights before the first rollout after they changed (see the module docstring).
 
-    `settings`: what every sampled token obeys (a call may pass its own). `options`: vLLM's own
-    (`VLLMSettings`). `dtype`: the dtype vLLM computes in (the trainer's compute dtype; None: the policy's).
-    `weights`: where the pushed weights come from (`WeightSource`; default the policy's own tensors).
+    Args:
+        settings: what every sampled token obeys (a call may pass its own).
+        options: the engine's options (`VLLMOptions`, each documented there).
+        max_model_len: the longest prompt + completion a request may hold (`options.max_model_len` made
+            concrete).
+        seed: vLLM's sampling seed; each rank's engine adds its rank, so that ranks draw different
+            completions (one per engine: per-request seeds crash chunked prefill on CPU).
+        dtype: the dtype vLLM computes in (the trainer's compute dtype; None: the policy's).
+        weights: where the pushed weights come from (`WeightSource`; default the policy's own tensors).
+        block_size: the KV cache's block size in tokens, the unit prefix caching reuses; None: vLLM's.
     """
 
     def __init__(
         self,
         settings: SamplingSettings,
-        options: VLLMSettings,
+        options: VLLMOptions,
         *,
+        max_model_len: int,
+        seed: int = 0,
         dtype: torch.dtype | None = None,
         weights: WeightSource = own_weights,
+        block_size: int | None = None,
     ) -> None:
         problem = vllm_unavailable()
         if problem is not None:
-            raise RuntimeError(f"grpo.engine.backend='vllm': {problem}")
+            raise RuntimeError(problem)
         self.settings, self.options, self.dtype, self.weights = settings, options, dtype, weights
+        self.max_model_len, self.seed, self.block_size = max_model_len, seed, block_size
         self.llm = None  # started by the first `refresh`, on the policy it sees
         self.folder: str | None = None  # the config vLLM starts from, and the adapter it serves
         self.joined_trainer_group = False  # whether vLLM started inside the trainer's process group
@@ -345,7 +280,7 @@ class VLLMEngine(RolloutEngine):
         that was there before the engine started is the trainer's, and is kept (a rebuilt engine, or the
         trainer's next collective, needs it)."""
         if self.llm is not None:
-            with _default_group_kept() if self.joined_trainer_group else contextlib.nullcontext():
+            with default_group_kept() if self.joined_trainer_group else contextlib.nullcontext():
                 self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         if self.folder is not None:
@@ -377,9 +312,9 @@ class VLLMEngine(RolloutEngine):
         if kv_gb is not None:
             memory["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
         dtype = serving_dtype(self.dtype or next(inner.parameters()).dtype, lora=bool(lora), cuda=cuda)
-        if o.block_size is not None:
-            memory["block_size"] = o.block_size
-        launch = _trainer_process_kept(local_rank(device))
+        if self.block_size is not None:
+            memory["block_size"] = self.block_size
+        launch = trainer_process_kept(local_rank(device))
         self.joined_trainer_group = launch.grouped  # vLLM then runs in the trainer's process group
         if cuda:
             torch.cuda.set_device(device)  # vLLM's worker takes `cuda:LOCAL_RANK`, the current device too
@@ -389,9 +324,9 @@ class VLLMEngine(RolloutEngine):
                 skip_tokenizer_init=True,
                 load_format="dummy",  # random weights: the first push writes every one
                 dtype=dtype,
-                seed=o.seed + launch.rank,
-                max_model_len=o.max_model_len,
-                max_num_batched_tokens=o.max_num_batched_tokens,
+                seed=self.seed + launch.rank,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                 enable_prefix_caching=True,
                 generation_config="vllm",
                 logprobs_mode="processed_logprobs",
@@ -493,75 +428,6 @@ def serving_dtype(dtype: torch.dtype, *, lora: bool, cuda: bool) -> torch.dtype:
     return dtype
 
 
-def local_rank(device: torch.device) -> int:
-    """This process's index among its node's devices: a CUDA device's own index, else `LOCAL_RANK`
-    (set by Lightning and torchrun), else `SLURM_LOCALID` (set by `srun`), else 0."""
-    if device.type == "cuda" and device.index is not None:
-        return device.index
-    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return 0
-
-
-class _trainer_process_kept:
-    """Around vLLM's start-up in the trainer's process: its torch threads, `torch.set_num_threads`, random
-    generators and garbage collector kept as they were, and the variables vLLM's `external_launcher` reads
-    (rank, world size, local rank, rendezvous) set from the trainer's process group and `local_rank`, or for
-    one process without a group."""
-
-    def __init__(self, local_rank: int) -> None:
-        dist = torch.distributed
-        self.grouped = grouped = dist.is_available() and dist.is_initialized()
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
-        self.local_rank = local_rank
-
-    def __enter__(self) -> None:
-        self.threads, self.set_threads = torch.get_num_threads(), torch.set_num_threads
-        self.rng = capture_rng_states()
-        launch = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(self.local_rank)}
-        launch["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        launch["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
-        launch["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(self.threads))  # unset, vLLM sets 1
-        launch["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
-        self.saved = {name: os.environ.get(name) for name in launch}
-        os.environ.update(launch)
-
-    def __exit__(self, *exc: object) -> None:
-        for name, value in self.saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        torch.set_num_threads = self.set_threads
-        torch.set_num_threads(self.threads)
-        gc.unfreeze()  # vLLM freezes the objects alive at start-up: the trainer's garbage stays collectable
-        restore_rng_states(self.rng)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _default_group_kept() -> Iterator[None]:
-    """Inside: `torch.distributed.destroy_process_group()` of the default group does nothing (vLLM's
-    shutdown calls it at its end); its own groups are destroyed as it asks."""
-    destroy = torch.distributed.destroy_process_group
-
-    def destroy_but_the_default(group: object = None) -> None:
-        if group is not None:
-            destroy(group)
-
-    torch.distributed.destroy_process_group = destroy_but_the_default
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group = destroy
-
-
 def shutdown_engines() -> None:
     """Close every open vLLM engine of this process: before the trainer destroys its process group, which
     vLLM's shutdown would otherwise find gone."""
@@ -574,3 +440,37 @@ def vllm_weights_nbytes(model: PreTrainedModel, dtype: torch.dtype | None) -> in
     once."""
     weights = {id(w): w for w in hf_model(model).parameters()}.values()
     return sum(w.numel() * (dtype.itemsize if dtype else w.element_size()) for w in weights)
+
+
+# -------------------------------------------------------------------------------------- registry entry
+def _vllm(request: EngineRequest, options: VLLMOptions) -> VLLMEngine:
+    length, sampling = options.max_model_len, request.sampling
+    if length is None:
+        length = (
+            sampling.max_prompt_length + sampling.max_completion_length
+            if sampling.max_prompt_length
+            else request.policy.config.max_position_embeddings
+        )
+    return VLLMEngine(
+        request.settings,
+        options,
+        max_model_len=length,
+        seed=int(torch.randint(2**31 - 1, ())),  # from the trainer's seeded stream: a seed per run
+        dtype=copy_precision(request.precision).linear_dtype,  # the trainer's compute dtype
+        weights=request.weights,
+    )
+
+
+def _vllm_memory(engine: VLLMEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:
+    weights = vllm_weights_nbytes(policy, engine.dtype)
+    kv_gb = engine.options.kv_cache_gb
+    if kv_gb is None and torch.cuda.is_available():  # vLLM takes its share of the GPU, its weights included
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        pool = int(engine.options.gpu_memory_utilization * total) - weights
+    else:
+        pool = int((kv_gb if kv_gb is not None else CPU_KV_CACHE_GB) * 1e9)
+    tokens = rollout.prompt_tokens + rollout.new_tokens
+    return EngineMemory(rollout.sequences, tokens, weights, pool)
+
+
+VLLM_BACKEND = Backend(_vllm, vllm_unsupported, _vllm_memory, unavailable=vllm_unavailable)

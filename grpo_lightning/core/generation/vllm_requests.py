@@ -1,0 +1,70 @@
+"""What crosses into and out of vLLM for one rollout: `SamplingParams` of our `SamplingSettings`
+(`sampling_params`, one to one; greedy draws once) and the `Rollout` of vLLM's `RequestOutput`s
+(`rollout_of`, with each drawn token's processed log-prob). vLLM is imported on first use.
+
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.types import Rollout
+
+
+def sampling_params(settings: SamplingSettings, num_generations: int, do_sample: bool):
+    """`SamplingParams` of one prompt's group: `SamplingSettings` mapped one to one; greedy draws once."""
+    from vllm import SamplingParams
+
+    s = settings
+    sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0}
+    return SamplingParams(
+        n=num_generations if do_sample else 1,
+        max_tokens=s.max_new_tokens,
+        min_tokens=s.min_new_tokens,
+        stop_token_ids=list(s.eos_token_ids),
+        detokenize=False,
+        **(sampled if do_sample else {"temperature": 0.0}),
+    )
+
+
+def rollout_of(
+    outputs: list,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    G: int,
+    settings: SamplingSettings,
+    do_sample: bool,
+) -> Rollout:
+    """The `Rollout` of vLLM's `RequestOutput`s, one per prompt of `prompt_ids` `[N, P]`: N*G rows,
+    completions right-padded with the pad id, each drawn token's processed log-prob (0 after the end; None
+    greedy)."""
+    rows = [c for out in outputs for c in out.outputs]
+    if not do_sample:  # one greedy completion per prompt, repeated to the group
+        rows = [row for row in rows for _ in range(G)]
+    device = prompt_ids.device
+    T = max(1, max(len(c.token_ids) for c in rows))
+    ids = torch.full((len(rows), T), settings.pad_token_id, dtype=torch.long)  # [N*G, T]
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # [N*G, T]
+    logprobs = torch.zeros((len(rows), T), dtype=torch.float32)  # [N*G, T]
+    eos = set(settings.eos_token_ids)
+    ended = torch.zeros(len(rows), dtype=torch.bool)  # [N*G]
+    for i, completion in enumerate(rows):
+        tokens = list(completion.token_ids)
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, : len(tokens)] = 1
+        ended[i] = bool(tokens) and tokens[-1] in eos
+        if do_sample:
+            logprobs[i, : len(tokens)] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+            )
+    return Rollout(
+        prompt_ids.repeat_interleave(G, dim=0),  # [N*G, P]
+        prompt_mask.repeat_interleave(G, dim=0),
+        ids.to(device),
+        mask.to(device),
+        (~ended).to(device),
+        logprobs.to(device) if do_sample else None,
+    )
