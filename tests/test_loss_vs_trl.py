@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_lightning.core.algorithm.loss import grpo_loss
-from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.sampler_correction import importance_weights, logprob_gap_stats
 from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch, sections
 
 
@@ -137,7 +137,7 @@ def test_the_bias_corrected_kl_changes_the_on_policy_gradient_as_trl(level: str)
 
 
 @pytest.mark.parametrize("cap", [1.5, 2.0, 3.0, 3.5, 7.0])
-def test_truncated_importance_weights_and_their_capped_share_are_trls_token_truncate(cap: float) -> None:
+def test_token_truncate_weights_and_their_capped_share_are_trls(cap: float) -> None:
     """The sampler's weights as TRL's "token_truncate" mode computes them (`_generate_and_score_completions`:
     exp of the masked log-ratio, clamped at `vllm_importance_sampling_clip_max`), the share of tokens that
     clamp lowers, and the loss TRL's `_compute_loss` gives with those weights."""
@@ -147,11 +147,11 @@ def test_truncated_importance_weights_and_their_capped_share_are_trls_token_trun
     mask = data["mask"]
     raw = torch.exp((data["old_logprobs"] - sampler) * mask)  # [B, T] TRL's ratio before its clamp
     trl_weights = torch.clamp(raw, max=cap)
-    weights = truncated_importance_weights(data["old_logprobs"], sampler, cap)
+    correction = importance_weights(data["old_logprobs"], sampler, mask, "token_truncate", cap)
+    weights = correction[0]
     torch.testing.assert_close(weights[mask], trl_weights[mask], rtol=1e-12, atol=0)
-    capped = float(
-        logprob_gap_stats(data["old_logprobs"], sampler, mask, cap)["rollout/is_weight_frac_capped"]
-    )
+    stats = logprob_gap_stats(data["old_logprobs"], sampler, mask, correction)
+    capped = float(stats["rollout/is_weight_frac_capped"])
     assert capped == pytest.approx(float((raw > cap)[mask].double().mean()), abs=1e-6)
     assert 0 < capped < 1
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_lightning.core.algorithm.loss import grpo_loss
-from grpo_lightning.core.algorithm.sampler_correction import logprob_gap_stats, truncated_importance_weights
+from grpo_lightning.core.algorithm.sampler_correction import importance_weights, logprob_gap_stats
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, Trajectory
 from grpo_lightning.core.update import micro_batch_loss
@@ -20,7 +20,7 @@ def test_weights_and_loss_by_hand():
     -w_t * A / 3 with w = min(exp(log pi - log pi_sampler), 2), and so is its gradient."""
     logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     sampler = torch.tensor([[-1.2, -1.0, -2.5]])  # log-ratios 0.2, -1.0, 2.0 (the last above log 2)
-    weights = truncated_importance_weights(logprobs, sampler, cap=2.0)
+    weights, _ = importance_weights(logprobs, sampler, torch.ones(1, 3), "token_truncate", cap=2.0)
     expected = torch.tensor([[1.2214028, 0.3678794, 2.0]])  # e^0.2, e^-1, min(e^2, 2)
     torch.testing.assert_close(weights, expected)
     assert not weights.requires_grad
@@ -28,7 +28,8 @@ def test_weights_and_loss_by_hand():
     torch.testing.assert_close(loss, torch.tensor(-2.0 / 3 * (1.2214028 + 0.3678794 + 2.0)))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, -2.0 / 3 * expected)
-    gap = logprob_gap_stats(logprobs, sampler, torch.tensor([[1, 1, 0]]), cap=2.0)  # the last is padding
+    mask = torch.tensor([[1, 1, 0]])  # the last is padding
+    gap = logprob_gap_stats(logprobs, sampler, mask, importance_weights(logprobs, sampler, mask, cap=2.0))
     torch.testing.assert_close(gap["rollout/logp_gap_mean"], torch.tensor(0.6))
     torch.testing.assert_close(gap["rollout/logp_gap_max"], torch.tensor(1.0))
     torch.testing.assert_close(gap["rollout/logp_gap_frac_above"], torch.tensor(1.0))
@@ -48,11 +49,12 @@ def test_the_capped_share_counts_every_capped_weight_whatever_the_cap():
     sampler = torch.stack([scorer[0] - 5.0, scorer[1] + 0.5])  # [B, T]
     wrong = {}
     for cap in CAPS:
-        stats = logprob_gap_stats(scorer, sampler, torch.ones(2, 4), cap=cap)
+        mask = torch.ones(2, 4)
+        stats = logprob_gap_stats(scorer, sampler, mask, importance_weights(scorer, sampler, mask, cap=cap))
         if float(stats["rollout/is_weight_frac_capped"]) != 0.5:
             wrong[cap] = float(stats["rollout/is_weight_frac_capped"])
     assert wrong == {}
-    weights = truncated_importance_weights(scorer, sampler, cap=3.5)
+    weights, _ = importance_weights(scorer, sampler, torch.ones(2, 4), cap=3.5)
     assert float(weights[0].max()) < 3.5  # the capped weight rounds below its cap, as said above
 
 
@@ -117,7 +119,9 @@ def test_correction_changes_nothing_where_the_sampler_is_the_scorer(with_old, lo
     _, plain_grad, plain_stats = loss_and_grad(apart, logprobs, False, loss_type)
     _, weighted_grad, _ = loss_and_grad(apart, logprobs, True, loss_type)
     scorer = apart.old_logprobs if with_old else logprobs.detach()
-    weights = truncated_importance_weights(scorer, apart.rollout.sampler_logprobs, 2.0)
+    weights = (
+        (scorer - apart.rollout.sampler_logprobs).exp().clamp(max=2.0)
+    )  # TIS: min(pi_old / pi_sampler, 2)
     torch.testing.assert_close(weighted_grad, plain_grad * weights, rtol=1e-5, atol=1e-7)
     assert float(plain_stats["rollout/logp_gap_mean"]) > 0.1
 
@@ -179,4 +183,6 @@ def test_importance_sampling_modes_bound_tokens_or_sequences_as_trl_does():
     torch.testing.assert_close(weights, torch.tensor([[0.0] * 3, [float(sequence[1])] * 3]))
     assert bounded.tolist() == [[True] * 3, [False] * 3]  # e^1.0 above the cap 2.0, e^0.3 below
     plain, _ = importance_weights(scorer, sampler, mask, "token_truncate", cap=2.0)
-    torch.testing.assert_close(plain, truncated_importance_weights(scorer, sampler, 2.0))
+    torch.testing.assert_close(
+        plain, (scorer - sampler).exp().clamp(max=2.0)
+    )  # TIS: min(pi_old / pi_sampler, 2)

@@ -191,7 +191,7 @@ def build_trajectory(
     mask = loss_mask(rollout, cfg.loss.mask_truncated_completions)  # [B, T]
     if old_logprobs is not None and rollout.sampler_logprobs is not None:
         correction = sampler_correction(cfg, old_logprobs, rollout.sampler_logprobs, mask)  # or None
-        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, None, correction))
+        stats.update(logprob_gap_stats(old_logprobs, rollout.sampler_logprobs, mask, correction))
     return Trajectory(
         **{f.name: getattr(scored, f.name) for f in fields(ScoredGroups)},  # what the groups hold
         loss_mask=mask,
@@ -313,7 +313,7 @@ def micro_batch_loss(
         scorer = old_logprobs if old_logprobs is not None else logprobs.detach()  # [b, T] pi_old
         sampler = t.rollout.sampler_logprobs[rows]  # [b, T]
         correction = sampler_correction(cfg, scorer, sampler, t.loss_mask[rows])  # ([b, T], [b, T]) or None
-        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], None, correction)
+        gap = logprob_gap_stats(scorer, sampler, t.loss_mask[rows], correction)
         weights = None if correction is None else correction[0]
     loss, stats = grpo_loss(
         logprobs,

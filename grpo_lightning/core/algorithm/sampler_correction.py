@@ -35,18 +35,6 @@ from grpo_lightning.core.options import Alias, Choices, Range, check_fields
 LOGP_GAP_THRESHOLD = 0.1  # |log pi_old - log pi_sampler| above which a token counts in logp_gap_frac_above
 
 
-def truncated_importance_weights(scorer_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
-    """`min(exp(scorer - sampler), cap)` per token `[B, T]`, detached (Yao et al. 2025's TIS weight).
-
-    Args:
-        scorer_logprobs: `[B, T]` the sampled tokens' log-probs under the policy the loss takes as `pi_old`.
-        sampler_logprobs: `[B, T]` the same tokens' log-probs under the distribution they were drawn from.
-        cap: the truncation C, > 0.
-    """
-    log_ratio = (scorer_logprobs.detach() - sampler_logprobs).clamp(max=math.log(cap))
-    return log_ratio.exp()  # [B, T] clamped in log space: no overflow before the cap
-
-
 def _bounded_by_truncation(log_ratio: Tensor, floor: float | None, cap: float | None) -> Tensor:
     """The ratio clipped into [floor, cap] (in log space: no overflow before the cap)."""
     low = None if floor is None else math.log(floor)
@@ -106,7 +94,8 @@ def importance_weights(
     floor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The detached per-token weights `[B, T]` of the sampler correction in `mode`
-    (`IMPORTANCE_SAMPLING_MODES`; token_truncate with no floor is `truncated_importance_weights`), and where
+    (`IMPORTANCE_SAMPLING_MODES`; token_truncate with no floor is TIS's `min(pi_old / pi_sampler, cap)`), and
+    where
     the bounds changed them (`outside_bounds`, `[B, T]` bool).
 
     Args:
@@ -124,14 +113,13 @@ def logprob_gap_stats(
     scorer_logprobs: Tensor,
     sampler_logprobs: Tensor,
     mask: Tensor,
-    cap: float | None = None,
     correction: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """How far the sampler's log-probs are from the scorer's on the `mask`ed tokens: `rollout/logp_gap_mean`
     and `_max` of |scorer - sampler|, `rollout/logp_gap_frac_above` (the share above
-    `LOGP_GAP_THRESHOLD`), and with the correction's `(weights, bounded)` (`importance_weights`; or a
-    `cap`: the TIS weights at it) the weights' mean and the share the bounds changed (truncated at the cap,
-    or masked to 0), judged before bounding."""
+    `LOGP_GAP_THRESHOLD`), and with the correction's `(weights, bounded)` (`importance_weights`) the
+    weights' mean and the share the bounds changed (truncated at the cap, or masked to 0), judged before
+    bounding."""
     mask = mask.bool()  # [B, T]
     gap = (scorer_logprobs.detach() - sampler_logprobs).abs().float()  # [B, T]
     gap = torch.where(mask, gap, torch.zeros((), device=gap.device))  # padding counts nowhere, even NaN
@@ -141,8 +129,6 @@ def logprob_gap_stats(
         "rollout/logp_gap_max": gap.max() if gap.numel() else gap.new_zeros(()),
         "rollout/logp_gap_frac_above": ((gap > LOGP_GAP_THRESHOLD) & mask).sum() / tokens,
     }
-    if correction is None and cap is not None:
-        correction = importance_weights(scorer_logprobs, sampler_logprobs, mask, "token_truncate", cap)
     if correction is not None:
         weights, bounded = correction  # [B, T] each
         stats["rollout/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens

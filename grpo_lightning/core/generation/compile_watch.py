@@ -134,10 +134,6 @@ class CompileWatch:
         self.warm.add(shape)
         self._warn_new()
 
-    def forget_shapes(self) -> None:
-        """The caches were reallocated: every shape warms up again (new storage, new CUDA graphs)."""
-        self.warm.clear()
-
     def fell_back(self, cause: str) -> None:
         """A call decoded uncompiled although compiling was asked; `cause` says why (in the warning)."""
         self.report.eager_fallbacks += 1
