@@ -50,13 +50,14 @@ class Recorder(L.Callback):
 
 
 class StepSpy:
-    """Wraps `module._optimizer_step`: records each update's rollout and advantages (and `hook`'s result)."""
+    """Wraps `module.optimization.optimizer_step`: records each update's rollout and advantages (and
+    `hook`'s result)."""
 
     def __init__(self, module: GRPOModule, hook=None) -> None:
         self.calls: list[SimpleNamespace] = []
-        original = module._optimizer_step
+        original = module.optimization.optimizer_step
 
-        def spy(optimizer, trajectory, *rest):
+        def spy(module, optimizer, trajectory, *rest):
             extra = hook(trajectory.rollout, trajectory.loss_mask) if hook is not None else None
             self.calls.append(
                 SimpleNamespace(
@@ -67,9 +68,9 @@ class StepSpy:
                     extra=extra,
                 )
             )
-            return original(optimizer, trajectory, *rest)
+            return original(module, optimizer, trajectory, *rest)
 
-        module._optimizer_step = spy
+        module.optimization.optimizer_step = spy
 
 
 def tiny_module(model_dir: str, reward_funcs=(split_reward,), **grpo) -> GRPOModule:

@@ -1,6 +1,7 @@
 """A module's hyper-parameters are plain values whoever built it (Hydra's containers, tuples, paths, partial
 rewards), in the checkpoint and in what the loggers get; reward functions carry their names; what a
-checkpoint cannot rebuild is named; a subclass that fixes a base argument loads from its checkpoint."""
+checkpoint cannot rebuild is named; a subclass that fixes a base argument loads from its checkpoint
+(`training/hyperparameters.py`, `io/checkpoints.py`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.checkpoints import plain_value, resolve_callable, reward_recipe
+from grpo_lightning.training.hyperparameters import own_arguments
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, length_reward, quiet_trainer
 
@@ -149,6 +151,23 @@ class DigitsWithSGD(GRPOModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         return torch.optim.SGD(params, lr=self.grpo.learning_rate, momentum=self.momentum)
+
+
+class FrameOf(GRPOModule):
+    """Records the frame of `GRPOModule.__init__` under a subclass that fixes `reward_funcs`."""
+
+    def __init__(self, policy: str, momentum: float = 0.9, **kwargs) -> None:
+        super().__init__(policy, reward_funcs=[digit_reward], **kwargs)
+
+    def save_hyperparameters(self, *args, frame=None, **kwargs) -> None:
+        self.own = own_arguments(frame, GRPOModule)
+        super().save_hyperparameters(*args, frame=frame, **kwargs)
+
+
+def test_own_arguments_are_the_most_specific_init_s_and_those_its_kwargs_pass_on(tiny_model_dir):
+    module = FrameOf(tiny_model_dir, momentum=0.5, grpo=OPTIONS)
+    assert {"policy", "momentum", "grpo"} <= module.own
+    assert "reward_funcs" not in module.own  # fixed by the subclass: its __init__ takes it no more
 
 
 def test_a_subclass_that_fixes_a_base_argument_loads_from_its_checkpoint(tiny_model_dir, tmp_path):

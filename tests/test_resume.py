@@ -177,14 +177,14 @@ def test_adaptive_state_round_trips_through_a_weights_only_checkpoint(tiny_model
     rollout, completions = module.rollouts.sample(prompts, 2)
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])  # the first group informative, the second not
     module.group_buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
-    module.step_guard.bad_steps = 2
+    module.optimization.step_guard.bad_steps = 2
     checkpoint = {"state_dict": {}}
     module.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, tmp_path / "state.ckpt")
 
     fresh = GRPOModule(tiny_model_dir, grpo=grpo)
     fresh.on_load_checkpoint(torch.load(tmp_path / "state.ckpt", weights_only=True))
-    assert fresh.step_guard.bad_steps == 2
+    assert fresh.optimization.step_guard.bad_steps == 2
     buffer = fresh.group_buffer
     assert (buffer.rounds, buffer.target, buffer.num_kept) == (1, 2, 1)
     assert buffer.kept[0].completions == completions[:2] and buffer.kept[0].prompts == prompts[:1]

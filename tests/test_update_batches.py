@@ -1,6 +1,7 @@
 """Several optimizer steps per rollout (`grpo.steps_per_generation`): the rollout's groups shuffled and cut
 into mini-batches of whole groups, each an optimizer step against the log-probs of the policy that sampled
-them; the trainer's step count, the schedule's length and an interrupted run's resume follow."""
+them (`training/manual_optimization.py`); the trainer's step count, the schedule's length and an
+interrupted run's resume follow."""
 
 import os
 import signal
@@ -21,6 +22,7 @@ from grpo_lightning.core.update import (
     shuffled_mini_batches,
 )
 from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.manual_optimization import ManualOptimization
 from grpo_lightning.training.resume import INTERRUPT_FILENAME
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 from tests.test_resume import assert_same_continuation, fit
@@ -80,20 +82,21 @@ def test_mini_batches_hold_whole_groups_advantaged_over_the_rollout():
 
 
 class StepRecorder:
-    """Wraps `module._optimizer_step`: each optimizer step's rows and clipped share."""
+    """Wraps `module.optimization.optimizer_step`: each optimizer step's rows and clipped share."""
 
     def __init__(self, module) -> None:
         self.steps: list[SimpleNamespace] = []
-        original = module._optimizer_step
+        optimization: ManualOptimization = module.optimization
+        original = optimization.optimizer_step
 
-        def record(optimizer, trajectory, *rest):
-            stats, grad_norm = original(optimizer, trajectory, *rest)
+        def record(module, optimizer, trajectory, *rest):
+            stats, grad_norm = original(module, optimizer, trajectory, *rest)
             prompts = [str(p) for p in trajectory.prompts]
             clipped = float(stats["clip_ratio/region_mean"])
             self.steps.append(SimpleNamespace(prompts=prompts, clipped=clipped, old=trajectory.old_logprobs))
             return stats, grad_norm
 
-        module._optimizer_step = record
+        optimization.optimizer_step = record
 
 
 def test_each_rollout_makes_its_optimizer_steps_on_its_groups_off_policy(tiny_model_dir, tmp_path):

@@ -90,7 +90,7 @@ def reading_schedulers(configure: Callable[[L.LightningModule], Any]) -> Callabl
     @functools.wraps(configure)
     def configure_optimizers(module: L.LightningModule) -> Any:
         configured = configure(module)
-        module.scheduler_monitors = scheduler_monitors(configured)
+        module.optimization.scheduler_monitors = scheduler_monitors(configured)
         return configured
 
     return configure_optimizers

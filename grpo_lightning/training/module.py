@@ -7,20 +7,16 @@ builds the trajectory and hands over each micro-batch's loss, which this module 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import time
-import warnings
 from collections.abc import Callable
-from types import FrameType
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.parsing import collect_init_args
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
@@ -29,7 +25,6 @@ from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOption
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_scheduler
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.core.rewards.scoring import (
     checked_reward_functions,
     score_completions,
@@ -39,15 +34,12 @@ from grpo_lightning.core.rewards.scoring import (
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.tools.calls import ToolOptions
-from grpo_lightning.core.types import Trajectory
-from grpo_lightning.core.update import MicroBatchSums, RolloutUpdate, StepGuard
+from grpo_lightning.core.update import RolloutUpdate
 from grpo_lightning.io.checkpoints import (
     as_options,
     check_fits,
-    portable_hparams,
     register_safe_globals,
     resolve_rewards,
-    unimportable_rewards,
 )
 from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
 from grpo_lightning.io.models import (
@@ -58,19 +50,17 @@ from grpo_lightning.io.models import (
     policy_parts,
     prepare_models,
 )
-from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.hyperparameters import save_own_hyperparameters
 from grpo_lightning.training.lr_schedulers import (
-    Monitored,
     reading_schedulers,
-    step_monitored,
-    step_schedulers,
 )
+from grpo_lightning.training.manual_optimization import ManualOptimization
 from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
 from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
-from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
+from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
-from grpo_lightning.training.run_checks import FitChecks
+from grpo_lightning.training.run_checks import FitChecks, check_setup
 from grpo_lightning.training.tool_rollouts import ToolSampling, prompt_answers
 from grpo_lightning.training.trainer_options import (
     bound_epochs_by_steps,
@@ -150,15 +140,7 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         super().__init__()
         grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
-        self.save_hyperparameters(ignore=["policy", "tokenizer"])
-        own = _own_arguments(inspect.currentframe())
-        # Fixed by a subclass, its __init__ takes them no more; the LightningCLI's hyper-parameters
-        # (`_instantiator`) are its config's, for its own instantiation: kept whole.
-        for key in set(self.hparams) - own if "_instantiator" not in self.hparams else ():
-            del self.hparams[key]
-        sources = {k: v for k, v in {"policy": policy, "tokenizer": tokenizer}.items() if k in own}
-        portable_hparams(self.hparams, sources)  # what load_from_checkpoint(ckpt) needs, plain
-        self._hparams_initial = copy.deepcopy(self._hparams)  # what the loggers get: the same plain values
+        save_own_hyperparameters(self, inspect.currentframe(), GRPOModule, policy=policy, tokenizer=tokenizer)
         reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
@@ -179,43 +161,19 @@ class GRPOModule(L.LightningModule):
         self.validation = ValidationScoring(num_generations_eval, val_reward)  # checks num_generations_eval
         self.val_accuracy = self.validation.accuracy  # a submodule: it moves with the module
         self.automatic_optimization = False
-        self.step_guard = StepGuard(grpo.update.max_bad_steps)  # skips non-finite updates, stops after many
+        # Non-finite updates skipped, the run stopped after many; the learning rate of the last step taken.
+        self.optimization = ManualOptimization(grpo.update.max_bad_steps, grpo.optimizer.learning_rate)
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
         dynamic = grpo.dynamic_sampling or DynamicSamplingOptions()  # off: its buffer is never filled
         metric = dynamic.metric if grpo.dynamic_sampling else None
         self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, dynamic.max_rounds)
         self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
-        self._step_learning_rate = grpo.optimizer.learning_rate  # the last optimizer step's, for logging
         self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
-        self.scheduler_monitors: dict[int, Monitored] = {}  # `configure_optimizers` sets them
-        self._steps_at_batch_start = 0
         sync = grpo.reference_sync  # TR-DPO
         self.reference_sync = ReferenceSync(sync.sync_steps, sync.mixup_alpha) if sync is not None else None
 
     def setup(self, stage: str) -> None:
-        # Chat prompts need a template: a tokenizer without one fails here, after the data module checked its
-        # files but before any weights load, instead of at the first step.
-        datamodule = self.trainer.datamodule
-        if isinstance(datamodule, PromptDataModule):
-            if datamodule.conversational:
-                check_chat_template(self.tokenizer)
-            rewards = self.reward_funcs if stage == "fit" else []
-            supplied = self.rollouts.multi_turn.supplied_keywords if self.rollouts.multi_turn else set()
-            validates = self.trainer.limit_val_batches != 0
-            datamodule.check_columns(rewards, self.validation.reward, validates=validates, supplied=supplied)
-        if stage == "fit":
-            warn_checkpoint_cadence(self.trainer.checkpoint_callbacks, self.grpo.optimizer_steps_per_batch)
-            # Lightning warns on every step-cadence checkpoint of a manually optimised module that it holds
-            # the weights after the step's updates, not before. Here that is the point to resume from: the
-            # weights, optimizer and schedulers, RNG and data position all of one moment, between two
-            # training steps (tests/test_resume.py resumes exactly from it). Nothing to act on.
-            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-            for reward in unimportable_rewards(self.hparams):
-                rank_zero_warn(
-                    f"{reward} has no import path: this run's checkpoints cannot rebuild it, and "
-                    "load_from_checkpoint(ckpt) needs it passed again; define it at a module's top level (or "
-                    "as a functools.partial of such a function) for checkpoints that load alone"
-                )
+        check_setup(self, stage)  # before any weights load
 
     def configure_model(self) -> None:
         # Loading here rather than in __init__ lets the data module check its files before any weights
@@ -301,7 +259,7 @@ class GRPOModule(L.LightningModule):
         # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
         rng = self.validation.training_rng or capture_rng_states()
         syncs = self.reference_sync.syncs_done if self.reference_sync is not None else None
-        save_grpo_state(checkpoint, self.step_guard.bad_steps, rng, self.group_buffer, syncs)
+        save_grpo_state(checkpoint, self.optimization.step_guard.bad_steps, rng, self.group_buffer, syncs)
         if not is_sharded(self.policy) and self.reference_sync is None:  # a synced reference is stored
             drop_reference(checkpoint)
 
@@ -318,7 +276,7 @@ class GRPOModule(L.LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         own = load_grpo_state(checkpoint, self.global_rank, world)
         if own is not None:
-            self.step_guard.bad_steps = own.bad_steps
+            self.optimization.step_guard.bad_steps = own.bad_steps
             self._rng_to_restore = own.rng
             vars(self.group_buffer).update(own.group_buffer)
         if self.reference_sync is not None:
@@ -338,12 +296,12 @@ class GRPOModule(L.LightningModule):
         self.rollouts.place(self.device, self.trainer.precision)
 
     def on_train_batch_start(self, batch: dict[str, list], batch_idx: int) -> None:
-        self._steps_at_batch_start = self.global_step  # for the schedulers that wait for its metrics
+        self.optimization.batch_started(self.global_step)
         if self.reference_sync is not None:  # before the rollout that the reference's log-probs are for
             self.reference_sync.apply_due(self.reference, self.policy, self.global_step)
 
     def on_train_batch_end(self, outputs: Tensor | None, batch: dict[str, list], batch_idx: int) -> None:
-        step_monitored(self.trainer, self._steps_at_batch_start, self.scheduler_monitors)
+        self.optimization.batch_ended(self.trainer)
 
     def on_train_start(self) -> None:
         trainer = self._trainer  # None where a test calls the hook on a module alone
@@ -385,7 +343,7 @@ class GRPOModule(L.LightningModule):
             (scored, stats), logged_columns = filled, {}  # the columns belong to this round, not the update's
 
         trajectory = self.update.trajectory(scored, self.policy, self.reference, stats)
-        stats, grad_norm = self._update(trajectory)
+        stats, grad_norm = self.optimization.rollout_steps(self, trajectory)
         step_seconds = time.perf_counter() - start
         extra = {**scores.metrics, **self.rollouts.engine_metrics()}  # rewards' metrics, the engine's speed
         stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}}
@@ -394,8 +352,8 @@ class GRPOModule(L.LightningModule):
             stats,
             grad_norm,
             self.reward_names,
-            learning_rate=self._step_learning_rate,
-            skipped_steps=self.step_guard.bad_steps,
+            learning_rate=self.optimization.learning_rate,
+            skipped_steps=self.optimization.step_guard.bad_steps,
             generate_seconds=generate_seconds,
             step_seconds=step_seconds,
         )
@@ -408,20 +366,6 @@ class GRPOModule(L.LightningModule):
         )
         return stats["loss"]
 
-    def _update(self, trajectory: Trajectory) -> tuple[dict[str, Tensor], Tensor | None]:
-        """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
-        optimizer = self.optimizers()
-        max_steps = self.trainer.max_steps  # -1: no limit
-        for mini_batch, denominators in self.update.mini_batches(trajectory):
-            stats, grad_norm = self._optimizer_step(optimizer, mini_batch, denominators)
-            if grad_norm is not None:
-                self._step_learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
-                step_schedulers(self.trainer, "step", self.scheduler_monitors)
-                self.rollouts.weights_changed()  # a static engine's copy takes them before the next rollout
-            if 0 <= max_steps <= self.global_step:  # the run ends here, part-way through the rollout
-                break
-        return stats, grad_norm
-
     def _trainer_state(self, batch_idx: int) -> TrainerState:
         """The reward functions' `trainer_state`, as TRL's: optimizer steps so far, fractional epoch."""
         trainer = self.trainer
@@ -429,30 +373,8 @@ class GRPOModule(L.LightningModule):
         epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
         return trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
 
-    def _optimizer_step(
-        self, optimizer, mini_batch: Trajectory, denominators: tuple[Tensor, Tensor]
-    ) -> tuple[dict[str, Tensor], Tensor | None]:
-        """One optimizer step on `mini_batch`: its statistics, the gradient norm of a step taken (or None)."""
-        optimizer.zero_grad()
-        sums = MicroBatchSums()
-        for loss in self.update.losses(self.policy, mini_batch, denominators, sums):
-            self.manual_backward(loss)
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
-            scaler.unscale_(optimizer.optimizer)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        step = (
-            optimizer,
-            sums.loss,
-            params,
-            self.grpo.optimizer.max_grad_norm,
-            scaler is not None,
-            self.global_step,
-        )
-        return sums.values, self.step_guard.clip_and_step(*step)
-
     def on_train_epoch_end(self) -> None:
-        step_schedulers(self.trainer, "epoch", self.scheduler_monitors)
+        self.optimization.epoch_ended(self.trainer)
         if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
             bound_epochs_by_steps(self.trainer, self.grpo)
 
@@ -500,11 +422,3 @@ class GRPOModule(L.LightningModule):
         _, completions, turns = self.rollouts.sample_batch(batch, k, do_sample=k > 1)
         answers = prompt_answers(prompts, completions, turns)
         return [answer for answer, kept in zip(answers, counted, strict=True) if kept]
-
-
-def _own_arguments(frame: FrameType) -> set[str]:
-    """The arguments that the module's own class takes back, from `GRPOModule.__init__`'s `frame`: those of
-    its most specific `__init__` (and those its `**kwargs` passed on). Lightning collects every `__init__`'s
-    arguments up the class chain, so a subclass that fixes one of ours (`super().__init__(policy,
-    reward_funcs=[mine], **kwargs)`) would get it twice when `load_from_checkpoint` calls it with them all."""
-    return set(collect_init_args(frame, [], classes=(GRPOModule,))[-1])

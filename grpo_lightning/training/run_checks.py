@@ -1,5 +1,9 @@
 """What a `fit` is about to do, checked before any weights load, so that a run never trains to find it.
 
+`check_setup` (the module's `setup`, for every stage): a chat data set needs a chat template; the data's
+columns must hold what the rewards and the validation read; a checkpoint cadence that is not a multiple of a
+training step's optimizer steps, and a reward with no import path, are warned about.
+
 `FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
 length also for `validate`; `check_fit` for a script that works before its `fit`):
 
@@ -22,13 +26,17 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 
 import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.core.generation.prompts import check_chat_template
+from grpo_lightning.io.checkpoints import unimportable_rewards
 from grpo_lightning.io.models import model_positions
-from grpo_lightning.training.resume import InterruptCheckpoint
+from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
 
 
 class FitChecks(L.Callback):
@@ -181,3 +189,30 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
             f"num_iterations={grpo.update.num_iterations}): the run stops at step {max_steps}, after "
             f"{max_steps % per_batch} of the last rollout's {per_batch}"
         )
+
+
+def check_setup(module: L.LightningModule, stage: str) -> None:
+    """A `GRPOModule`'s checks at `setup(stage)`: after the data module checked its files, before any weights
+    load (see the module docstring)."""
+    datamodule, trainer = module.trainer.datamodule, module.trainer
+    if isinstance(datamodule, PromptDataModule):
+        if datamodule.conversational:
+            check_chat_template(module.tokenizer)
+        rewards = module.reward_funcs if stage == "fit" else []
+        multi_turn = module.rollouts.multi_turn
+        supplied = multi_turn.supplied_keywords if multi_turn else set()
+        validates = trainer.limit_val_batches != 0
+        datamodule.check_columns(rewards, module.validation.reward, validates=validates, supplied=supplied)
+    if stage == "fit":
+        warn_checkpoint_cadence(trainer.checkpoint_callbacks, module.grpo.optimizer_steps_per_batch)
+        # Lightning warns on every step-cadence checkpoint of a manually optimised module that it holds the
+        # weights after the step's updates, not before. Here that is the point to resume from: the weights,
+        # optimizer and schedulers, RNG and data position all of one moment, between two training steps
+        # (tests/test_resume.py resumes exactly from it). Nothing to act on.
+        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+        for reward in unimportable_rewards(module.hparams):
+            rank_zero_warn(
+                f"{reward} has no import path: this run's checkpoints cannot rebuild it, and "
+                "load_from_checkpoint(ckpt) needs it passed again; define it at a module's top level (or "
+                "as a functools.partial of such a function) for checkpoints that load alone"
+            )

@@ -1,0 +1,72 @@
+"""The optimizer steps of a training step, under Lightning's manual optimisation: one per mini-batch of the
+rollout's trajectory (`core.update.RolloutUpdate.mini_batches`), each the backward of every micro-batch's
+loss, the gradient clipped and the step taken unless the loss or the gradient is not finite
+(`core.update.StepGuard`); the schedulers stepped as Lightning would step them under automatic optimisation
+(`lr_schedulers.step_schedulers`: after each optimizer step, at an epoch's end, and a `ReduceLROnPlateau`
+of interval "step" at the training step's end, once its metrics are logged), and the rollout engine told
+that the weights changed.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from torch import Tensor
+
+from grpo_lightning.core.types import Trajectory
+from grpo_lightning.core.update import MicroBatchSums, StepGuard
+from grpo_lightning.training.lr_schedulers import Monitored, step_monitored, step_schedulers
+
+
+class ManualOptimization:
+    """A module's optimizer steps: the guard against non-finite updates (`max_bad_steps` in a row stop the
+    run), the learning rate of the last step taken (`learning_rate`, for the logs) and the schedulers'
+    monitors (`scheduler_monitors`, set from `configure_optimizers` by `lr_schedulers.reading_schedulers`)."""
+
+    def __init__(self, max_bad_steps: int, learning_rate: float) -> None:
+        self.step_guard = StepGuard(max_bad_steps)
+        self.learning_rate = learning_rate
+        self.scheduler_monitors: dict[int, Monitored] = {}
+        self.steps_at_batch_start = 0  # for the schedulers that wait for a training step's metrics
+
+    def batch_started(self, global_step: int) -> None:
+        self.steps_at_batch_start = global_step
+
+    def batch_ended(self, trainer: L.Trainer) -> None:
+        step_monitored(trainer, self.steps_at_batch_start, self.scheduler_monitors)
+
+    def epoch_ended(self, trainer: L.Trainer) -> None:
+        step_schedulers(trainer, "epoch", self.scheduler_monitors)
+
+    def rollout_steps(self, module: L.LightningModule, trajectory: Trajectory) -> tuple[dict, Tensor | None]:
+        """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
+        optimizer, trainer = module.optimizers(), module.trainer
+        max_steps = trainer.max_steps  # -1: no limit
+        for mini_batch, denominators in module.update.mini_batches(trajectory):
+            stats, grad_norm = self.optimizer_step(module, optimizer, mini_batch, denominators)
+            if grad_norm is not None:
+                self.learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
+                step_schedulers(trainer, "step", self.scheduler_monitors)
+                module.rollouts.weights_changed()  # an engine's copy takes them before the next rollout
+            if 0 <= max_steps <= module.global_step:  # the run ends here, part-way through the rollout
+                break
+        return stats, grad_norm
+
+    def optimizer_step(
+        self,
+        module: L.LightningModule,
+        optimizer,
+        mini_batch: Trajectory,
+        denominators: tuple[Tensor, Tensor],
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
+        """One optimizer step on `mini_batch`: its statistics, the gradient norm of a step taken (or None)."""
+        optimizer.zero_grad()
+        sums = MicroBatchSums()
+        for loss in module.update.losses(module.policy, mini_batch, denominators, sums):
+            module.manual_backward(loss)
+        scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # 16-mixed: clip the true gradients; fused AdamW would unscale only in step
+            scaler.unscale_(optimizer.optimizer)
+        params = [p for p in module.policy.parameters() if p.requires_grad]
+        max_grad_norm = module.grpo.optimizer.max_grad_norm
+        step = (optimizer, sums.loss, params, max_grad_norm, scaler is not None, module.global_step)
+        return sums.values, self.step_guard.clip_and_step(*step)
