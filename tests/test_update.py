@@ -12,7 +12,8 @@ from grpo_lightning.core.algorithm.credit import step_credit_penalties
 from grpo_lightning.core.algorithm.kl import kl_in_reward
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.types import Rollout, ScoredGroups
-from grpo_lightning.core.update import MicroBatchSums, StepGuard, build_trajectory, loss_mask
+from grpo_lightning.core.update import MicroBatchSums, build_trajectory, loss_mask
+from grpo_lightning.training.manual_optimization import StepGuard
 
 G = 4
 

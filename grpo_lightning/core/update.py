@@ -13,7 +13,8 @@
    micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), and
    the sampler/scorer gap of its tokens (importance weights where asked,
    `sampler_correction.logprob_gap_stats`); their statistics weighted by token share (`MicroBatchSums`).
-5. The optimizer step, skipped when the loss or the gradient is not finite (`StepGuard`).
+5. The optimizer step, skipped when the loss or the gradient is not finite
+   (`training.manual_optimization.StepGuard`, beside the module's backward).
 
 `RolloutUpdate` holds what these need from outside: the log-prob scorer (`generation.scorer.LogProbScorer`)
 and the other processes (`core.ranks.Ranks`: sums, maxima and gathers).
@@ -21,8 +22,6 @@ and the other processes (`core.ranks.Ranks`: sums, maxima and gathers).
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
@@ -462,53 +461,6 @@ class RolloutUpdate:
         """Each micro-batch's loss of one optimizer step, for the caller's backward (`micro_batch_losses`)."""
         parts = self.micro_batches(mini_batch.rollout)
         return micro_batch_losses(self.score, policy, mini_batch, parts, self.cfg, *denominators, sums)
-
-
-# ------------------------------------------------------------------------------------- 5. the step
-class StepGuard:
-    """Takes the optimizer step unless the update is not finite; counts consecutive skipped steps."""
-
-    def __init__(self, max_bad_steps: int) -> None:
-        self.max_bad_steps = max_bad_steps
-        self.bad_steps = 0  # consecutive non-finite steps, kept in checkpoints
-
-    def clip_and_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        loss: Tensor,
-        params: list[Tensor],
-        max_norm: float | None,
-        scaled: bool,
-        step: int,
-    ) -> Tensor | None:
-        """Clip the gradients of `params` to the global norm `max_norm` (None: measured, not clipped) and
-        `step`: the gradient norm of a step taken, None for a step skipped."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-        return grad_norm if self.step(optimizer, loss, grad_norm, scaled, step) else None
-
-    def step(
-        self, optimizer: torch.optim.Optimizer, loss: Tensor, grad_norm: Tensor, scaled: bool, step: int
-    ) -> bool:
-        """Step `optimizer` (whose gradients were clipped to `grad_norm`) when the update is finite; True
-        when the weights changed. `scaled`: a 16-mixed loss scaler wraps the optimizer."""
-        if scaled and torch.isfinite(loss) and not torch.isfinite(grad_norm):
-            optimizer.step()  # the scaler sees the overflow: it skips the update and lowers the loss scale
-            warnings.warn(f"step {step}: fp16 gradients overflowed, update skipped", stacklevel=3)
-            return False
-        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-            optimizer.zero_grad()
-            self.bad_steps += 1
-            warnings.warn(f"step {step}: loss or gradient not finite, update skipped", stacklevel=3)
-            if self.bad_steps >= self.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self.bad_steps} consecutive steps with a non-finite loss or gradient (max_bad_steps="
-                    f"{self.max_bad_steps}): lower the learning rate, or check the rewards and the model's "
-                    "dtype"
-                )
-            return False
-        self.bad_steps = 0
-        optimizer.step()
-        return True
 
 
 def sampler_correction(

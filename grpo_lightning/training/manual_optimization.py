@@ -1,7 +1,7 @@
 """The optimizer steps of a training step, under Lightning's manual optimisation: one per mini-batch of the
 rollout's trajectory (`core.update.RolloutUpdate.mini_batches`), each the backward of every micro-batch's
 loss, the gradient clipped and the step taken unless the loss or the gradient is not finite
-(`core.update.StepGuard`); the schedulers stepped as Lightning would step them under automatic optimisation
+(`StepGuard`); the schedulers stepped as Lightning would step them under automatic optimisation
 (`lr_schedulers.step_schedulers`: after each optimizer step, at an epoch's end, and a `ReduceLROnPlateau`
 of interval "step" at the training step's end, once its metrics are logged), and the rollout engine told
 that the weights changed.
@@ -9,12 +9,62 @@ that the weights changed.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import lightning as L
+import torch
 from torch import Tensor
 
 from grpo_lightning.core.types import Trajectory
-from grpo_lightning.core.update import MicroBatchSums, StepGuard
+from grpo_lightning.core.update import MicroBatchSums
 from grpo_lightning.training.lr_schedulers import Monitored, step_monitored, step_schedulers
+
+
+class StepGuard:
+    """Takes the optimizer step unless the update is not finite; counts consecutive skipped steps."""
+
+    def __init__(self, max_bad_steps: int) -> None:
+        self.max_bad_steps = max_bad_steps
+        self.bad_steps = 0  # consecutive non-finite steps, kept in checkpoints
+
+    def clip_and_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss: Tensor,
+        params: list[Tensor],
+        max_norm: float | None,
+        scaled: bool,
+        step: int,
+    ) -> Tensor | None:
+        """Clip the gradients of `params` to the global norm `max_norm` (None: measured, not clipped) and
+        `step`: the gradient norm of a step taken, None for a step skipped."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+        return grad_norm if self.step(optimizer, loss, grad_norm, scaled, step) else None
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, loss: Tensor, grad_norm: Tensor, scaled: bool, step: int
+    ) -> bool:
+        """Step `optimizer` (whose gradients were clipped to `grad_norm`) when the update is finite; True
+        when the weights changed. `scaled`: a 16-mixed loss scaler wraps the optimizer."""
+        if scaled and torch.isfinite(loss) and not torch.isfinite(grad_norm):
+            optimizer.step()  # the scaler sees the overflow: it skips the update and lowers the loss scale
+            warnings.warn(f"step {step}: fp16 gradients overflowed, update skipped", stacklevel=3)
+            return False
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            optimizer.zero_grad()
+            self.bad_steps += 1
+            warnings.warn(f"step {step}: loss or gradient not finite, update skipped", stacklevel=3)
+            if self.bad_steps >= self.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self.bad_steps} consecutive steps with a non-finite loss or gradient (max_bad_steps="
+                    f"{self.max_bad_steps}): lower the learning rate, or check the rewards and the model's "
+                    "dtype"
+                )
+            return False
+        self.bad_steps = 0
+        optimizer.step()
+        return True
 
 
 class ManualOptimization:
