@@ -4,6 +4,7 @@ of that layout reads back into the sections, and a name given both ways is refus
 
 import dataclasses
 import json
+import pickle
 import warnings
 from pathlib import Path
 
@@ -93,3 +94,15 @@ def test_a_name_given_both_ways_is_refused_in_one_line():
     # A flat name over a section given as an instance replaces its option (`dataclasses.replace`).
     config = dataclasses.replace(GRPOConfig(beta=0.1, kl_estimator="k2"), beta=0.3)
     assert (config.kl.beta, config.kl.estimator) == (0.3, "k2")
+
+
+@pytest.mark.parametrize("name", sorted(OLD_OPTIONS))
+def test_an_old_pickle_s_flat_state_unpickles_into_the_sections(name):
+    """What unpickling a `GRPOConfig` of the flat layout does: `__setstate__` with its flat `__dict__` (the
+    fixture's values are exactly that); and a sectioned one round-trips through pickle unchanged."""
+    config = object.__new__(GRPOConfig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config.__setstate__(OLD_OPTIONS[name])
+    assert flat(config) == OLD_OPTIONS[name]
+    assert pickle.loads(pickle.dumps(config)) == config

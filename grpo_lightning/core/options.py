@@ -192,6 +192,14 @@ def section_class(annotation: object) -> type | None:
     return annotation if isinstance(annotation, type) and is_dataclass(annotation) else None
 
 
+def may_be_off(annotation: object) -> bool:
+    """Whether an annotation admits None (`X | None`, also inside `Annotated`): a section that may be off."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(annotation)
+
+
 # Where each section sits in the options that compose it ("GRPOConfig.kl"), for its messages.
 _SECTION_PLACES: dict[type, str] = {}
 
@@ -220,7 +228,7 @@ def check_fields(options: object) -> None:
         annotation = declared_annotation(type(options), field.name)
         section = section_class(annotation)
         if section is not None:
-            optional = section_class(annotation) is not annotation and "None" in repr(annotation)
+            optional = may_be_off(annotation)
             if not isinstance(value, section) and not (optional and value is None):
                 switch = " or true/false" if declared_alias(type(options), field.name) else ""
                 rule = f"must be a mapping of {section.__name__}'s options" + (
