@@ -1,11 +1,13 @@
-"""Learning-rate schedules: the library schedulers against the closed form, the run's length, and the rates a
-real fit logs (each step's `train/learning_rate` is the rate its update used)."""
+"""Learning-rate schedules: the library schedulers against the closed form and against transformers' own
+schedules (TRL's `lr_scheduler_type`), the run's length, and the rates a real fit logs (each step's
+`train/learning_rate` is the rate its update used)."""
 
 import math
 
 import lightning as L
 import pytest
 import torch
+import transformers
 
 from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
@@ -15,13 +17,15 @@ from tests.helpers import quiet_trainer
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str, min_ratio: float) -> float:
-    """The schedule's closed form (`grpo_lightning.core.algorithm.schedules`' doc): warm-up (s + 1) / w, then
+    """The schedule's closed form (`grpo_lightning.core.algorithm.schedules`' doc): warm-up s / w, then
     constant, or linear / cosine decay to the floor over the rest of the run."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return step / warmup_steps
     if kind == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if step >= total_steps:
+        return min_ratio
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)
     decayed = 1.0 - progress if kind == "linear" else (1.0 + math.cos(math.pi * progress)) / 2
     return min_ratio + (1.0 - min_ratio) * decayed
 
@@ -42,15 +46,18 @@ def scheduled_rates(kind: str, warmup: int, total: int, floor: float, steps: int
     ("kind", "step", "expected"),
     [
         # warm-up 2, 10 steps, floor 0.1: decay runs over steps 2..10, progress p = (step - 2) / 8
-        ("constant", 0, 0.5),
-        ("constant", 1, 1.0),
+        ("constant", 0, 0.0),  # the warm-up's first update, at rate 0 as in transformers
+        ("constant", 1, 0.5),
+        ("constant", 2, 1.0),
         ("constant", 9, 1.0),
-        ("linear", 0, 0.5),
+        ("linear", 0, 0.0),
+        ("linear", 1, 0.5),
         ("linear", 2, 1.0),
         ("linear", 4, 0.1 + 0.9 * 0.75),
         ("linear", 10, 0.1),
         ("linear", 50, 0.1),  # past the end: the floor
-        ("cosine", 1, 1.0),
+        ("cosine", 1, 0.5),
+        ("cosine", 2, 1.0),
         ("cosine", 4, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2),
         ("cosine", 6, 0.1 + 0.9 * 0.5),
         ("cosine", 10, 0.1),
@@ -71,6 +78,45 @@ def test_the_library_schedulers_give_the_closed_form_at_every_step(kind, warmup,
     rates = scheduled_rates(kind, warmup, total, 0.25, total + 3)  # past the end: the floor
     expected = [lr_multiplier(s, warmup, total, kind, 0.25) for s in range(total + 3)]
     assert rates == pytest.approx(expected, rel=1e-15, abs=0)
+
+
+def transformers_rates(name: str, warmup: int, total: int, steps: int, **kwargs) -> list[float]:
+    """The multipliers of transformers' `get_scheduler(name, ...)`, as TRL's Trainer builds it from
+    `lr_scheduler_type`, `warmup_steps`, the run's optimizer steps and `lr_scheduler_kwargs`."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = transformers.get_scheduler(
+        name, optimizer, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=kwargs
+    )
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize(
+    ("ours", "floor", "theirs", "kwargs"),
+    [
+        ("constant", 0.0, "constant_with_warmup", {}),
+        ("linear", 0.0, "linear", {}),
+        ("cosine", 0.0, "cosine", {}),
+        ("cosine", 0.1, "cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ],
+)
+@pytest.mark.parametrize(("warmup", "total"), [(0, 5), (1, 6), (3, 10), (4, 4), (10, 137)])
+def test_each_schedule_is_transformers_over_a_whole_run(ours, floor, theirs, kwargs, warmup, total):
+    """Every update of a run (steps 0 .. n - 1), and the rate left after its last (step n) where the run
+    decays after its warm-up (transformers' cosine is back at 1 at step n of a run all warm-up, its linear
+    at 0; ours is at the floor)."""
+    steps = total + (total > warmup)
+    expected = transformers_rates(theirs, warmup, total, steps, **kwargs)
+    assert scheduled_rates(ours, warmup, total, floor, steps) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_three_warmup_steps_are_transformers_multipliers():
+    assert scheduled_rates("cosine", 3, 20, 0.0, 4) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0], abs=1e-15)
+    assert transformers_rates("cosine", 3, 20, 4) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0], abs=1e-15)
 
 
 def test_the_run_length_in_optimizer_steps():

@@ -154,24 +154,13 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
             "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
             "lr_scheduler_type: constant"
         )
-    if max_steps > 0 and grpo.optimizer.warmup_steps > max_steps:
+    warmup = grpo.optimizer.warmup_steps
+    if max_steps > 0 and warmup >= max_steps:  # the warm-up's last rate, (w - 1) / w, is below the full one
         rank_zero_warn(
-            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} is longer than the run "
-            "(trainer.max_steps="
+            f"model.grpo.optimizer.warmup_steps={warmup} does not end before the run does (trainer.max_steps="
             f"{max_steps} optimizer steps): the learning rate never reaches learning_rate="
-            f"{grpo.optimizer.learning_rate:g}, only {max_steps / grpo.optimizer.warmup_steps:.0%} of "
-            "it at the last step; "
-            "shorten the warm-up or lengthen the run"
-        )
-    elif (
-        max_steps > 0
-        and grpo.optimizer.lr_scheduler_type != "constant"
-        and grpo.optimizer.warmup_steps >= max_steps
-    ):
-        rank_zero_warn(
-            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} fills the run "
-            f"(trainer.max_steps={max_steps}): "
-            f"no step is left for lr_scheduler_type={grpo.optimizer.lr_scheduler_type!r} to decay"
+            f"{grpo.optimizer.learning_rate:g}, only {(max_steps - 1) / warmup:.0%} of it at the last step, "
+            "and no step is left for a decay; shorten the warm-up or lengthen the run"
         )
     per_batch = grpo.update.steps_per_generation * grpo.update.num_iterations
     if max_steps > 0 and max_steps % per_batch:

@@ -1,31 +1,33 @@
-"""Learning-rate schedules from the libraries: torch's `LinearLR` for the warm-up, then transformers'
-schedules (`get_constant_schedule`, or `get_wsd_schedule` decaying from the first step after the warm-up),
-chained by torch's `SequentialLR`.
+"""Learning-rate schedules from transformers, the rates of TRL's `lr_scheduler_type` at every step:
+`get_constant_schedule_with_warmup`, or its warm-up then `get_wsd_schedule` decaying from the first step
+after it, chained by torch's `SequentialLR`.
 
 The multiplier of the base learning rate at optimizer step `s` (0-based: step 0 is the first update), with
 `w` warm-up steps, `n` optimizer steps in all and floor ratio `r`:
 
-    warm-up   s < w:  (s + 1) / w
-    then      p = (s - w) / max(1, n - w), and r once p >= 1
+    warm-up   s < w:  s / w     (the first update of a warm-up is at rate 0, as in transformers)
+    then      p = (s - w) / (n - w) for s < n, and r from s = n on
         constant:  1
         linear:    r + (1 - r) * (1 - p)
         cosine:    r + (1 - r) * (1 + cos(pi * p)) / 2     (SGDR, Loshchilov & Hutter, arXiv:1608.03983)
 
-The decay is transformers' "linear" and "cosine" (TRL's `lr_scheduler_type`, verl's, OpenRLHF's
-`lr_scheduler`) with the floor of transformers' "cosine_with_min_lr" / verl's `min_lr_ratio`. The warm-up
-starts at 1/w rather than transformers' 0, so that the first update is not wasted. Nothing here imports
-Lightning: the module passes in the run's number of optimizer steps.
+These are transformers' "constant_with_warmup", "linear" (r = 0) and "cosine" (r = 0) or
+"cosine_with_min_lr" (`min_lr_rate` r), step for step over a run (`tests/test_schedules.py` checks them
+against transformers' own functions); verl's and OpenRLHF's `lr_scheduler` decay the same way, with verl's
+`min_lr_ratio` as the floor. Nothing here imports Lightning: the module passes in the run's number of
+optimizer steps.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
-from transformers import get_constant_schedule, get_wsd_schedule
+from torch.optim.lr_scheduler import LRScheduler, SequentialLR
+from transformers import get_constant_schedule_with_warmup, get_wsd_schedule
 
 from grpo_lightning.core.options import (
     Choices,
@@ -36,17 +38,34 @@ from grpo_lightning.core.options import (
     warn_inert,
 )
 
-# The schedule after the warm-up: (optimizer, its optimizer steps, floor ratio) -> a scheduler from 0.
+
+def _warmed_up_decay(
+    decay_type: str, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float
+) -> LRScheduler:
+    # The decay counts its own steps from 0, from step w of the run, to the floor at step n.
+    decay = get_wsd_schedule(
+        optimizer,
+        0,
+        total_steps - warmup_steps,
+        num_stable_steps=0,
+        decay_type=decay_type,
+        min_lr_ratio=min_ratio,
+    )
+    if warmup_steps == 0:
+        return decay
+    warmup = get_constant_schedule_with_warmup(optimizer, warmup_steps)  # s / w
+    return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
+
+
+# (optimizer, warm-up steps, optimizer steps in the run, floor ratio) -> the scheduler from step 0.
 SCHEDULES = Choices(
     "lr_scheduler_type",
     {
-        "constant": lambda optimizer, steps, floor: get_constant_schedule(optimizer),
-        "linear": lambda optimizer, steps, floor: get_wsd_schedule(
-            optimizer, 0, steps, num_stable_steps=0, decay_type="linear", min_lr_ratio=floor
+        "constant": lambda optimizer, warmup, steps, floor: get_constant_schedule_with_warmup(
+            optimizer, warmup
         ),
-        "cosine": lambda optimizer, steps, floor: get_wsd_schedule(
-            optimizer, 0, steps, num_stable_steps=0, decay_type="cosine", min_lr_ratio=floor
-        ),
+        "linear": functools.partial(_warmed_up_decay, "linear"),
+        "cosine": functools.partial(_warmed_up_decay, "cosine"),
     },
 )
 ScheduleType = Literal[tuple(SCHEDULES)]
@@ -57,11 +76,7 @@ def build_scheduler(
 ) -> LRScheduler:
     """The schedule of the module doc, to be stepped once after each optimizer step; `total_steps` (`n`) is
     only read by the decaying schedules."""
-    after_warmup = SCHEDULES[kind](optimizer, max(1, total_steps - warmup_steps), min_ratio)
-    if warmup_steps == 0:
-        return after_warmup
-    warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, total_iters=warmup_steps - 1)  # (s + 1) / w
-    return SequentialLR(optimizer, [warmup, after_warmup], milestones=[warmup_steps])
+    return SCHEDULES[kind](optimizer, warmup_steps, total_steps, min_ratio)
 
 
 def optimizer_steps_in_fit(
@@ -92,14 +107,15 @@ class OptimizerOptions:
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
     warmup_steps: NonNegativeInt = 0
-    """Linear warm-up optimizer steps, then the `lr_scheduler_type` schedule."""
+    """Linear warm-up optimizer steps, from 0 (the first update's rate) towards learning_rate as in
+    transformers' schedules, then the `lr_scheduler_type` schedule."""
     lr_scheduler_type: ScheduleType = "constant"
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
     `grpo_lightning.core.algorithm.schedules`. The run's length is the trainer's max_steps (optimizer
-    steps), or its
-    epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
-    "constant_with_warmup" is "constant" here); verl: `optim.lr_scheduler_type`.
+    steps), or its epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
+    "constant_with_warmup" is "constant" here, its "cosine_with_min_lr" is "cosine" with `min_lr_ratio`);
+    verl: `optim.lr_scheduler_type`.
     """
     min_lr_ratio: Annotated[float, Range(">= 0, <= 1", why="a share of learning_rate")] = 0.0
     """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
