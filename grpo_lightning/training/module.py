@@ -78,6 +78,7 @@ from grpo_lightning.training.trainer_options import (
     check_one_optimizer,
     map_trainer_options,
     optimizer_steps_in_run,
+    planned_optimizer_steps,
     refuse_unsupported_tools,
 )
 from grpo_lightning.training.training_state import (
@@ -427,7 +428,9 @@ class GRPOModule(L.LightningModule):
         trainer = self.trainer
         batches = trainer.num_training_batches
         epoch = trainer.current_epoch + (batch_idx / batches if 0 < batches < math.inf else 0.0)
-        return trainer_state(self.global_step, trainer.max_steps, epoch, trainer.max_epochs or -1)
+        return trainer_state(
+            self.global_step, planned_optimizer_steps(trainer, self.grpo), epoch, trainer.max_epochs or -1
+        )
 
     def _optimizer_step(
         self, optimizer, mini_batch: Trajectory, denominators: tuple[Tensor, Tensor]

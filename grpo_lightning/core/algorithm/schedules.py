@@ -79,23 +79,31 @@ def build_scheduler(
     return SCHEDULES[kind](optimizer, warmup_steps, total_steps, min_ratio)
 
 
-def optimizer_steps_in_fit(
+def fit_length(
     max_steps: int, max_epochs: int | None, batches_per_epoch: float, steps_per_batch: int
-) -> int:
-    """Optimizer steps a `fit` makes at most, the schedule's length: the trainer's `max_steps` (the module
-    counts optimizer steps in the global step, `steps_per_batch` = num_iterations x steps_per_generation
-    per training step), or its epochs x batches x `steps_per_batch`, whichever ends first. Dynamic
-    sampling's rounds without an update make no step, so a run bounded by epochs then ends before the
-    schedule does."""
+) -> int | None:
+    """Optimizer steps a `fit` makes at most: the trainer's `max_steps` (the module counts optimizer steps
+    in the global step, `steps_per_batch` = num_iterations x steps_per_generation per training step), or
+    its epochs x batches x `steps_per_batch`, whichever ends first; None where neither bounds the run.
+    Dynamic sampling's rounds without an update make no step, so a run bounded by epochs then ends
+    before this."""
     bounds = [max_steps] if max_steps is not None and max_steps >= 0 else []
     if max_epochs is not None and max_epochs >= 0 and math.isfinite(batches_per_epoch):
         bounds.append(int(batches_per_epoch) * max_epochs * steps_per_batch)
-    if not bounds:
+    return min(bounds) if bounds else None
+
+
+def optimizer_steps_in_fit(
+    max_steps: int, max_epochs: int | None, batches_per_epoch: float, steps_per_batch: int
+) -> int:
+    """The schedule's length, `fit_length`; refused where the run has none."""
+    length = fit_length(max_steps, max_epochs, batches_per_epoch, steps_per_batch)
+    if length is None:
         raise ValueError(
             "grpo.optimizer.lr_scheduler_type decays over the run, whose length is unknown (no max_steps, no "
             "max_epochs, or an unsized data loader): set trainer.max_steps, or lr_scheduler_type: constant"
         )
-    return min(bounds)
+    return length
 
 
 @dataclass(frozen=True)
