@@ -120,9 +120,13 @@ def run_preflight(
         if cfg.update.micro_batch_size
         else "one micro-batch"
     )
+    # A training step's rollout is split into steps_per_generation mini-batches, each stepped num_iterations
+    # times: the optimizer steps per training step that `max_steps` and the schedule count.
+    mini_batches, iterations = cfg.update.steps_per_generation, cfg.update.num_iterations
     report.lines["effective batch"] = (
         f"{prompts} prompts x {G} completions x {devices} device(s) x {accumulation} accumulation = {total} "
-        f"completions per step ({micro}, {cfg.update.num_iterations} optimizer step(s) each)"
+        f"completions per step, {mini_batches * iterations} optimizer step(s) each ({mini_batches} "
+        f"mini-batch(es) of {total / mini_batches:g} completions x {iterations} iteration(s); {micro})"
     )
 
     rollout, _ = module.rollouts.sample(batch["prompt"][:samples], G)
