@@ -147,11 +147,8 @@ def run_preflight(
             "grpo.sampling.max_completion_length"
         )
 
-    if audit_rows is None and "question" in batch and "answer" in batch:
-        audit_rows = [
-            {"prompt": p, "question": q, "answer": a}
-            for p, q, a in zip(batch["prompt"], batch["question"], batch["answer"], strict=True)
-        ]
+    if audit_rows is None and "question" in batch:
+        audit_rows = [{column: values[i] for column, values in batch.items()} for i in range(prompts)]
     if audit_rows and auditable(audit_rows):
         audit = audit_module_rewards(module, audit_rows)
         verdict = "passes" if audit.perfect else "FAILS"

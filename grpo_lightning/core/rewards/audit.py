@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward
 from grpo_lightning.core.rewards.verifiable import (
     CALCULATOR_RE,
+    WORKED_SOLUTION,
     canonical_number,
     reference_answer,
     reward_name,
@@ -277,10 +278,17 @@ def _right_not_rewarded(
     )
 
 
+def _worked_solution(row: dict) -> str:
+    """A row's worked solution: its `worked_solution` (the GSM8K preset's, whose `answer` is the final
+    number), else its `answer`."""
+    return str(row.get(WORKED_SOLUTION, row.get("answer", "")))
+
+
 def auditable(rows: Sequence[dict]) -> bool:
-    """Whether the audit can corrupt these rows: each has a `question` and a GSM8K `answer` (`#### N`)."""
+    """Whether the audit can corrupt these rows: each has a `question` and a GSM8K worked solution
+    (`#### N`), in `worked_solution` or `answer`."""
     return bool(rows) and all(
-        isinstance(r.get("question"), str) and "####" in str(r.get("answer", "")) for r in rows
+        isinstance(r.get("question"), str) and "####" in _worked_solution(r) for r in rows
     )
 
 
@@ -289,14 +297,14 @@ def audit_module_rewards(pl_module: Any, rows: Sequence[dict]) -> AuditReport:
     rows' own prompts when they have them and the module's tokenizer for `completion_ids`."""
     if not auditable(rows):
         raise ValueError(
-            "the reward audit corrupts GSM8K-style reference solutions: it needs a `question` column and an "
-            "`answer` column ending in '#### <number>' on every row"
+            "the reward audit corrupts GSM8K-style reference solutions: it needs a `question` column and a "
+            f"`{WORKED_SOLUTION}` or `answer` column ending in '#### <number>' on every row"
         )
     weights = getattr(pl_module, "reward_weights", None)
     return audit_reward_funcs(
         pl_module.reward_funcs,
         [r["question"] for r in rows],
-        [r["answer"] for r in rows],
+        [_worked_solution(r) for r in rows],
         None if weights is None else weights.tolist(),
         [r["prompt"] for r in rows] if all("prompt" in r for r in rows) else None,
         getattr(pl_module, "tokenizer", None),
