@@ -1,7 +1,10 @@
-"""Learning-rate schedules: the library schedulers against the closed form and against transformers' own
-schedules (TRL's `lr_scheduler_type`), the run's length, and the rates a real fit logs (each step's
-`train/learning_rate` is the rate its update used)."""
+"""The optimizer and its learning-rate schedule: TRL's `optim` and Adam options reaching the optimizer, the
+library schedulers against the closed form and against transformers' own schedules (TRL's
+`lr_scheduler_type`), the run's length, and the rates a real fit logs (each step's `train/learning_rate` is
+the rate its update used)."""
 
+import dataclasses
+import importlib.util
 import math
 
 import lightning as L
@@ -9,7 +12,12 @@ import pytest
 import torch
 import transformers
 
-from grpo_lightning.core.algorithm.schedules import build_scheduler, optimizer_steps_in_fit
+from grpo_lightning.core.algorithm.schedules import (
+    OptimizerOptions,
+    build_optimizer,
+    build_scheduler,
+    optimizer_steps_in_fit,
+)
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
@@ -127,6 +135,55 @@ def test_the_run_length_in_optimizer_steps():
         optimizer_steps_in_fit(-1, -1, 10, 1)
 
 
+def test_trls_optimizer_defaults_are_ours():
+    """TRL 1.16's `GRPOConfig` (transformers' `TrainingArguments`): optim, betas, epsilon, weight decay."""
+    trl = pytest.importorskip("trl")
+    defaults = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = OptimizerOptions()
+    assert (defaults["adam_beta1"], defaults["adam_beta2"], defaults["adam_epsilon"]) == (0.9, 0.999, 1e-8)
+    assert (ours.beta1, ours.beta2, ours.epsilon) == (0.9, 0.999, 1e-8)
+    assert (ours.name, ours.weight_decay, ours.learning_rate) == (
+        defaults["optim"],  # "adamw_torch_fused" with torch >= 2.8
+        defaults["weight_decay"],
+        defaults["learning_rate"],
+    )
+
+
+@pytest.mark.parametrize(("optim", "fused"), [("adamw_torch_fused", True), ("adamw_torch", False)])
+def test_trls_optimizer_options_reach_the_optimizer(optim, fused):
+    grpo = GRPOConfig(
+        optim=optim, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, weight_decay=0.1, learning_rate=3e-6
+    )
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], grpo.optimizer)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is fused
+    group = optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"], group["lr"]) == (
+        (0.8, 0.99),
+        1e-6,
+        0.1,
+        3e-6,
+    )
+
+
+def test_8bit_adamw_needs_bitsandbytes(monkeypatch):
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes
+
+        optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], OptimizerOptions(name="adamw_8bit"))
+        assert isinstance(optimizer, bitsandbytes.optim.AdamW8bit)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    for name in ("adamw_8bit", "adamw_bnb_8bit"):
+        with pytest.raises(ValueError) as refused:
+            GRPOConfig(optim=name)
+        assert str(refused.value) == (
+            f"GRPOConfig.optimizer.name={name!r} (optim): 8-bit AdamW needs bitsandbytes, which is not "
+            "installed: pip install bitsandbytes, or use adamw_torch_fused"
+        )
+
+
 class LoggedRates(L.Callback):
     def __init__(self) -> None:
         self.rates: list[float] = []
@@ -146,6 +203,7 @@ def test_fit_logs_the_rate_each_update_used(tiny_model_dir, tmp_path, kind, num_
         lr_scheduler_type=kind,
         min_lr_ratio=floor,
         num_iterations=num_iterations,
+        adam_beta2=0.99,
         preflight=False,
     )
     module = GRPOModule(tiny_model_dir, grpo=grpo)
@@ -161,6 +219,10 @@ def test_fit_logs_the_rate_each_update_used(tiny_model_dir, tmp_path, kind, num_
         [lr * lr_multiplier(s, warmup, steps, kind, floor) for s in last_steps]
     )
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr * floor)  # after the last step
+    assert trainer.optimizers[0].param_groups[0]["betas"] == (
+        0.9,
+        0.99,
+    )  # TRL's adam_beta2, as a fit builds it
 
 
 def test_epochs_bound_the_schedule(tiny_model_dir, tmp_path):
