@@ -3,6 +3,7 @@
 `FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
 length also for `validate`; `check_fit` for a script that works before its `fit`):
 
+- the engine: `generation_backend: vllm` where vLLM does not import is refused (at every stage's set-up);
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
@@ -27,6 +28,7 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.core.generation.backends import check_engine_importable
 from grpo_lightning.io.models import model_positions
 from grpo_lightning.training.resume import InterruptCheckpoint
 
@@ -35,6 +37,7 @@ class FitChecks(L.Callback):
     """The checks above, on a `GRPOModule`'s `fit`."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_engine_importable(pl_module.grpo.engine)  # every stage samples
         if stage == "fit":
             check_fit(trainer, pl_module, trainer.datamodule)
         elif stage == "validate":

@@ -3,8 +3,8 @@
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
 
-from grpo_lightning.core.generation.vllm_engine import VLLMOptions
-from grpo_lightning.core.options import Alias, check_fields, warn_inert
+from grpo_lightning.core.generation.vllm_engine import VLLMOptions, vllm_unavailable
+from grpo_lightning.core.options import Alias, check_fields, option_error, warn_inert
 
 
 @dataclass(frozen=True)
@@ -37,3 +37,11 @@ class EngineOptions:
         if self.backend in ("eager", "static"):
             for option in fields(self.vllm):
                 warn_inert(self.vllm, option.name, "engine.backend: vllm (or auto)")
+
+
+def check_engine_importable(options: EngineOptions) -> None:
+    """Refuse `backend: vllm` where vLLM does not import, in one line saying what to install. Not when the
+    options are built (a checkpoint of a vLLM run loads and exports on a machine without vLLM): when a run
+    that samples sets up, before any weights load (`training.run_checks.FitChecks`)."""
+    if options.backend == "vllm" and (problem := vllm_unavailable()) is not None:
+        raise option_error(options, "backend", options.backend, problem)
