@@ -79,8 +79,10 @@ def test_runs_that_cannot_do_what_was_asked_are_refused_or_warned_before_any_wei
         GRPOConfig(learning_rate=0)
     with pytest.warns(UserWarning, match="importance_sampling_cap=3.0 has no effect without importance_"):
         GRPOConfig(importance_sampling_cap=3.0)
-    with pytest.warns(UserWarning, match=r"warmup_steps=10 is longer than the run \(trainer.max_steps=4 "):
+    with pytest.warns(UserWarning, match=r"warmup_steps=10 does not end before the run does \(trainer.max_s"):
         check_run_length(quiet_trainer(max_steps=4), GRPOConfig(warmup_steps=10))
+    with pytest.warns(UserWarning, match=r"warmup_steps=4 does not .*, only 75% of it at the last step"):
+        check_run_length(quiet_trainer(max_steps=4), GRPOConfig(warmup_steps=4))  # rates 0, 1/4, 2/4, 3/4
     # The tiny model has 1024 positions: 100000 new tokens would be sampled (for minutes) to no purpose.
     assert fit_refused(
         tiny_model_dir,

@@ -69,7 +69,7 @@ def test_data_files_are_read_by_their_type_in_any_case_and_named_by_their_own_li
         return data.train_rows
 
     upper = write_rows(tmp_path / "upper.JSONL", [ROW, ROW])  # an existing file: never a hub id
-    assert [row["answer"] for row in rows_of("upper.JSONL")] == [ROW["answer"]] * 2
+    assert [row["worked_solution"] for row in rows_of("upper.JSONL")] == [ROW["answer"]] * 2
     assert len(rows_of(upper)) == 2
     (tmp_path / "split").mkdir()
     write_rows(tmp_path / "split" / "train.Jsonl", [ROW] * 3)

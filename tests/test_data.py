@@ -111,7 +111,7 @@ def test_hub_data_sets_load_without_an_assumed_config(monkeypatch):
     )
     data.setup("fit")
     assert hub.calls == [("someone/math", None, "train"), ("someone/math", None, "test")]
-    assert data.val_rows[0]["question"] == "test 0?" and data.val_rows[0]["answer"] == "0\n#### 0"
+    assert data.val_rows[0]["question"] == "test 0?" and data.val_rows[0]["worked_solution"] == "0\n#### 0"
     assert data.train_rows[0]["prompt"][-1] == {"role": "user", "content": data.train_rows[0]["question"]}
     # GSM8K's own hub id keeps its configuration; any other configuration can be named.
     hub.calls.clear()
@@ -148,6 +148,10 @@ def test_gsm8k_preset_rows_and_the_arithmetic_task():
     row = data.val_rows[0]
     assert row["prompt"] == [{"role": "system", "content": "S"}, {"role": "user", "content": row["question"]}]
     assert data.answer_column == "answer" and data.conversational
+    # `answer` is the final number, as TRL's and unsloth's GSM8K recipes keep it; the worked solution has
+    # its own column.
+    assert sorted(row) == ["answer", "prompt", "question", "worked_solution"]
+    assert row["worked_solution"].endswith(f"\n#### {row['answer']}") and row["answer"].isdigit()
     # Old callers collate bare question/answer rows: the prompt is built from the question.
     batch = collate_rows([{"question": "q?", "answer": "#### 1"}], "S")
     assert batch == {

@@ -42,8 +42,9 @@ def test_report_of_a_sound_setup(tiny_model_dir):
     module = module_for(tiny_model_dir, grpo={"max_completion_length": 20})
     end_early(module, eos_logit=6.0)  # EOS as likely as the 399 other tokens together: 20 tokens hold one
     report = run_preflight(module, BATCH, devices=1, accumulation=1, samples=2)
-    assert report.lines["effective batch"].startswith(
-        "2 prompts x 4 completions x 1 device(s) x 1 accumulation = 8 completions per step (one micro-batch"
+    assert report.lines["effective batch"] == (
+        "2 prompts x 4 completions x 1 device(s) x 1 accumulation = 8 completions per step, 1 optimizer "
+        "step(s) each (1 mini-batch(es) of 8 completions x 1 iteration(s); one micro-batch)"
     )
     assert report.lines["completion length"] == (
         "0 of 8 sampled completions reached max_completion_length=20; 0 of 2 groups were cut whole"
@@ -52,6 +53,26 @@ def test_report_of_a_sound_setup(tiny_model_dir):
     assert report.lines["LoRA input grads"].startswith("not needed")
     assert report.problems == []
     assert report.text().splitlines()[0] == "GRPO pre-flight:" and report.text().endswith("all clear")
+
+
+@pytest.mark.parametrize(
+    ("update", "steps"),
+    [
+        ({"steps_per_generation": 4}, "4 optimizer step(s) each (4 mini-batch(es) of 2 completions x 1 "),
+        (
+            {"steps_per_generation": 2, "num_iterations": 3},
+            "6 optimizer step(s) each (2 mini-batch(es) of 4 ",
+        ),
+    ],
+)
+def test_the_effective_batch_counts_each_steps_optimizer_steps(tiny_model_dir, update, steps):
+    """A rollout of 8 completions in `steps_per_generation` mini-batches, each stepped `num_iterations`
+    times: the optimizer steps that `max_steps` counts."""
+    module = module_for(tiny_model_dir, grpo=update)
+    line = run_preflight(module, BATCH, samples=2).lines["effective batch"]
+    assert line.startswith(
+        f"2 prompts x 4 completions x 1 device(s) x 1 accumulation = 8 completions per step, {steps}"
+    )
 
 
 def test_groups_cut_whole_is_a_problem(tiny_model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.core.rewards.audit import audit_rewards
+from grpo_lightning.core.rewards.audit import AnswerForm, audit_reward_funcs, audit_rewards
 from grpo_lightning.core.rewards.verifiable import (
     LengthPenalty,
     accuracy_reward,
@@ -283,3 +284,73 @@ def test_audit_rewards_edge_cases() -> None:
     }
     with pytest.raises(ValueError, match="1 questions but 2 answers"):
         audit_rewards([accuracy_reward], ["q"], ["#### 1", "#### 2"])
+
+
+# A system prompt asking for the reasoning and the answer in tags, as unsloth's GSM8K notebook writes it.
+TAGS_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+
+
+def tagged_answer(completion: str) -> str:
+    """The text of the last `<answer>` tag, stripped: the whole completion where it has none."""
+    return completion.split("<answer>")[-1].split("</answer>")[0].strip()
+
+
+def exact_match_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """An exact-match reward in unsloth's style: 2.0 where the tagged answer is the answer column's text."""
+    return [
+        2.0 if tagged_answer(c[0]["content"]) == a else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def tags_format_reward(completions, **kwargs) -> list[float]:
+    """0.5 for a completion with a reasoning and an answer tag, in that order."""
+    pattern = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
+    return [0.5 if pattern.search(c[0]["content"]) else 0.0 for c in completions]
+
+
+def test_the_form_a_prompt_asks_for():
+    assert AnswerForm.asked_by(TAGS_PROMPT) == AnswerForm("tags", "reasoning")
+    open_r1 = "enclosed within <think> </think> and <answer> </answer> tags"
+    assert AnswerForm.asked_by([{"role": "system", "content": open_r1}]) == AnswerForm("tags", "think")
+    assert AnswerForm.asked_by("Put your final answer within \\boxed{}.") == AnswerForm("boxed")
+    assert AnswerForm.asked_by("What is 2 + 2?") == AnswerForm("hash")
+    assert AnswerForm("tags", "reasoning").write("2 + 2 = 4.", ["4"]) == (
+        "<reasoning>\n2 + 2 = 4.\n</reasoning>\n<answer>\n4\n</answer>"
+    )
+
+
+def test_the_audit_fails_a_reward_that_scores_the_right_final_answer_0():
+    """unsloth's rewards on rows whose `answer` is GSM8K's worked solution: `<answer>72</answer>` scores 0,
+    as a wrong answer does. The audit fails, naming the reward and the row; with the final number in
+    `answer` it passes."""
+    rows = _rows("train")[:20]
+    questions, solutions = [r["question"] for r in rows], [r["answer"] for r in rows]
+    prompts = [
+        [{"role": "system", "content": TAGS_PROMPT}, {"role": "user", "content": q}] for q in questions
+    ]
+    funcs = [exact_match_reward, tags_format_reward]
+
+    worked = audit_reward_funcs(funcs, questions, solutions, prompts=prompts)
+    assert not worked.perfect
+    assert worked.means["exact_match_reward"]["reference"] == 0.0  # the right answer is never matched
+    assert worked.rates["wrong_number"] == 1.0  # every wrong answer scores as much as the right one
+    final = reference_answer(solutions[0])
+    assert worked.right_not_rewarded.startswith(
+        f"row 0: a completion with the reference's final answer {final} in the form the prompt asks for "
+        f"('<reasoning>\\n...\\n</reasoning>\\n<answer>\\n{final}\\n</answer>') scores 0.5, no more than the "
+        "same with a wrong one (0.5): exact_match_reward gives it 0 and the wrong one 0 (it reads answer="
+    )
+    assert f"#### {final}'" in worked.right_not_rewarded  # the worked solution it compared with
+    assert worked.right_not_rewarded in worked.table()
+
+    finals = [reference_answer(s) for s in solutions]
+    columns = {"question": questions, "answer": finals}
+    sound = audit_reward_funcs(funcs, questions, solutions, prompts=prompts, columns=columns)
+    assert sound.perfect and sound.right_not_rewarded is None
+    assert sound.means["exact_match_reward"] == {
+        "reference": 2.0,
+        "wrong_number": 0.0,
+        "two_answers": 0.0,  # the last tag is read: the wrong one
+        "no_answer": 0.0,
+    }
+    assert sound.table().splitlines()[-1] == "verdict: OK"

@@ -13,8 +13,9 @@ from grpo_lightning.core.generation.packing import PackedLogProbScorer
 from grpo_lightning.core.generation.static_engine import StaticEngine
 from grpo_lightning.core.generation.vllm_engine import vllm_unavailable
 from grpo_lightning.core.options import declared_rule
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.rollouts import PolicyRollouts
-from tests.helpers import sliding_window_model
+from tests.helpers import length_reward, quiet_trainer, sliding_window_model, tiny_module
 
 
 def rollouts(model_dir: str, policy=None, **options) -> PolicyRollouts:
@@ -70,11 +71,20 @@ def test_every_backend_choice_has_its_registry_entry():
     assert set(choices) == set(BACKENDS) | {"auto"}
 
 
-def test_vllm_asked_for_without_vllm_fails_in_one_line(tiny_model_dir):
-    """Without vLLM (the default environment) asking for it names the option and the install; `auto` on
-    CPU never asks for it. With vLLM, tests/vllm_backend run it."""
+@pytest.mark.skipif(vllm_unavailable() is None, reason="vLLM imports here: tests/vllm_backend run the engine")
+def test_vllm_asked_for_without_vllm_fails_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """Without vLLM (the default environment) asking for it names the option and the install, when a fit
+    sets up, before any weights load; `auto` on CPU never asks for it."""
     problem = vllm_unavailable()
-    assert problem is not None, "this environment has vLLM: `make test-vllm` covers the engine"
+    module = tiny_module(tiny_model_dir, reward_funcs=[length_reward], generation_backend="vllm")
+    loaded = []
+    monkeypatch.setattr("grpo_lightning.training.module.load_model", lambda *a, **k: loaded.append(a))
+    trainer = quiet_trainer(max_steps=1, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, GSM8KDataModule("arithmetic", None, batch_size=2, val_size=2))
+    assert str(refused.value) == f"GRPOConfig.engine.backend='vllm' (generation_backend): {problem}"
+    assert loaded == [] and module.policy is None  # refused before the weights load
+    # Rollouts sampled outside a fit are refused when they first sample.
     made = rollouts(tiny_model_dir, generation_backend="vllm")
     with pytest.raises(RuntimeError) as error:
         made.sample(["1 + 1 ="], 2)

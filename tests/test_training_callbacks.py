@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoTokenizer, GenerationConfig
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards.audit import audit_reward_funcs
+from grpo_lightning.core.rewards.audit import audit_module_rewards, audit_reward_funcs
 from grpo_lightning.core.rewards.verifiable import (
     accuracy_reward,
     completion_text,
@@ -32,6 +32,7 @@ from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.monitoring import RolloutRecord
 from grpo_lightning.training.monitors import CollapseMonitor
 from tests.helpers import ACCURACY_KEYS, GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
+from tests.test_rewards import TAGS_PROMPT, exact_match_reward, tags_format_reward
 
 
 def tiny_data(**kwargs) -> GSM8KDataModule:
@@ -318,6 +319,33 @@ def test_reward_audit_passes_sound_rewards_and_flags_a_gameable_one() -> None:
     with pytest.warns(UserWarning, match="reward audit is not perfect") as caught:
         callback.on_fit_start(fake_trainer, fake_module)
     assert "reward audit on 20 reference solutions" in str(caught[0].message)
+
+
+def test_the_gsm8k_presets_final_number_passes_an_exact_match_reward_that_a_worked_solution_fails():
+    """unsloth's GSM8K rewards on the preset's rows: `answer` is the final number, which their exact match
+    compares with, and the audit passes; on rows whose `answer` is the worked solution (as the preset kept
+    them before) it fails, naming the reward and the row. Our own rewards read either."""
+    data = GSM8KDataModule(source=GSM8K_DIR, system_prompt=TAGS_PROMPT, val_size=0, train_size=20)
+    data.setup("fit")
+    rows = data.train_rows
+    module = SimpleNamespace(reward_funcs=[exact_match_reward, tags_format_reward], reward_weights=None)
+    report = audit_module_rewards(module, rows)
+    assert report.perfect and report.means["exact_match_reward"]["reference"] == 2.0
+
+    worked = [
+        {k: v for k, v in r.items() if k != "worked_solution"} | {"answer": r["worked_solution"]}
+        for r in rows
+    ]
+    failed = audit_module_rewards(module, worked)
+    assert not failed.perfect
+    assert failed.right_not_rewarded.startswith(
+        f"row 0: a completion with the reference's final answer {rows[0]['answer']} "
+    )
+    assert "exact_match_reward gives it 0 and the wrong one 0 (it reads answer=" in failed.right_not_rewarded
+
+    ours = SimpleNamespace(reward_funcs=[accuracy_reward], reward_weights=None)
+    for audited in (rows, worked):
+        assert audit_module_rewards(ours, audited).means["accuracy_reward"]["reference"] == 1.0
 
 
 class FlatAccuracy(GRPOModule):

@@ -147,6 +147,82 @@ def test_trl_reward_functions_run_unchanged_in_training_steps(tiny_model_dir, tm
     assert torch.equal(penalties < 0, lengths > MAX_TOKENS - 4)
 
 
+class StateRecorder:
+    """A reward that records the `trainer_state` of each call: (global_step, max_steps, num_train_epochs,
+    epoch), and scores every completion 0."""
+
+    __name__ = "state_recorder"
+
+    def __init__(self) -> None:
+        self.states: list[tuple[int, int, int, float]] = []
+
+    def __call__(self, completions, trainer_state, **kwargs):
+        state = trainer_state
+        self.states.append((state.global_step, state.max_steps, state.num_train_epochs, state.epoch))
+        return [0.0] * len(completions)
+
+
+def trl_epoch_bounded_states(model_dir: str, root: Path, epochs: int) -> list[tuple[int, int, int, float]]:
+    """The `trainer_state` TRL 1.16's own `GRPOTrainer` passes its rewards in a run bounded by epochs: 4
+    prompts, groups of 2, 4 completions per optimizer step, 2 optimizer steps per generation."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    config = TRLConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_generations=G,
+        max_completion_length=4,
+        num_train_epochs=epochs,
+        use_cpu=True,
+        bf16=False,
+        model_init_kwargs={"dtype": "float32"},
+        shuffle_dataset=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    recorder = StateRecorder()
+    prompts = [f"Question: {question}\nAnswer:" for question, _ in PROBLEMS]
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=recorder,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
+    trainer.train()
+    return recorder.states
+
+
+def test_trainer_state_in_a_run_bounded_by_epochs_is_trls(tiny_model_dir, tmp_path):
+    """No max_steps: TRL passes the run's computed total of optimizer steps as `max_steps` (never -1), so a
+    reward scheduled on global_step / max_steps stays in [0, 1]; ours passes the same state at each
+    generation."""
+    epochs = 2
+    expected = trl_epoch_bounded_states(tiny_model_dir, tmp_path, epochs)
+    assert [state[:3] for state in expected] == [(0, 4, 2), (2, 4, 2)]  # 2 generations, 4 optimizer steps
+
+    recorder = StateRecorder()
+    source = write_jsonl(tmp_path / "train.jsonl", trl_rows(conversational=False))
+    data = PromptDataModule(source, batch_size=4, val_size=0)
+    grpo = GRPOConfig(
+        num_generations=G,
+        max_completion_length=4,
+        steps_per_generation=2,
+        log_completions_every=0,
+        preflight=False,
+    )
+    module = GRPOModule(tiny_model_dir, reward_funcs=[recorder], grpo=grpo)
+    trainer = quiet_trainer(max_epochs=epochs, limit_val_batches=0, default_root_dir=str(tmp_path))
+    trainer.fit(module, data)
+    assert trainer.global_step == 4
+    assert recorder.states == expected
+
+
 def test_standard_prompts_get_text_completions_and_our_rewards_take_both_shapes(tiny_model_dir, tmp_path):
     seen_shapes = []
 

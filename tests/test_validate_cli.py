@@ -49,8 +49,10 @@ def test_validate_writes_one_line_per_problem(tiny_model_dir: str, tmp_path, cap
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [line["question"] for line in lines] == [r["question"] for r in rows]
     assert [line["answer"] for line in lines] == [reference_answer(r["answer"]) for r in rows]
+    assert [line["worked_solution"] for line in lines] == [r["answer"] for r in rows]  # a data column
     for line in lines:
-        assert set(line) == {"set", "question", "sample", "completion", "extracted", "answer", "correct"}
+        data = {"question", "worked_solution"}  # the row's columns; its `answer` is the reference
+        assert set(line) == data | {"set", "sample", "completion", "extracted", "answer", "correct"}
         assert line["sample"] == 0  # greedy: one completion per problem
         assert line["extracted"] == extract_answer(line["completion"])
         assert line["correct"] == (line["extracted"] == line["answer"])

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from grpo_lightning.core.rewards.scoring import check_column_names
-from grpo_lightning.core.rewards.verifiable import reference_answer
+from grpo_lightning.core.rewards.verifiable import WORKED_SOLUTION, reference_answer
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the math problem step by step. On the last line, write only the final answer as '#### <number>'."
@@ -173,7 +173,9 @@ def _check_text(row: dict, field: str, where: str) -> str:
 
 
 def check_row(row: object, where: str, question_field: str = "question", answer_field: str = "answer") -> Row:
-    """Return the row with `question` and `answer` keys, or raise naming `where` and the field at fault."""
+    """Return the row with `question`, `answer` (the final number after `####`, as the answer column of
+    TRL's and unsloth's GSM8K recipes holds it) and `worked_solution` (the whole worked solution) keys, or
+    raise naming `where` and the field at fault."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     question = _check_text(row, question_field, where)
@@ -190,8 +192,13 @@ def check_row(row: object, where: str, question_field: str = "question", answer_
             f"{where}: field {answer_field!r} has no final '#### <number>' line: {answer[-80:]!r}"
         )
     check_answer(answer, where, answer_field)
+    if WORKED_SOLUTION in row and answer_field != WORKED_SOLUTION:
+        raise ValueError(
+            f"{where}: has a column {WORKED_SOLUTION!r}, which the GSM8K preset fills from {answer_field!r}: "
+            "rename the column"
+        )
     out = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
-    out.update(question=question, answer=answer)
+    out.update(question=question, answer=reference_answer(answer), **{WORKED_SOLUTION: answer})
     return out
 
 

@@ -373,7 +373,9 @@ class GSM8KDataModule(PromptDataModule):
     question as the user's turn) and checks that every answer ends in a `#### N` line.
 
     Rows are `{"question": str, "answer": str, ...}` (other column names through `question_field` /
-    `answer_field`; they reach the rewards as `question` and `answer`).
+    `answer_field`). They reach the rewards as `question`, `answer`, the final number after `####` (as the
+    GSM8K recipes of TRL and unsloth keep it, for exact-match rewards), and `worked_solution`, the answer
+    column as written.
 
     Args:
         source: `"arithmetic"` (the built-in generated task, no download), or any source

@@ -121,9 +121,13 @@ def run_preflight(
         if cfg.update.micro_batch_size
         else "one micro-batch"
     )
+    # A training step's rollout is split into steps_per_generation mini-batches, each stepped num_iterations
+    # times: the optimizer steps per training step that `max_steps` and the schedule count.
+    mini_batches, iterations = cfg.update.steps_per_generation, cfg.update.num_iterations
     report.lines["effective batch"] = (
         f"{prompts} prompts x {G} completions x {devices} device(s) x {accumulation} accumulation = {total} "
-        f"completions per step ({micro}, {cfg.update.num_iterations} optimizer step(s) each)"
+        f"completions per step, {mini_batches * iterations} optimizer step(s) each ({mini_batches} "
+        f"mini-batch(es) of {total / mini_batches:g} completions x {iterations} iteration(s); {micro})"
     )
 
     rollout, _ = module.rollouts.sample(batch["prompt"][:samples], G)
@@ -144,11 +148,8 @@ def run_preflight(
             "grpo.sampling.max_completion_length"
         )
 
-    if audit_rows is None and "question" in batch and "answer" in batch:
-        audit_rows = [
-            {"prompt": p, "question": q, "answer": a}
-            for p, q, a in zip(batch["prompt"], batch["question"], batch["answer"], strict=True)
-        ]
+    if audit_rows is None and "question" in batch:
+        audit_rows = [{column: values[i] for column, values in batch.items()} for i in range(prompts)]
     if audit_rows and auditable(audit_rows):
         audit = audit_module_rewards(module, audit_rows)
         verdict = "passes" if audit.perfect else "FAILS"

@@ -7,6 +7,7 @@ training step's optimizer steps, and a reward with no import path, are warned ab
 `FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
 length also for `validate`; `check_fit` for a script that works before its `fit`):
 
+- the engine: `generation_backend: vllm` where vLLM does not import is refused (at every stage's set-up);
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
@@ -32,6 +33,7 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.core.generation.backends import check_engine_importable
 from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.io.checkpoints import unimportable_rewards
 from grpo_lightning.io.models import model_positions
@@ -43,6 +45,7 @@ class FitChecks(L.Callback):
     """The checks above, on a `GRPOModule`'s `fit`."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_engine_importable(pl_module.grpo.engine)  # every stage samples
         if stage == "fit":
             check_fit(trainer, pl_module, trainer.datamodule)
         elif stage == "validate":
@@ -162,24 +165,13 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
             "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
             "lr_scheduler_type: constant"
         )
-    if max_steps > 0 and grpo.optimizer.warmup_steps > max_steps:
+    warmup = grpo.optimizer.warmup_steps
+    if max_steps > 0 and warmup >= max_steps:  # the warm-up's last rate, (w - 1) / w, is below the full one
         rank_zero_warn(
-            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} is longer than the run "
-            "(trainer.max_steps="
+            f"model.grpo.optimizer.warmup_steps={warmup} does not end before the run does (trainer.max_steps="
             f"{max_steps} optimizer steps): the learning rate never reaches learning_rate="
-            f"{grpo.optimizer.learning_rate:g}, only {max_steps / grpo.optimizer.warmup_steps:.0%} of "
-            "it at the last step; "
-            "shorten the warm-up or lengthen the run"
-        )
-    elif (
-        max_steps > 0
-        and grpo.optimizer.lr_scheduler_type != "constant"
-        and grpo.optimizer.warmup_steps >= max_steps
-    ):
-        rank_zero_warn(
-            f"model.grpo.optimizer.warmup_steps={grpo.optimizer.warmup_steps} fills the run "
-            f"(trainer.max_steps={max_steps}): "
-            f"no step is left for lr_scheduler_type={grpo.optimizer.lr_scheduler_type!r} to decay"
+            f"{grpo.optimizer.learning_rate:g}, only {(max_steps - 1) / warmup:.0%} of it at the last step, "
+            "and no step is left for a decay; shorten the warm-up or lengthen the run"
         )
     per_batch = grpo.update.steps_per_generation * grpo.update.num_iterations
     if max_steps > 0 and max_steps % per_batch:

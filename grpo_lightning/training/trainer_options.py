@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.strategies import FSDPStrategy
 
-from grpo_lightning.core.algorithm.schedules import OptimizerOptions, optimizer_steps_in_fit
+from grpo_lightning.core.algorithm.schedules import OptimizerOptions, fit_length, optimizer_steps_in_fit
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import plain_options
 
@@ -181,6 +181,17 @@ def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
     return optimizer_steps_in_fit(
         trainer.max_steps, trainer.max_epochs, batches, cfg.optimizer_steps_per_batch
     )
+
+
+def planned_optimizer_steps(trainer: L.Trainer, cfg: GRPOConfig) -> int:
+    """The optimizer steps `fit` makes at most (`schedules.fit_length`), -1 where neither `max_steps` nor
+    `max_epochs` over sized data bounds it: the `max_steps` of the reward functions' `trainer_state`, the
+    run's computed total as TRL passes it, also where epochs alone bound the run (Lightning's own
+    `max_steps` is then -1)."""
+    steps = fit_length(
+        trainer.max_steps, trainer.max_epochs, trainer.num_training_batches, cfg.optimizer_steps_per_batch
+    )
+    return -1 if steps is None else steps
 
 
 def check_one_optimizer(trainer: L.Trainer, policy: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, RolloutEngine
 from grpo_lightning.core.generation.static_engine import STATIC_BACKEND
 from grpo_lightning.core.generation.vllm_engine import VLLM_BACKEND, VLLMOptions
-from grpo_lightning.core.options import Alias, Choices, check_fields, warn_inert
+from grpo_lightning.core.options import Alias, Choices, check_fields, option_error, warn_inert
 
 BACKENDS = Choices("backend", {"eager": EAGER_BACKEND, "static": STATIC_BACKEND, "vllm": VLLM_BACKEND})
 AUTO = "auto"  # the engine picked for the device (`requested_backend`)
@@ -64,6 +64,15 @@ class EngineOptions:
     def of(self, backend: str) -> object | None:
         """The options of engine `backend`, None for an engine without its own."""
         return getattr(self, backend, None)
+
+
+def check_engine_importable(options: EngineOptions) -> None:
+    """Refuse an engine asked for by name that does not import here (`Backend.unavailable`), in one line
+    saying what to install. Not when the options are built (a checkpoint of a vLLM run loads and exports on
+    a machine without vLLM): when a run that samples sets up, before any weights load
+    (`training.run_checks.FitChecks`)."""
+    if options.backend != AUTO and (problem := BACKENDS[options.backend].unavailable()) is not None:
+        raise option_error(options, "backend", options.backend, problem)
 
 
 def requested_backend(requested: str, device: torch.device) -> str:

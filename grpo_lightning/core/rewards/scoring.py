@@ -10,8 +10,9 @@ A reward function is called with keywords only::
 - `completions`: text, or, when the prompts are chat messages, a list of one assistant message
   `[{"role": "assistant", "content": text}]` (read it as `completion[0]["content"]`);
 - `completion_ids`: the completion's token ids, end-of-sequence token included, padding left out;
-- `trainer_state`: a `transformers.TrainerState` with `global_step` (optimizer steps so far), `max_steps`,
-  `epoch` (fractional) and `num_train_epochs`;
+- `trainer_state`: a `transformers.TrainerState` with `global_step` (optimizer steps so far), `max_steps`
+  (the run's optimizer steps, computed from the epochs where they bound it, as TRL's), `epoch` (fractional)
+  and `num_train_epochs`;
 - `log_extra(column, values)`: a column of one value per completion for the completions panel;
 - `log_metric(name, value)`: a scalar, logged as `train/<name>` (the mean over the step's calls);
 - every data column but `prompt`, one value per completion (`answer`, `solution`, ...); a column named like

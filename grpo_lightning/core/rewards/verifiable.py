@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import Any
 
 __all__ = [
+    "WORKED_SOLUTION",
     "LengthPenalty",
     "accuracy_reward",
     "completion_text",
@@ -38,6 +39,8 @@ __all__ = [
     "strict_accuracy_reward",
 ]
 
+# The GSM8K preset's column of each row's worked solution, ending in `#### N`; its `answer` is the final N.
+WORKED_SOLUTION = "worked_solution"
 # A whole string that is a number: optional sign and `$` in either order (-$5, $-5), thousands groups,
 # decimals (also `.5`), or a simple fraction of integers.
 _NUMBER_STRING_RE = re.compile(
