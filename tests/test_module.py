@@ -1,5 +1,5 @@
 """End to end: `cli.py fit` on a tiny random model, and the module's own contracts, its validation
-(`training.validation`) included."""
+(`training.validation_scores`) included."""
 
 import math
 import os

@@ -18,7 +18,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.validation import ValidationScoring
+from grpo_lightning.training.validation_scores import ValidationScoring
 from grpo_lightning.training.validation_sets import COUNTED, SetScores, ValidationSet, rank_share
 from tests.helpers import GSM8K_DIR, gsm8k_rows
 

@@ -9,7 +9,7 @@ import html
 import shutil
 import textwrap
 
-from grpo_lightning.training.monitoring import RolloutRecord
+from grpo_lightning.training.step_metrics import RolloutRecord
 
 __all__ = ["completion_rows", "completions_table", "console_table", "prompt_text"]
 

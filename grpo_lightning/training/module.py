@@ -55,12 +55,12 @@ from grpo_lightning.training.lr_schedulers import (
     reading_schedulers,
 )
 from grpo_lightning.training.manual_optimization import ManualOptimization
-from grpo_lightning.training.monitoring import RolloutRecord, training_step_metrics
 from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks, check_setup
+from grpo_lightning.training.step_metrics import RolloutRecord, training_step_metrics
 from grpo_lightning.training.tool_rollouts import ToolSampling, prompt_answers
 from grpo_lightning.training.trainer_options import (
     bound_epochs_by_steps,
@@ -80,7 +80,7 @@ from grpo_lightning.training.training_state import (
     save_grpo_state,
     warn_changed_options,
 )
-from grpo_lightning.training.validation import ValidationScoring
+from grpo_lightning.training.validation_scores import ValidationScoring
 from grpo_lightning.training.validation_sets import COUNTED
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True

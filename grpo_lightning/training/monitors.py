@@ -24,7 +24,7 @@ from grpo_lightning.training.completions_table import (
     console_table,
     print_rich_table,
 )
-from grpo_lightning.training.monitoring import RolloutRecord, logging_step
+from grpo_lightning.training.step_metrics import RolloutRecord, logging_step
 
 __all__ = ["CollapseMonitor", "CompletionsPanel"]
 
