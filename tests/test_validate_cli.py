@@ -10,6 +10,7 @@ import yaml
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
 from grpo_lightning.training.export_best import ExportBestCallback
@@ -99,8 +100,8 @@ def test_qwen_config_stops_and_exports_even_before_the_first_validation(tiny_mod
         raw = yaml.safe_load(f)
     assert raw["model"]["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert raw["trainer"]["precision"] == "bf16-mixed" and raw["model"]["model_options"]["dtype"] == "float32"
-    options = raw["model"]["grpo"]
-    assert [options[k] for k in ("num_generations", "max_completion_length", "epsilon_high")] == [
+    options = GRPOConfig(**raw["model"]["grpo"])
+    assert [getattr(options, k) for k in ("num_generations", "max_completion_length", "epsilon_high")] == [
         8,
         512,
         0.28,

@@ -76,11 +76,14 @@ def two_steps_of(path: str, model_dir: str, tmp_path, **grpo) -> tuple[GRPOModul
     trainer_cfg, model_cfg = cfg["trainer"], cfg["model"]
     options = model_cfg.get("model_options", {})
     lora = model_cfg.get("lora")
+    config = GRPOConfig(**model_cfg.get("grpo", {}))  # the config's sections
+    for name, value in (SMALL | grpo).items():  # by flat name: each replaces its section's value
+        setattr(config, name, value)
     L.seed_everything(0)
     module = GRPOModule(
         model_dir,
         reward_funcs=[length_reward],
-        grpo=GRPOConfig(**(model_cfg.get("grpo", {}) | SMALL | grpo)),
+        grpo=config,
         model_options=ModelOptions(
             dtype=options.get("dtype", "float32"),
             gradient_checkpointing=options.get("gradient_checkpointing", False),
