@@ -41,7 +41,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from grpo_lightning.cli_sections import sectioned_argv
-from grpo_lightning.config_checks import check_config_files, plain_value_error, strategy_class_path
+from grpo_lightning.config_checks import (
+    check_config_files,
+    drop_switched_logger_kwargs,
+    plain_value_error,
+    strategy_class_path,
+)
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
@@ -242,6 +247,9 @@ class GRPOCLI(LightningCLI):
         check_config_files(argv)  # a section of the wrong type, named
         sectioned = sectioned_argv(argv)  # TRL's (flat) option names, by their sections' keys
         super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
+        subcommand = self.config.get("subcommand")
+        if note := drop_switched_logger_kwargs(self.config[subcommand] if subcommand else self.config, argv):
+            rank_zero_info(note)
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)

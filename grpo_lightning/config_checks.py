@@ -7,15 +7,20 @@
   against any of the Union subtypes ... Given value: inf`) as the key, the value and what it takes; where a
   class refused the value itself (its own `ValueError`), that message alone;
 - `strategy_class_path`: `trainer.strategy` named by a `Strategy` class (`ModelParallelStrategy`, or its
-  import path), which Lightning would take for an unknown strategy name, as the class path it is.
+  import path), which Lightning would take for an unknown strategy name, as the class path it is;
+- `drop_switched_logger_kwargs`: a `trainer.logger` class switched on the command line (or by a later
+  config) without the earlier class's `dict_kwargs`, which jsonargparse would hand the new class.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import yaml
 
@@ -144,3 +149,93 @@ def strategy_class_path(strategy: object) -> str | None:
     if isinstance(found, type) and issubclass(found, strategies.Strategy):
         return f"{found.__module__}.{found.__qualname__}"
     return None
+
+
+LOGGER = "trainer.logger"
+
+
+def _short(class_path: str) -> str:
+    return class_path.rpartition(".")[2]
+
+
+def _given_loggers(argv: Sequence[str]) -> Iterator[dict]:
+    """The `trainer.logger` mappings (with a class path) that the `--config` files or YAML texts of `argv`,
+    and its `--trainer.logger` values, give."""
+    for config in config_files(argv):
+        try:
+            if os.path.isfile(config):
+                with open(config, encoding="utf-8") as f:
+                    config = f.read()
+            loaded = yaml.safe_load(config)
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse reports it
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        logger = trainer.get("logger") if isinstance(trainer, dict) else None
+        if isinstance(logger, dict) and isinstance(logger.get("class_path"), str):
+            yield logger
+    for i, arg in enumerate(argv):
+        value = arg.removeprefix(f"--{LOGGER}=") if arg.startswith(f"--{LOGGER}=") else None
+        if arg == f"--{LOGGER}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        try:
+            loaded = yaml.safe_load(value) if value is not None else None
+        except yaml.YAMLError:
+            continue
+        if isinstance(loaded, dict) and isinstance(loaded.get("class_path"), str):
+            yield loaded
+
+
+def _takes_any_keyword(class_path: str) -> bool:
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return True  # jsonargparse names a class it cannot import; the call reports the rest
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def drop_switched_logger_kwargs(config: Any, argv: Sequence[str]) -> str | None:
+    """Drop from the parsed `config` of a command the `trainer.logger` `dict_kwargs` that only a logger of
+    another class was given: jsonargparse keeps them when the class changes (`--trainer.logger CSVLogger`
+    over a config's `WandbLogger` with `dict_kwargs: {group: ...}`), and the new class would refuse them
+    with a TypeError. Returns the line that says what was dropped, or None. `dict_kwargs` left for a class
+    that takes no `**kwargs` are refused in one line, naming them."""
+    spec = config.get(LOGGER) if LOGGER in config else None
+    kwargs = spec.get("dict_kwargs") if hasattr(spec, "get") and spec.get("class_path") else None
+    if not kwargs:
+        return None
+    name = _short(spec["class_path"])
+    given = list(_given_loggers(argv))
+    own = {
+        key
+        for logger in given
+        if _short(logger["class_path"]) == name
+        for key in logger.get("dict_kwargs") or {}
+    }
+    others = {_short(logger["class_path"]) for logger in given if _short(logger["class_path"]) != name}
+    theirs = {
+        key
+        for logger in given
+        if _short(logger["class_path"]) != name
+        for key in logger.get("dict_kwargs") or {}
+    }
+    explicit = {
+        arg.partition("=")[0].removeprefix(f"--{LOGGER}.dict_kwargs.")
+        for arg in argv
+        if arg.startswith(f"--{LOGGER}.dict_kwargs.")
+    }
+    dropped = sorted(key for key in kwargs if key in theirs and key not in own | explicit)
+    for key in dropped:
+        del kwargs[key]
+    if kwargs and not _takes_any_keyword(spec["class_path"]):
+        raise ValueError(
+            f"{LOGGER}: {name} takes no keyword arguments beyond its own, but its dict_kwargs give it "
+            f"{', '.join(sorted(kwargs))}: remove them, or name a logger class that takes them"
+        )
+    if not dropped:
+        return None
+    return (
+        f"{LOGGER}: {name} replaces the config's {', '.join(sorted(others))}; its dict_kwargs "
+        f"({', '.join(dropped)}) are not passed to {name}"
+    )

@@ -306,6 +306,46 @@ class TestOptionsTheLightningWay:
         one_error_line(err)
 
 
+def wandb_config(tmp_path, model_dir: str) -> str:
+    """A config whose logger is WandbLogger with `dict_kwargs` (wandb.init's own arguments)."""
+    path = tmp_path / "wandb.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "logger": {
+                        "class_path": "lightning.pytorch.loggers.WandbLogger",
+                        "init_args": {"save_dir": str(tmp_path / "runs"), "project": "grpo"},
+                        "dict_kwargs": {"group": "gsm8k", "tags": ["baseline"]},
+                    }
+                },
+                "model": {"policy": model_dir},
+            }
+        )
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("logger", ["TensorBoardLogger", "CSVLogger"])
+def test_switching_the_logger_class_drops_the_earlier_classs_dict_kwargs(tiny_model_dir, tmp_path, logger):
+    """jsonargparse keeps WandbLogger's `dict_kwargs` for the class the command line names instead, which
+    refused them (TensorBoardLogger's SummaryWriter with a TypeError traceback): they are dropped."""
+    cli = build_cli(
+        ["--config", wandb_config(tmp_path, tiny_model_dir), "--trainer.logger", logger], run=False
+    )
+    assert type(cli.trainer.logger).__name__ == logger
+    assert cli.trainer.logger.save_dir == str(tmp_path / "runs")  # the options both classes take are kept
+    assert cli.trainer.logger.experiment is not None  # made from its arguments: SummaryWriter's refused them
+
+
+def test_dict_kwargs_for_a_logger_that_takes_none_are_one_line(tiny_model_dir, tmp_path, capsys, no_weights):
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--trainer.logger.dict_kwargs.group=gsm8k")
+    assert one_error_line(cli_error(args, capsys)) == (
+        "error: trainer.logger: CSVLogger takes no keyword arguments beyond its own, but its dict_kwargs "
+        "give it group: remove them, or name a logger class that takes them"
+    )
+
+
 def test_the_cli_entry_point_prints_a_wrong_type_as_its_one_line(tiny_model_dir, tmp_path):
     """The real command, in a process of its own: jsonargparse's usage is not printed, only the error."""
     args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=two")
