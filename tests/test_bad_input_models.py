@@ -31,8 +31,8 @@ from transformers import (
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.logprobs import completion_logprobs
+from grpo_lightning.core.generation.model_abilities import not_full_attention
 from grpo_lightning.core.generation.packing import packed_completion_logprobs
-from grpo_lightning.core.generation.sampling import not_full_attention
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.checkpoints import read_checkpoint
 from grpo_lightning.io.export import export_policy

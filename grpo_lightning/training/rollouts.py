@@ -20,9 +20,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.backends import BACKENDS, build_engine, requested_backend
 from grpo_lightning.core.generation.engines import EngineRequest, RolloutEngine
+from grpo_lightning.core.generation.model_abilities import not_full_attention
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler, warn_if_unteachable
-from grpo_lightning.core.generation.sampling import not_full_attention, stop_token_ids
+from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.rewards.scoring import RewardInputs
@@ -67,9 +68,9 @@ class PolicyRollouts:
 
     @property
     def full_attention(self) -> bool:
-        """Whether every layer of the policy attends to every earlier token (`sampling.not_full_attention`),
-        decided once. Where not, the shared prompt, packed passes and the static engine are off, and one
-        warning names those the options asked for."""
+        """Whether every layer of the policy attends to every earlier token
+        (`model_abilities.not_full_attention`), decided once. Where not, the shared prompt, packed passes and
+        the static engine are off, and one warning names those the options asked for."""
         if self._full_attention is None:
             reason = not_full_attention(self.policy.config)
             self._full_attention = reason is None

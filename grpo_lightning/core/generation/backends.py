@@ -48,7 +48,7 @@ class EngineOptions:
     faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model
     the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
     back to "eager" with one warning; a model with a sliding window (`sliding_window`, or `layer_types`:
-    `sampling.not_full_attention`) gets one warning for the three options it turns off.
+    `model_abilities.not_full_attention`) gets one warning for the three options it turns off.
     """
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's options (`core.generation.vllm_engine.VLLMOptions`)."""

@@ -193,8 +193,8 @@ class Backend:
     """One engine in the registry: `build` it from a request and its own options (the `EngineOptions` field
     of its name, None for an engine without one), why it cannot serve a model (`unsupported`: None when it
     can; the run then falls back to eager decoding with a warning), its `memory` for a rollout, whether it
-    needs full attention in every layer (`sampling.not_full_attention`: without, eager decoding) and why it
-    cannot run here at all (`unavailable`: a missing package, in one line; None when it can)."""
+    needs full attention in every layer (`model_abilities.not_full_attention`: without, eager decoding) and
+    why it cannot run here at all (`unavailable`: a missing package, in one line; None when it can)."""
 
     build: Callable[[EngineRequest, Any], RolloutEngine]
     unsupported: Callable[[PreTrainedModel], str | None]

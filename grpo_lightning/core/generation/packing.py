@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from grpo_lightning.core.generation.logprobs import HeadOptions, head_logprobs
-from grpo_lightning.core.generation.sampling import not_full_attention
+from grpo_lightning.core.generation.model_abilities import not_full_attention
 from grpo_lightning.core.generation.scorer import LogProbScorer, rows_share_prompts
 from grpo_lightning.core.types import Rollout
 

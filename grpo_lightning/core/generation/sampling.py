@@ -5,7 +5,6 @@ No Lightning here: these functions take a `PreTrainedModel` (or a PEFT wrapper o
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import (
     Cache,
     CompileConfig,
@@ -21,7 +20,6 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -32,6 +30,7 @@ from transformers import (
 )
 
 from grpo_lightning.core.generation.logprobs import position_ids
+from grpo_lightning.core.generation.model_abilities import cache_argument, not_full_attention
 from grpo_lightning.core.options import (
     NonNegativeInt,
     PositiveFloat,
@@ -243,45 +242,11 @@ class RowsEnded(StoppingCriteria):
         return ((live <= self.max_live) & (live > 0)).expand_as(ended)  # [b] all rows alike
 
 
-def not_full_attention(config: PretrainedConfig) -> str | None:
-    """Why a model of `config` does not attend to every earlier token in every layer, or None.
-
-    Read from what its decoder computes, whatever the attention implementation (eager, sdpa and flash
-    attention all apply a window): a config that declares `layer_types` (Qwen2, Gemma2 and 3, ...) has
-    each layer compute its type, a window only in "sliding_attention" layers; one that does not (Mistral,
-    Mixtral, Phi-3, Starcoder2) applies `sliding_window` in every layer when it is set, unless
-    `use_sliding_window` is false (Qwen2's switch, which keeps the window's value). Such a model's cache
-    is not one key and value per token and row, nor is its mask one causal mask that a 4-D mask may
-    replace: sharing a prompt's cache, a static cache, packed rows and dropping rows between `generate`
-    calls are for full attention only.
-    """
-    config = config.get_text_config(decoder=True)
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    window = getattr(config, "sliding_window", None)
-    windowed = bool(window) and getattr(config, "use_sliding_window", True) is not False
-    follows_layer_types = "layer_types" in inspect.signature(type(config).__init__).parameters
-    if windowed and not (follows_layer_types and layer_types):
-        return (
-            f"its attention layers are not all full attention ({type(config).__name__}.sliding_window="
-            f"{window}: every layer attends to its last {window} tokens only)"
-        )
-    if set(layer_types) - {"full_attention"}:
-        return f"its attention layers are not all full attention (layer_types {sorted(set(layer_types))})"
-    return None
-
-
 def _returned_cache(output) -> tuple[str, Cache]:
     """`generate`'s cache keyword and the cache it returned (`cache` in recent transformers,
     `past_key_values` before)."""
     name = "cache" if output.get("cache") is not None else "past_key_values"
     return name, output[name]
-
-
-def cache_argument(model: nn.Module) -> str | None:
-    """The keyword under which the decoder (and `generate`) take a KV cache: `cache` in recent transformers,
-    `past_key_values` before; None if its forward takes neither."""
-    parameters = inspect.signature(model.get_decoder().forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpo_lightning.core.generation.logprobs import HeadOptions, head_logprobs, position_ids
-from grpo_lightning.core.generation.sampling import cache_argument, not_full_attention
+from grpo_lightning.core.generation.model_abilities import cache_argument, not_full_attention
 from grpo_lightning.core.types import Rollout
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's

@@ -72,12 +72,11 @@ from grpo_lightning.core.generation.inference_copy import (
     own_weights,
     plain_copy,
 )
+from grpo_lightning.core.generation.model_abilities import cache_argument, not_full_attention
 from grpo_lightning.core.generation.sampling import (
     COMPACT_ABOVE_ROWS,
     SamplingSettings,
-    cache_argument,
     generate_completions,
-    not_full_attention,
     prefill_groups,
 )
 from grpo_lightning.core.types import Rollout
