@@ -50,6 +50,7 @@ from grpo_lightning.io.models import (
     policy_parts,
     prepare_models,
 )
+from grpo_lightning.training.held_out_loops import HeldOutLoops
 from grpo_lightning.training.hyperparameters import save_own_hyperparameters
 from grpo_lightning.training.lr_schedulers import (
     reading_schedulers,
@@ -61,7 +62,7 @@ from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks, check_setup
 from grpo_lightning.training.step_metrics import RolloutRecord, training_step_metrics
-from grpo_lightning.training.tool_rollouts import ToolSampling, prompt_answers
+from grpo_lightning.training.tool_rollouts import ToolSampling
 from grpo_lightning.training.trainer_options import (
     bound_epochs_by_steps,
     check_after_validation,
@@ -81,12 +82,11 @@ from grpo_lightning.training.training_state import (
     warn_changed_options,
 )
 from grpo_lightning.training.validation_scores import ValidationScoring
-from grpo_lightning.training.validation_sets import COUNTED
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(HeldOutLoops, L.LightningModule):
     """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300) with verifiable rewards.
 
     Each `training_step` takes a batch of prompts, samples `num_generations` completions per prompt with
@@ -379,48 +379,3 @@ class GRPOModule(L.LightningModule):
         self.optimization.epoch_ended(self.trainer)
         if self._epochs_from_steps:  # before Lightning checks max_epochs: raised if the steps are not made
             bound_epochs_by_steps(self.trainer, self.grpo)
-
-    def on_validation_epoch_start(self) -> None:
-        self.validation.start(self.trainer.datamodule, self.device)
-
-    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_scores("val/accuracy")
-
-    def _log_scores(self, shown: str) -> None:
-        """Log every set's scores of the loop that ends (`shown` on the progress bar)."""
-        for key, value in self.validation.end().items():
-            # torchmetrics computed each over every rank already, the same value on each: synced as the max
-            # of equal values (exact), which tells Lightning so (no warning per key under DDP).
-            self.log(
-                key, value, prog_bar=key == shown, add_dataloader_idx=False, sync_dist=True, reduce_fx="max"
-            )
-
-    def on_test_start(self) -> None:
-        self.on_validation_start()
-
-    def on_test_epoch_start(self) -> None:
-        self.validation.start(self.trainer.datamodule, self.device, "test")
-
-    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> dict:
-        """The validation's scores on the data module's test rows and sets, logged as `test/...`."""
-        return self.validation.step(batch, dataloader_idx, self.rollouts, self._trainer_state(batch_idx))
-
-    def on_test_epoch_end(self) -> None:
-        self._log_scores("test/accuracy")
-
-    def on_predict_start(self) -> None:
-        self.on_validation_start()
-
-    def predict_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
-        """Answers to `batch`'s prompts (a batch of the data module's, or any dict with a `prompt` list): one
-        `{"prompt", "completions"}` per prompt, its `num_generations_eval` completions (greedy when 1)
-        sampled through the module's rollout engine, as validation samples them (with tools, each one's
-        `transcripts` too). A rank's padding repeats (`validation_sets.rank_share`) are left out."""
-        prompts, k = batch["prompt"], self.validation.num_generations
-        counted = batch.get(COUNTED, [True] * len(prompts))
-        _, completions, turns = self.rollouts.sample_batch(batch, k, do_sample=k > 1)
-        answers = prompt_answers(prompts, completions, turns)
-        return [answer for answer, kept in zip(answers, counted, strict=True) if kept]
