@@ -6,6 +6,7 @@ tools, `get_reward` as a reward) over a scripted engine; `tools` as import paths
 import copy
 import json
 import re
+import warnings
 
 import lightning as L
 import pytest
@@ -357,3 +358,15 @@ def test_a_scripted_tool_call_trains_with_its_result_out_of_the_loss(calling_mod
     }
     assert transcript[1]["content"] == "42" and transcript[2]["content"] == "The answer is 42."
     assert json.loads(line)["correct"] is True
+
+
+def test_tool_options_without_tools_are_warned_naming_what_reads_them(tiny_model_dir):
+    grpo = GRPOConfig(max_tool_calling_iterations=2, preflight=False)
+    said = "GRPOConfig.tools.max_calling_iterations=2 has no effect without tools or environment_factory"
+    for entry in ({}, {"rollout_func": scripted_rollout([30], env=1)}):  # a rollout_func samples itself
+        with pytest.warns(UserWarning, match=f"^{re.escape(said)}$"):
+            GRPOModule(tiny_model_dir, reward_funcs=[given_score], grpo=grpo, **entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = GRPOModule(tiny_model_dir, reward_funcs=[given_score], grpo=grpo, tools=[calculator])
+    assert module.rollouts.multi_turn.options.max_calling_iterations == 2

@@ -1,12 +1,13 @@
 """Tools from functions to results: schemas as TRL renders them, Hermes calls parsed from text, every kind of
 failure returned to the model as `{"error": ...}`, async tools awaited, results cut in the middle, the
-call and failure counts, and `ToolOptions` checked."""
+call and failure counts, and `ToolOptions` (`GRPOConfig.tools`) checked."""
 
 import asyncio
 import json
 
 import pytest
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.tools.calls import (
     TRUNCATION_MARK,
     RowToolRunner,
@@ -243,16 +244,25 @@ def test_results_are_cut_in_the_middle():
         """
         return "x" * n
 
-    runner = ToolRunner([long_text], ToolOptions(max_tool_response_length=10))
+    runner = ToolRunner([long_text], ToolOptions(max_response_length=10))
     [[(_, result)]] = runner([[ToolCall("long_text", {"n": 100})]])
     assert result == "xxxxx" + TRUNCATION_MARK + "xxxxx"
 
 
-def test_tool_options_are_checked():
-    assert ToolOptions() == ToolOptions(max_tool_calling_iterations=None, max_tool_response_length=256)
-    with pytest.raises(ValueError, match=r"^ToolOptions.max_tool_response_length=0: must be >= 1$"):
-        ToolOptions(max_tool_response_length=0)
-    with pytest.raises(ValueError, match=r"^ToolOptions.max_tool_calling_iterations=0: must be >= 1 or None"):
-        ToolOptions(max_tool_calling_iterations=0)
+def test_tool_options_are_a_section_of_grpo_config_checked_by_either_name():
+    assert ToolOptions() == ToolOptions(max_calling_iterations=None, max_response_length=256)
+    assert GRPOConfig().tools == ToolOptions()
+    config = GRPOConfig(max_tool_calling_iterations=3, max_tool_response_length=64)  # TRL's and verl's names
+    assert config.tools == ToolOptions(max_calling_iterations=3, max_response_length=64)
+    assert (config.max_tool_calling_iterations, config.max_tool_response_length) == (3, 64)
+    rule = r"GRPOConfig.tools.max_response_length=0 \(max_tool_response_length\): must be >= 1$"
+    with pytest.raises(ValueError, match="^" + rule):
+        ToolOptions(max_response_length=0)
+    with pytest.raises(ValueError, match="^" + rule):
+        GRPOConfig(max_tool_response_length=0)
+    with pytest.raises(
+        ValueError, match=r"^GRPOConfig.tools.max_calling_iterations=0 .*: must be >= 1 or None"
+    ):
+        GRPOConfig(tools={"max_calling_iterations": 0})
     with pytest.raises(ValueError, match="must be an integer"):
-        ToolOptions(max_tool_calling_iterations=2.5)
+        ToolOptions(max_calling_iterations=2.5)
