@@ -164,6 +164,9 @@ def result_text(result: object) -> str:
     return json.dumps(result, ensure_ascii=False, default=str)
 
 
+ERROR_PREFIX = '{"error": '  # how every failed call's result begins (`error_text`), cut or not
+
+
 def error_text(message: str) -> str:
     """A failed call's result: `{"error": message}` as JSON."""
     return result_text({"error": message})
