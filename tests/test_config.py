@@ -114,6 +114,8 @@ REFUSED = {
         "vllm_gpu_memory_utilization": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "vllm_enable_sleep_mode": NOT_A_FLAG,
         "vllm_enforce_eager": NOT_A_FLAG,
+        "max_tool_calling_iterations": ints_below(1) | st.just(2.5) | st.just("3"),
+        "max_tool_response_length": ints_below(1) | NOT_A_NUMBER,
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),

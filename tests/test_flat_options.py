@@ -19,8 +19,15 @@ from grpo_lightning.io.checkpoints import sectioned_hparams
 FIXTURES = Path(__file__).parent / "fixtures"
 OLD_CONFIGS = FIXTURES / "flat_options_configs"
 OLD_OPTIONS = json.loads((OLD_CONFIGS / "options.json").read_text())
-# The flat names added since that layout (TRL's), with the defaults that an old config gets.
-ADDED_OPTIONS = {"optim": "adamw_torch_fused", "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+# The flat names added since that layout (TRL's and verl's), with the defaults that an old config gets.
+ADDED_OPTIONS = {
+    "optim": "adamw_torch_fused",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "max_tool_calling_iterations": None,
+    "max_tool_response_length": 256,
+}
 
 
 def flat(config: GRPOConfig) -> dict:

@@ -211,7 +211,7 @@ def test_a_tool_turn_that_would_fill_the_models_context_is_rolled_back(tokenizer
 
 
 def test_max_tool_calling_iterations_bounds_the_rounds(tokenizer):
-    rollout, counts, engine = run(tokenizer, G=1, max_tool_calling_iterations=1)
+    rollout, counts, engine = run(tokenizer, G=1, max_calling_iterations=1)
     assert engine.batches == [3, 2]  # one round of calls
     ids, own = expected_row(tokenizer, "p2", RESULTS["p2"][:1])
     two_turns = (

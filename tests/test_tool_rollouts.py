@@ -6,6 +6,7 @@ tools, `get_reward` as a reward) over a scripted engine; `tools` as import paths
 import copy
 import json
 import re
+import warnings
 
 import lightning as L
 import pytest
@@ -13,6 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo_lightning.cli import build_cli
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
@@ -357,3 +359,72 @@ def test_a_scripted_tool_call_trains_with_its_result_out_of_the_loss(calling_mod
     }
     assert transcript[1]["content"] == "42" and transcript[2]["content"] == "The answer is 42."
     assert json.loads(line)["correct"] is True
+
+
+def test_tool_options_without_tools_are_warned_naming_what_reads_them(tiny_model_dir):
+    grpo = GRPOConfig(max_tool_calling_iterations=2, preflight=False)
+    said = "GRPOConfig.tools.max_calling_iterations=2 has no effect without tools or environment_factory"
+    for entry in ({}, {"rollout_func": scripted_rollout([30], env=1)}):  # a rollout_func samples itself
+        with pytest.warns(UserWarning, match=f"^{re.escape(said)}$"):
+            GRPOModule(tiny_model_dir, reward_funcs=[given_score], grpo=grpo, **entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = GRPOModule(tiny_model_dir, reward_funcs=[given_score], grpo=grpo, tools=[calculator])
+    assert module.rollouts.multi_turn.options.max_calling_iterations == 2
+
+
+class CalculatingEngine(BuyingEngine):
+    """A scripted model that asks the calculator for 48 + 48/2 (GSM8K's first problem), then answers with
+    the result it reads."""
+
+    def turn(self, context: str) -> str:
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+        if results:
+            return f"She sold {results[-1]} clips.\n#### {results[-1]}<|im_end|>"
+        call = {"name": "calculator", "arguments": {"expression": "48 + 48/2"}}
+        return f"<tool_call>{json.dumps(call)}</tool_call><|im_end|>"
+
+
+def test_the_shipped_calculator_config_trains_and_validates_with_its_tool(tiny_model_dir, tmp_path):
+    """`configs/gsm8k_calculator_smollm2.yaml` through the CLI on the tiny model: its tool and rewards by
+    import path, the local GSM8K, a scripted model calling the calculator; one step, then validation writing
+    each transcript."""
+    results = tmp_path / "val.jsonl"
+    cli = build_cli(
+        [
+            "--config=configs/gsm8k_calculator_smollm2.yaml",
+            f"--model.policy={tiny_model_dir}",
+            "--model.grpo.run.preflight=false",
+            "--model.grpo.max_prompt_length=896",  # the tiny tokenizer's pieces are short: its 1024 positions
+            "--model.grpo.max_completion_length=128",
+            "--trainer.max_steps=1",
+            "--trainer.val_check_interval=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
+            "--data.train_size=2",
+            "--data.val_size=2",
+            f"--results.path={results}",
+        ],
+        run=False,
+    )
+    module = cli.model
+    assert [tool.__name__ for tool in module.rollouts.multi_turn.tools] == ["calculator"]
+    assert module.reward_names[-1] == "tool_call_reward" and module.grpo.tools.max_calling_iterations == 4
+    engine = CalculatingEngine(module.tokenizer)
+    module.rollouts.build_engine = lambda: engine
+    metrics = Metrics()
+    cli.trainer.callbacks.append(metrics)
+    cli.trainer.fit(module, cli.datamodule)
+    assert cli.trainer.global_step == 1
+    assert metrics.logged["train/tools/call_frequency"] == 1.0
+    assert metrics.logged["train/rewards/tool_call_reward"] == 1.0  # every call well-formed
+    system = "<|im_start|>system\nSolve the math problem step by step. Use the calculator tool"
+    assert engine.contexts[0].startswith(system) and '"name": "calculator"' in engine.contexts[0]
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert [m["role"] for m in line["transcript"]] == ["assistant", "tool", "assistant"]
+        assert line["transcript"][1]["content"] == "72"
+    assert all(line["extracted"] == "72" and line["correct"] == (line["answer"] == "72") for line in lines)

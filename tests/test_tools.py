@@ -1,12 +1,14 @@
 """Tools from functions to results: schemas as TRL renders them, Hermes calls parsed from text, every kind of
 failure returned to the model as `{"error": ...}`, async tools awaited, results cut in the middle, the
-call and failure counts, and `ToolOptions` checked."""
+call and failure counts, and `ToolOptions` (`GRPOConfig.tools`) checked."""
 
 import asyncio
 import json
 
 import pytest
 
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import (
     TRUNCATION_MARK,
     RowToolRunner,
@@ -15,9 +17,11 @@ from grpo_lightning.core.tools.calls import (
     ToolOptions,
     ToolRunner,
     assistant_message,
+    error_text,
     parse_tool_calls,
     truncate_middle,
 )
+from grpo_lightning.core.tools.rewards import answered_tool_calls, tool_call_reward
 from grpo_lightning.core.tools.schemas import (
     hermes_system_prompt,
     template_renders_tools,
@@ -243,16 +247,39 @@ def test_results_are_cut_in_the_middle():
         """
         return "x" * n
 
-    runner = ToolRunner([long_text], ToolOptions(max_tool_response_length=10))
+    runner = ToolRunner([long_text], ToolOptions(max_response_length=10))
     [[(_, result)]] = runner([[ToolCall("long_text", {"n": 100})]])
     assert result == "xxxxx" + TRUNCATION_MARK + "xxxxx"
 
 
-def test_tool_options_are_checked():
-    assert ToolOptions() == ToolOptions(max_tool_calling_iterations=None, max_tool_response_length=256)
-    with pytest.raises(ValueError, match=r"^ToolOptions.max_tool_response_length=0: must be >= 1$"):
-        ToolOptions(max_tool_response_length=0)
-    with pytest.raises(ValueError, match=r"^ToolOptions.max_tool_calling_iterations=0: must be >= 1 or None"):
-        ToolOptions(max_tool_calling_iterations=0)
+def test_tool_options_are_a_section_of_grpo_config_checked_by_either_name():
+    assert ToolOptions() == ToolOptions(max_calling_iterations=None, max_response_length=256)
+    assert GRPOConfig().tools == ToolOptions()
+    config = GRPOConfig(max_tool_calling_iterations=3, max_tool_response_length=64)  # TRL's and verl's names
+    assert config.tools == ToolOptions(max_calling_iterations=3, max_response_length=64)
+    assert (config.max_tool_calling_iterations, config.max_tool_response_length) == (3, 64)
+    rule = r"GRPOConfig.tools.max_response_length=0 \(max_tool_response_length\): must be >= 1$"
+    with pytest.raises(ValueError, match="^" + rule):
+        ToolOptions(max_response_length=0)
+    with pytest.raises(ValueError, match="^" + rule):
+        GRPOConfig(max_tool_response_length=0)
+    with pytest.raises(
+        ValueError, match=r"^GRPOConfig.tools.max_calling_iterations=0 .*: must be >= 1 or None"
+    ):
+        GRPOConfig(tools={"max_calling_iterations": 0})
     with pytest.raises(ValueError, match="must be an integer"):
-        ToolOptions(max_tool_calling_iterations=2.5)
+        ToolOptions(max_calling_iterations=2.5)
+
+
+def test_the_shaping_reward_counts_a_completion_with_a_call_answered_without_an_error():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {}}]}
+    answered = [call, {"role": "tool", "name": "calculator", "content": "42"}, {"role": "assistant"}]
+    failed = [call, {"role": "tool", "name": "calculator", "content": error_text("division by zero")}]
+    twice = answered[:2] + answered[:2] + answered[2:]
+    plain = [{"role": "assistant", "content": "6*7 is 42. #### 42"}]
+    completions = [answered, failed, twice, plain, "#### 42"]
+    assert tool_call_reward(completions) == [1.0, 0.0, 1.0, 0.0, 0.0]  # once per completion, however many
+    assert [answered_tool_calls(c) for c in completions] == [1, 0, 2, 0, 0]
+    cut = ToolRunner([calculator], ToolOptions(max_response_length=20))  # a cut error is still an error
+    [[(_, result)]] = cut([[ToolCall("calculator", {"expression": "9**9**9"})]])
+    assert TRUNCATION_MARK in result and answered_tool_calls([{"role": "tool", "content": result}]) == 0

@@ -84,6 +84,7 @@ def two_steps_of(path: str, model_dir: str, tmp_path, **grpo) -> tuple[GRPOModul
         model_dir,
         reward_funcs=[length_reward],
         grpo=config,
+        tools=model_cfg.get("tools"),  # multi-turn rollouts, for a config that gives the policy tools
         model_options=ModelOptions(
             dtype=options.get("dtype", "float32"),
             gradient_checkpointing=options.get("gradient_checkpointing", False),

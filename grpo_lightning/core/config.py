@@ -39,6 +39,7 @@ from grpo_lightning.core.options import (
     option_error,
     sectioned,
 )
+from grpo_lightning.core.tools.calls import ToolOptions
 from grpo_lightning.core.update import UpdateOptions
 
 
@@ -121,6 +122,9 @@ class GRPOConfig:
     """The layout of the scoring passes (`generation.scorer.ScoringOptions`)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """The rollout engine and its options (`generation.backends.EngineOptions`)."""
+    tools: ToolOptions = field(default_factory=ToolOptions)
+    """The bounds of multi-turn rollouts with tools (`tools.calls.ToolOptions`): read only where the module
+    has `tools` or `environment_factory`."""
     run: RunOptions = field(default_factory=RunOptions)
     """Offloading, logging and the pre-flight (`RunOptions`)."""
 

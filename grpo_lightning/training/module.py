@@ -33,7 +33,6 @@ from grpo_lightning.core.rewards.scoring import (
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.tools.calls import ToolOptions
 from grpo_lightning.core.update import RolloutUpdate
 from grpo_lightning.io.checkpoints import (
     as_options,
@@ -115,12 +114,12 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
             None: the data module's answer column holds a number (or GSM8K's `#### N`), checked by
             `GSM8KAccuracy` (strict and lenient extraction, pass@k, maj@k, format).
         tools: functions (or import paths) the policy may call, as TRL's `tools`: multi-turn rollouts
-            (`training.tool_rollouts`), tool-result tokens out of the loss. Default None: single turns.
+            (`training.tool_rollouts`, bounded by `grpo.tools`), tool-result tokens out of the loss. Default
+            None: single turns.
         environment_factory: a class (or import path), or a dict of them by name, as TRL's: one instance per
             sample, `reset(**row)`, its public methods as tools, `get_reward()` as a reward of weight 1.
         rollout_func: `rollout_func(prompts, module)` returning `prompt_ids`, `completion_ids`, `logprobs`
             (optionally `env_mask` and fields for the rewards), as TRL's; instead of the module's sampling.
-        tool_options: the bounds of multi-turn rollouts (`ToolOptions`: tool turns, result length).
     """
 
     def __init__(
@@ -137,7 +136,6 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         tools: list[Callable | str] | None = None,
         environment_factory: type | str | dict[str, type | str] | None = None,
         rollout_func: Callable | str | None = None,
-        tool_options: ToolOptions | None = None,
     ) -> None:
         super().__init__()
         grpo, model_options, lora = as_options(grpo, model_options, lora)  # dicts: a checkpoint's
@@ -145,7 +143,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
         self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
-        multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, tool_options, owner=self)
+        multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, grpo.tools, owner=self)
         if multi_turn is not None:  # an environment's get_reward is a reward of its own
             self.reward_funcs, weights = multi_turn.with_rewards(self.reward_funcs, weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from transformers import TrainerState
 
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.sampling import stop_token_ids
+from grpo_lightning.core.options import warn_inert
 from grpo_lightning.core.rewards.scoring import RewardInputs
 from grpo_lightning.core.tools.calls import RowToolRunner, ToolOptions
 from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
@@ -115,7 +116,8 @@ def _resolved(value: object, option: str) -> object:
 
 class ToolSampling:
     """The multi-turn rollouts of one module: its `tools`, `environment_factory` or `rollout_func` (see the
-    module's docstring), bounded by `options`. `owner`: the module a `rollout_func` is handed.
+    module's docstring), bounded by `options` (`GRPOConfig.tools`). `owner`: the module a `rollout_func` is
+    handed.
 
     Each environment class is built once here, as TRL probes it: it must have a `reset` method."""
 
@@ -124,14 +126,14 @@ class ToolSampling:
         tools: Sequence[Tool | str] | None = None,
         environment_factory: Callable | str | Mapping[str, Callable | str] | None = None,
         rollout_func: Callable | str | None = None,
-        options: ToolOptions | Mapping | None = None,
+        options: ToolOptions | None = None,
         owner: object | None = None,
     ) -> None:
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ValueError(
                 "rollout_func samples the whole rollout itself: pass it without tools or environment_factory"
             )
-        self.options = ToolOptions(**options) if isinstance(options, Mapping) else options or ToolOptions()
+        self.options = options or ToolOptions()
         self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
         self.rollout_func = None if rollout_func is None else _resolved(rollout_func, "rollout_func")
         self.multi_environment = isinstance(environment_factory, Mapping)
@@ -164,10 +166,14 @@ class ToolSampling:
         tools: Sequence[Tool | str] | None,
         environment_factory: Callable | str | Mapping | None,
         rollout_func: Callable | str | None,
-        options: ToolOptions | Mapping | None,
+        options: ToolOptions,
         owner: object,
     ) -> ToolSampling | None:
-        """The module's multi-turn rollouts, or None where it samples single turns."""
+        """The module's multi-turn rollouts, or None where it samples single turns. `options` set away from
+        their defaults are warned about where nothing reads them (no `tools` nor `environment_factory`)."""
+        if not tools and environment_factory is None:
+            for option in fields(options):
+                warn_inert(options, option.name, "tools or environment_factory")
         if not tools and environment_factory is None and rollout_func is None:
             return None
         return cls(tools, environment_factory, rollout_func, options, owner)

@@ -9,7 +9,7 @@ alone, each from its own context; a row whose turn calls nothing, or that ran ou
 batch. `settings.max_new_tokens` (`max_completion_length`) covers all turns together, tool tokens
 included: a tool turn that would pass it, or would fill the model's context
 (`config.max_position_embeddings`, as TRL checks), is not appended and its sample ends there; a turn is cut
-to what is left. `ToolOptions.max_tool_calling_iterations` bounds the rounds.
+to what is left. `ToolOptions.max_calling_iterations` bounds the rounds.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -114,7 +114,7 @@ class ToolRollouts:
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
         context_limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        limit = self.runner.options.max_tool_calling_iterations
+        limit = self.runner.options.max_calling_iterations
         while live and (limit is None or rounds < limit):
             calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
             live = [i for i in live if calls[i]]

@@ -17,20 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
-from grpo_lightning.core.options import Range, check_fields
+from grpo_lightning.core.options import Alias, Range, check_fields
 from grpo_lightning.core.tools.schemas import Tool, is_async_tool, tool_schema, tools_by_name
 
 
 @dataclass(frozen=True, kw_only=True)
 class ToolOptions:
-    """How far a multi-turn rollout with tools may go, and how much of each result the model reads."""
+    """How far a multi-turn rollout with tools may go, and how much of each result the model reads
+    (`GRPOConfig.tools`). Read with `tools` or `environment_factory` only: a `rollout_func` samples its own
+    turns."""
 
-    max_tool_calling_iterations: Annotated[int, Range(">= 1")] | None = None
+    max_calling_iterations: Annotated[int | None, Alias("max_tool_calling_iterations"), Range(">= 1")] = None
     """Tool turns per sample at most: after this many rounds of calls the sample ends with the model's last
     turn. None: no limit (the sample ends with a turn that calls nothing, or at `max_completion_length`).
     TRL: `GRPOConfig.max_tool_calling_iterations` (None there too); verl: `max_assistant_turns`."""
 
-    max_tool_response_length: Annotated[int, Range(">= 1")] = 256
+    max_response_length: Annotated[int, Alias("max_tool_response_length"), Range(">= 1")] = 256
     """Characters of each tool result the model reads: a longer one keeps its start and end, this many
     characters in all, with `TRUNCATION_MARK` between them. verl:
     `actor_rollout_ref.rollout.multi_turn.max_tool_response_length` (256, with `tool_response_truncate_side:
@@ -162,6 +164,9 @@ def result_text(result: object) -> str:
     return json.dumps(result, ensure_ascii=False, default=str)
 
 
+ERROR_PREFIX = '{"error": '  # how every failed call's result begins (`error_text`), cut or not
+
+
 def error_text(message: str) -> str:
     """A failed call's result: `{"error": message}` as JSON."""
     return result_text({"error": message})
@@ -200,7 +205,7 @@ def _run_coroutines(coroutines: list) -> list:
 class ToolRunner:
     """Runs the tool calls of a batch of completions: `tools` by name, their schemas checked once here.
 
-    Each result is a string (`result_text`) cut to `options.max_tool_response_length` (`truncate_middle`);
+    Each result is a string (`result_text`) cut to `options.max_response_length` (`truncate_middle`);
     a call that cannot run or raises gives `{"error": ...}`, and `counts` adds up calls and failures.
     """
 
@@ -256,7 +261,7 @@ class ToolRunner:
         return name, self._cut(error_text(message))
 
     def _cut(self, text: str) -> str:
-        return truncate_middle(text, self.options.max_tool_response_length)
+        return truncate_middle(text, self.options.max_response_length)
 
 
 def _describe(error: BaseException) -> str:
