@@ -308,7 +308,9 @@ def trl_tool_call_loop(tokenizer, prompt_texts: list[str], max_completion_length
     return ids, tool_mask, logprobs, calls, failures
 
 
-@pytest.mark.parametrize("case", ["all turns", "last turn cut", "tool turn rolled back"])
+@pytest.mark.parametrize(
+    "case", ["all turns", "last turn cut", "tool turn fills the budget", "tool turn rolled back"]
+)
 def test_ids_and_masks_equal_trls_tool_call_loop(tokenizer, case):
     names = ["p0", "p1"]  # results that are plain numbers: TRL writes a result as str(result), as we do
     ids, own = expected_row(tokenizer, "p0", RESULTS["p0"])
@@ -316,6 +318,7 @@ def test_ids_and_masks_equal_trls_tool_call_loop(tokenizer, case):
     budget, length = {
         "all turns": (len(ids) + 50, len(ids)),
         "last turn cut": (first + tool + 4, first + tool + 4),
+        "tool turn fills the budget": (first + tool, first + tool),  # no token left for the next turn
         "tool turn rolled back": (first + tool - 1, first),
     }[case]
     trl_ids, trl_mask, trl_logprobs, trl_calls, trl_failures = trl_tool_call_loop(tokenizer, names, budget)

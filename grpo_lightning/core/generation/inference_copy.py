@@ -83,16 +83,21 @@ def plain_copy(model: PreTrainedModel, device: torch.device, dtype: torch.dtype 
     from peft import inject_adapter_in_model
 
     inner = hf_model(model)
-    with torch.device(device):
-        plain = plain_class(model)._from_config(
-            copy.deepcopy(inner.config),
-            dtype=dtype or next(inner.parameters()).dtype,
-            attn_implementation=inner.config._attn_implementation,
-        )
-    adapter = active_lora(model)
-    if adapter is not None:
-        name, config = adapter
-        inject_adapter_in_model(copy.deepcopy(config), plain, adapter_name=name)
+    # The fresh weights' random initialisation (the model's, LoRA's) draws from a generator of its own: every
+    # weight is overwritten by `refresh`, and the trainer's stream must not move for it. Where the copy is
+    # built depends on the run (the first rollout, or the first after a resume): drawing from the trainer's
+    # stream there would make a resumed run sample otherwise than the run it continues.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.device(device):
+            plain = plain_class(model)._from_config(
+                copy.deepcopy(inner.config),
+                dtype=dtype or next(inner.parameters()).dtype,
+                attn_implementation=inner.config._attn_implementation,
+            )
+        adapter = active_lora(model)
+        if adapter is not None:
+            name, config = adapter
+            inject_adapter_in_model(copy.deepcopy(config), plain, adapter_name=name)
     return plain.eval().requires_grad_(False)
 
 

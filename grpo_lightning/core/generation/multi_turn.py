@@ -9,7 +9,8 @@ alone, each from its own context; a row whose turn calls nothing, or that ran ou
 batch. `settings.max_new_tokens` (`max_completion_length`) covers all turns together, tool tokens
 included: a tool turn that would pass it, or would fill the model's context
 (`config.max_position_embeddings`, as TRL checks), is not appended and its sample ends there; a turn is cut
-to what is left. `ToolOptions.max_calling_iterations` bounds the rounds.
+to what is left, and a tool turn that leaves nothing ends its sample, cut, after the results.
+`ToolOptions.max_calling_iterations` bounds the rounds.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -135,6 +136,9 @@ class ToolRollouts:
                 samples[i].messages += [
                     {"role": "tool", "name": n, "content": text} for n, text in row_results
                 ]
+                if length == s.max_new_tokens:  # no token left for a next turn: cut after the results, as TRL
+                    samples[i].truncated = True
+                    continue
                 going.append(i)
             if not going:
                 break
