@@ -1,8 +1,10 @@
 """`cli.py from-trl`: published TRL recipes (open-r1's, TRL's example command line; `tests/fixtures/
 trl_recipes/`, each with its source) convert, list every option they set, and train 2 steps on a tiny
 model with only the overrides a CPU and a tiny model need; the TRL version's defaults apply to what a
-recipe leaves unset; TRL's spellings mean our values."""
+recipe leaves unset; TRL's spellings mean our values; docs/from_trl.md agrees with `FLAT_NAMES` and the
+converter."""
 
+import ast
 import importlib
 import json
 import re
@@ -377,3 +379,94 @@ def test_without_out_the_config_goes_to_stdout_and_the_table_to_stderr(tmp_path,
     config = yaml.safe_load(out)
     assert config["model"]["grpo"]["advantages"]["scale_rewards"] == "none"
     assert "#   chat_template: " in out and "3 options: 1 mapped, 1 converted, 1 unsupported" in err
+
+
+# -------------------------------------------------------------------------------------- docs/from_trl.md
+DOC = ROOT / "docs" / "from_trl.md"
+
+
+def doc_section(heading: str) -> str:
+    """The text of docs/from_trl.md's "## " section whose heading starts with `heading`."""
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("\n## " + heading)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def table_rows(section: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip("|").split(" | ")]
+        for line in section.splitlines()
+        if line.startswith("| `")
+    ]
+
+
+def first_column_names(section: str) -> set[str]:
+    return {name for cells in table_rows(section) for name in re.findall(r"`(\w+)`", cells[0])}
+
+
+def test_the_docs_name_every_flat_option_and_only_known_ones():
+    text = DOC.read_text(encoding="utf-8")
+    documented = {name.rstrip(".") for name in re.findall(r"`model\.grpo\.([\w.]+)", text)}
+    keys = {entry.key for entry in FLAT_NAMES.values()}
+    assert set(FLAT_NAMES) <= documented, sorted(set(FLAT_NAMES) - documented)
+    assert documented <= set(FLAT_NAMES) | keys, sorted(documented - set(FLAT_NAMES) - keys)
+
+
+def test_the_docs_tables_name_every_option_the_converter_knows_and_no_other():
+    names = first_column_names(doc_section("Option by option")) | first_column_names(
+        doc_section("Other TRL options")
+    )
+    assert KNOWN - names == set(), sorted(KNOWN - names)
+    assert names - KNOWN - set(FLAT_NAMES) == set(), sorted(names - KNOWN - set(FLAT_NAMES))
+
+
+def test_the_docs_mapping_rows_are_the_converters():
+    """The doc's TRL script converted: each row of "Option by option" that names one of `GRPOConfig`'s
+    options (`model.grpo.<flat name>`) is where the converter puts the TRL option."""
+    script = re.search(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)[1]
+    call = next(
+        n
+        for n in ast.walk(ast.parse(script))
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "GRPOConfig"
+    )
+    recipe = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    conversion = convert(recipe_of(recipe), NEWEST_VERSION)
+    checked = 0
+    for cells in table_rows(doc_section("Option by option")):
+        name, ours = re.findall(r"`(\w+)`", cells[0])[0], cells[2].strip("`")
+        if name in recipe and ours.startswith("model.grpo."):
+            row = conversion.rows[name]
+            if row.ours:
+                assert grpo_key(ours.removeprefix("model.grpo.")) in row.ours.split(", "), name
+                checked += 1
+            else:  # an option of a section that is off (ref_model_mixup_alpha without sync_ref_model)
+                assert row.note.startswith("no effect without"), name
+    assert checked >= 20
+
+
+@pytest.mark.parametrize(
+    "cells",
+    table_rows(doc_section("Other TRL options")),
+    ids=lambda cells: cells[1].strip("`"),
+)
+def test_each_row_of_other_trl_options_is_what_the_converter_does(cells):
+    names = re.findall(r"`(\w+)`", cells[0])
+    recipe = yaml.safe_load(cells[1].strip("`"))
+    conversion = convert(recipe_of(recipe), NEWEST_VERSION)
+    name = next(n for n in names if n in conversion.rows)
+    row = conversion.rows[name]
+    assert row.kind == cells[3], (name, row.note)
+    assert (row.ours or "—") == cells[2].replace("`", ""), name
+
+
+def test_the_docs_version_table_is_trl_versions():
+    section = doc_section("`cli.py from-trl`")
+    header = next(line for line in section.splitlines() if line.startswith("| option |"))
+    versions = [cell.strip() for cell in header.strip("|").split("|")][1:]
+    rows = table_rows(section)
+    assert len(rows) >= 10
+    for cells in rows:
+        option = cells[0].strip("`")
+        for version, cell in zip(versions, cells[1:], strict=True):
+            assert defaults_at(version, {})[option][0] == ast.literal_eval(cell.strip("`")), (option, version)
