@@ -5,10 +5,11 @@ The recipe (`trl_recipes`: a YAML of `GRPOConfig`, `ModelConfig` and `ScriptArgu
 script's command line) is read with the defaults of the TRL version it was written for filled in for every
 option it leaves unset (`trl_versions`). `GRPOConfig`'s options map by their flat names (`FLAT_NAMES`, the
 one table of TRL's names, derived from the options' declarations, so the converter and the code cannot
-disagree); the rest by the rules of `trl_run_rules` and `trl_model_rules`; an option with no counterpart
-is listed with what to do instead, and one that is always so here is accepted at that value. Nothing is
-dropped in silence: every option of the recipe has a row, mapped, converted (and how) or unsupported (and
-what to do instead), and the unsupported ones are repeated at the top of the written config.
+disagree); the rest by the rules of `trl_model_rules`, `trl_run_rules` and `trl_output_rules`; an option
+with no counterpart is listed with what to do instead, and one that is always so here is accepted at that
+value. Nothing is dropped in silence: every option of the recipe has a row, mapped, converted (and how) or
+unsupported (and what to do instead), and the unsupported ones are repeated at the top of the written
+config.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpo_lightning.io.files import write_atomically
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.trl_conversion import KINDS, Conversion, Row, Unsupported, grpo_key
 from grpo_lightning.trl_model_rules import MODEL_RULES
+from grpo_lightning.trl_output_rules import OUTPUT_RULES
 from grpo_lightning.trl_recipes import Recipe, read_recipe
 from grpo_lightning.trl_run_rules import RUN_RULES
 from grpo_lightning.trl_versions import (
@@ -37,7 +39,8 @@ from grpo_lightning.trl_versions import (
     version_key,
 )
 
-RULES = (*MODEL_RULES, *RUN_RULES)  # the reward functions before the validation that reads them
+# The reward functions before the validation that reads them; the batch before the checkpoints' cadence.
+RULES = (*MODEL_RULES, *RUN_RULES, *OUTPUT_RULES)
 ANY = object()  # any value is accepted
 
 # TRL's options that hold here only at these values (ANY: at every value), and what they are here.
@@ -125,7 +128,7 @@ NO_COUNTERPART = {
 
 
 # Every TRL option the converter knows beside GRPOConfig's flat names (docs/from_trl.md lists them).
-KNOWN = MODEL_RULES.keys | RUN_RULES.keys | set(ALWAYS) | set(NO_COUNTERPART)
+KNOWN = MODEL_RULES.keys | RUN_RULES.keys | OUTPUT_RULES.keys | set(ALWAYS) | set(NO_COUNTERPART)
 
 
 # --------------------------------------------------------------------------------------- GRPOConfig's

@@ -1,7 +1,7 @@
 """One conversion of a TRL recipe into this library's config (`cli.py from-trl`): the recipe's options
 beside TRL's defaults for those it leaves unset, the config built so far, and a row per option saying what
-became of it. The rules that fill them are in `trl_run_rules` (TrainingArguments) and `trl_model_rules`
-(ModelConfig, ScriptArguments, open-r1's additions); `from_trl` runs them.
+became of it. The rules that fill them are in `trl_model_rules` (ModelConfig, ScriptArguments, open-r1's
+additions), `trl_run_rules` and `trl_output_rules` (TrainingArguments); `from_trl` runs them.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from grpo_lightning.core.config import FLAT_NAMES
 from grpo_lightning.from_trl import KNOWN, chosen_version, config_text, convert, table
 from grpo_lightning.trl_conversion import KINDS, grpo_key
 from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
+from grpo_lightning.trl_output_rules import CHECKPOINT_CLASS
 from grpo_lightning.trl_recipes import Recipe, read_recipe
 from grpo_lightning.trl_run_rules import TRL_SCHEDULES
 from grpo_lightning.trl_versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
@@ -161,7 +162,11 @@ def test_the_fixtures_convert_as_their_recipes_say():
     code = convert(read_recipe(str(RECIPES / "open_r1_code_demo.yaml")), "0.18", devices=7)
     assert grpo(code, "warmup_steps") == 15  # ceil(0.03 x 500)
     assert grpo(code, "min_lr_ratio") == 0.1 and grpo(code, "beta") == 0.01
-    assert code.read("trainer.callbacks")[0]["init_args"] == {"every_n_train_steps": 50, "save_top_k": 1}
+    (checkpoint,) = code.read("trainer.callbacks")
+    assert checkpoint == {
+        "class_path": CHECKPOINT_CLASS,
+        "init_args": {"every_n_train_steps": 50, "save_top_k": 1},
+    }
     assert "32 prompts over 7 devices" in code.rows["per_device_train_batch_size"].note  # 16 x 4 x 7 / 14
     gspo = convert(read_recipe(str(RECIPES / "trl_gspo_command_line.sh")), NEWEST_VERSION)
     assert gspo.read("model.lora") == {"target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
