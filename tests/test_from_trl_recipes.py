@@ -282,6 +282,10 @@ def test_a_spelling_without_counterpart_is_unsupported_with_a_hint():
     assert rows["loss_type"].kind == "unsupported" and "dapo" in rows["loss_type"].note  # our default kept
     assert rows["warmup_ratio"].kind == "unsupported" and "max_steps" in rows["warmup_ratio"].note
     assert rows_of({"scale_rewards": False})["scale_rewards"].note == 'TRL reads false as "none"'
+    assert rows_of({"logging_first_step": True, "logging_steps": 1})["logging_first_step"].kind == "mapped"
+    assert (
+        rows_of({"logging_first_step": True, "logging_steps": 5})["logging_first_step"].kind == "unsupported"
+    )
 
 
 # ------------------------------------------------------------------------------------------ batch sizes
