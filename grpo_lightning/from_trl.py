@@ -1,0 +1,370 @@
+"""`cli.py from-trl RECIPE [--trl-version V] [--devices N] [--out config.yaml]`: a TRL recipe as this
+library's config, with a table of what became of each of its options.
+
+The recipe (`trl_recipes`: a YAML of `GRPOConfig`, `ModelConfig` and `ScriptArguments` keys, or a TRL
+script's command line) is read with the defaults of the TRL version it was written for filled in for every
+option it leaves unset (`trl_versions`). `GRPOConfig`'s options map by their flat names (`FLAT_NAMES`, the
+one table of TRL's names, derived from the options' declarations, so the converter and the code cannot
+disagree); the rest by the rules of `trl_model_rules`, `trl_run_rules` and `trl_output_rules`; an option
+with no counterpart is listed with what to do instead, and one that is always so here is accepted at that
+value. Nothing is dropped in silence: every option of the recipe has a row, mapped, converted (and how) or
+unsupported (and what to do instead), and the unsupported ones are repeated at the top of the written
+config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import NoReturn
+
+import yaml
+
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.options import declared_rule, default_at, section_at
+from grpo_lightning.io.files import write_atomically
+from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.trl_conversion import KINDS, Conversion, Row, Unsupported, grpo_key
+from grpo_lightning.trl_model_rules import MODEL_RULES
+from grpo_lightning.trl_output_rules import OUTPUT_RULES
+from grpo_lightning.trl_recipes import Recipe, read_recipe
+from grpo_lightning.trl_run_rules import RUN_RULES
+from grpo_lightning.trl_versions import (
+    NEWEST_VERSION,
+    checked_version,
+    defaults_at,
+    recipe_version,
+    version_key,
+)
+
+# The reward functions before the validation that reads them; the batch before the checkpoints' cadence.
+RULES = (*MODEL_RULES, *RUN_RULES, *OUTPUT_RULES)
+ANY = object()  # any value is accepted
+
+# TRL's options that hold here only at these values (ANY: at every value), and what they are here.
+ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
+    "ds3_gather_for_generation": ((True,), "FSDP2 gathers the full weights once per rollout"),
+    "cast_lm_head_to_fp32": (ANY, "the log-probs always come from a float32 LM head here"),
+    "multi_objective_aggregation": (
+        ("sum_then_normalize",),
+        "the weighted sum, then the group's normalisation",
+    ),
+    "disable_dropout": ((False,), "set the model config's dropout to 0 (most models have none)"),
+    "use_liger_kernel": (
+        (False, None),
+        "the LM head is chunked in float32 here; Liger's kernels are not used",
+    ),
+    "use_liger_loss": ((False, None), "the LM head is chunked in float32 here; Liger's kernels are not used"),
+    "torch_compile": ((False,), "model.grpo.engine.backend: static compiles the decoding step on CUDA"),
+    "repetition_penalty": ((1.0,), "sampling is temperature, top_p and top_k here"),
+    "min_p": ((None, 0.0, 0), "sampling is temperature, top_p and top_k here"),
+    "generation_kwargs": ((None, {}), "sampling is temperature, top_p and top_k here"),
+    "cache_implementation": ((None,), "the engines keep their own caches"),
+    "top_entropy_quantile": ((1.0,), "every token is in the loss (no high-entropy token selection)"),
+    "use_transformers_paged": ((False,), "Hugging Face generate, or the static or vLLM engine"),
+    "use_transformers_continuous_batching": ((False,), "Hugging Face generate, or the static or vLLM engine"),
+    "transformers_continuous_batching_config": (
+        (None,),
+        "Hugging Face generate, or the static or vLLM engine",
+    ),
+    "pad_to_multiple_of": ((None, "auto"), "each micro-batch is padded to its own longest row"),
+    "router_aux_loss_coef": ((None, 0.0, 0.001), "no mixture-of-experts auxiliary loss here"),
+    "off_policy_mask_threshold": ((None,), "no off-policy sequence masking here"),
+    "use_adaptive_entropy": ((False,), "a fixed entropy_coef here"),
+    "entropy_coef_min": (ANY, "no effect without use_adaptive_entropy, in TRL too"),
+    "entropy_coef_max": (ANY, "no effect without use_adaptive_entropy, in TRL too"),
+    "entropy_coef_delta": (ANY, "no effect without use_adaptive_entropy, in TRL too"),
+    "entropy_target": (ANY, "no effect without use_adaptive_entropy, in TRL too"),
+    "sapo_temperature_neg": (ANY, "no effect: loss_type sapo has no counterpart here"),
+    "sapo_temperature_pos": (ANY, "no effect: loss_type sapo has no counterpart here"),
+    "vespo_k_pos": (ANY, "no effect: loss_type vespo has no counterpart here"),
+    "vespo_lambda_pos": (ANY, "no effect: loss_type vespo has no counterpart here"),
+    "vespo_k_neg": (ANY, "no effect: loss_type vespo has no counterpart here"),
+    "vespo_lambda_neg": (ANY, "no effect: loss_type vespo has no counterpart here"),
+    "vllm_model_impl": (("vllm",), "vLLM's own model code"),
+    "vllm_structured_outputs_regex": ((None,), "no structured outputs here"),
+    "vllm_guided_decoding_regex": ((None,), "no guided decoding here"),
+    "log_completions_hub_repo": ((None,), "completion tables go to the loggers here"),
+    "log_unique_prompts": ((False,), "the completions table shows the first prompts' groups"),
+    "wandb_log_unique_prompts": ((False, True), "the completions table shows the first prompts' groups"),
+    "num_completions_to_print": ((None, 0), "the console shows the first prompt's group"),
+    "log_multimodal": (ANY, "no images here"),
+    "push_to_hub": ((False,), "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER"),
+    "use_cpu": ((False,), "set trainer.accelerator: cpu"),
+    "do_train": (ANY, "cli.py fit trains"),
+    "do_predict": ((False,), "cli.py predict answers the test split's prompts"),
+    "max_tool_calling_iterations": ((None,), "set model.tool_options.max_tool_calling_iterations with tools"),
+}
+# TRL's (and open-r1's) options with no counterpart here, and what to do instead.
+NO_COUNTERPART = {
+    "hub_model_id": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
+    "hub_strategy": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
+    "hub_private_repo": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
+    "hub_token": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
+    "hub_model_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",
+    "overwrite_hub_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",
+    "push_to_hub_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",
+    "benchmarks": "open-r1's benchmarks: run them on the export (cli.py export) with lighteval",
+    "callbacks": "trainer.callbacks takes Lightning callbacks by class path",
+    "deepspeed": "trainer.strategy: ModelParallelStrategy (FSDP2; docs/scaling.md)",
+    "fsdp": "trainer.strategy: ModelParallelStrategy (FSDP2; docs/scaling.md)",
+    "fsdp_config": "trainer.strategy: ModelParallelStrategy (FSDP2; docs/scaling.md)",
+    "ddp_find_unused_parameters": "trainer.strategy: a DDPStrategy with its own options",
+    "ddp_timeout": "trainer.strategy: a DDPStrategy with its own options",
+    "vllm_server_base_url": "no vLLM server here: the engine is colocated",
+    "vllm_server_host": "no vLLM server here: the engine is colocated",
+    "vllm_server_port": "no vLLM server here: the engine is colocated",
+    "vllm_server_timeout": "no vLLM server here: the engine is colocated",
+    "vllm_group_port": "no vLLM server here: the engine is colocated",
+    "vllm_dtype": "the engine samples in the policy's dtype",
+    "vllm_enable_prefix_caching": "vLLM's own default",
+}
+
+
+# Every TRL option the converter knows beside GRPOConfig's flat names (docs/from_trl.md lists them).
+KNOWN = MODEL_RULES.keys | RUN_RULES.keys | OUTPUT_RULES.keys | set(ALWAYS) | set(NO_COUNTERPART)
+
+
+# --------------------------------------------------------------------------------------- GRPOConfig's
+def _scale_rewards(value: object) -> tuple[object, str]:
+    if isinstance(value, bool):
+        ours = "group" if value else "none"
+        return ours, f'TRL reads {str(value).lower()} as "{ours}"'
+    return value, ""
+
+
+def _top_k(value: object) -> tuple[object, str]:
+    if value is None or (isinstance(value, int) and value < 0):
+        return 0, f"{value}: no top-k, which is 0 here"
+    return value, ""
+
+
+def _max_grad_norm(value: object) -> tuple[object, str]:
+    if value in (None, 0):
+        return None, f"{value}: no clipping in transformers, None here"
+    return value, ""
+
+
+SPELLINGS = {"scale_rewards": _scale_rewards, "top_k": _top_k, "max_grad_norm": _max_grad_norm}
+
+
+def flat_option(c: Conversion, name: str) -> None:
+    """A `GRPOConfig` option by its flat name: at its section's key (`FLAT_NAMES`), as TRL spells it where
+    that differs (`SPELLINGS`); a value of no choice or range of ours is unsupported, the default kept."""
+    entry = FLAT_NAMES[name]
+    value, note = SPELLINGS.get(name, lambda v: (v, ""))(c.get(name))
+    key = grpo_key(name)
+    if entry.switch:
+        c.row(name, "mapped", c.put(key, (c.read(key) or {}) if value else None))
+        return
+    switch = next((n for n, e in FLAT_NAMES.items() if e.switch and e.path == entry.path[:1]), None)
+    if switch is not None and not c.read(grpo_key(switch)):
+        c.row(name, "mapped", "", f"no effect without {switch}: true, in TRL too")
+        return
+    problem = declared_rule(section_at(GRPOConfig, entry.path), entry.path[-1]).problem(value)
+    if problem is not None:
+        default = default_at(GRPOConfig, entry.path)
+        c.row(name, "unsupported", "", f"{value!r} here {problem}: the run keeps our default, {default!r}")
+        return
+    c.row(name, "converted" if note else "mapped", c.put(key, value), note)
+
+
+def always_option(c: Conversion, name: str) -> None:
+    accepted, what = ALWAYS[name]
+    value = c.get(name)
+    c.row(name, "mapped" if accepted is ANY or value in accepted else "unsupported", "", what)
+
+
+# ------------------------------------------------------------------------------------------ conversion
+UNKNOWN = "not an option of TRL's GRPOConfig, ModelConfig or ScriptArguments that this converter knows"
+
+
+def convert(recipe: Recipe, version: str, devices: int | None = None) -> Conversion:
+    """The recipe's config and rows under TRL `version`'s defaults; ValueError names an option whose value
+    no option of ours takes where the recipe's intent is clear (a batch that no rank can split)."""
+    c = Conversion(recipe.keys, defaults_at(version, recipe.keys), version, devices)
+    for keys, function in RULES:
+        if any(c.has(key) for key in keys):
+            try:
+                function(c)
+            except Unsupported as err:
+                for key in keys:
+                    c.row(key, "unsupported", "", str(err))
+    names = [n for n in [*recipe.keys, *c.defaults] if n not in c.rows]
+    names.sort(key=lambda n: not (n in FLAT_NAMES and FLAT_NAMES[n].switch))  # sections on before options
+    for name in names:
+        if name in FLAT_NAMES:
+            flat_option(c, name)
+        elif name in ALWAYS:
+            always_option(c, name)
+        elif name in NO_COUNTERPART:
+            c.row(name, "unsupported", "", NO_COUNTERPART[name])
+        else:
+            c.row(name, "unsupported", "", UNKNOWN)
+    order = [*recipe.keys, *c.defaults]
+    c.rows = {key: c.rows[key] for key in sorted(c.rows, key=order.index)}  # as the recipe lists them
+    _check(c, recipe.path)
+    return c
+
+
+def _check(c: Conversion, where: str) -> None:
+    """Build the converted options as `fit` will: a value they refuse is the recipe's error, named."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            GRPOConfig(**(c.read("model.grpo") or {}))
+            ModelOptions(**(c.read("model.model_options") or {}))
+            if c.read("model.lora") is not None:
+                LoraOptions(**c.read("model.lora"))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{where}: the converted options are refused: {err}") from None
+    c.needs.extend(f"warning: {w.message}" for w in caught)
+
+
+# -------------------------------------------------------------------------------------- what it prints
+def _short(value: object, width: int = 30) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def table(c: Conversion, recipe: Recipe, version_line: str) -> str:
+    """The rows, the recipe's first, then the defaults of TRL's version; what a run still needs; counts."""
+    rows = list(c.rows.values())
+    given = [r for r in rows if r.default_from is None]
+    defaults = [r for r in rows if r.default_from is not None]
+    width = max([len(r.key) for r in rows] + [10])
+    ours_width = max([len(r.ours) for r in rows] + [4])
+
+    def line(r: Row) -> str:
+        cells = f"  {r.key:<{width}}  {_short(r.value):<30}  {r.kind:<11}  {r.ours or '-':<{ours_width}}"
+        return (cells + "  " + r.note).rstrip()
+
+    out = [f"{recipe.path} ({recipe.form}); {version_line}", ""]
+    out += [f"  {'option':<{width}}  {'value':<30}  {'':<11}  {'here':<{ours_width}}  how / what to do", ""]
+    out += [line(r) for r in given]
+    if defaults:
+        out += ["", f"  TRL {c.version}'s defaults for options the recipe leaves unset:"]
+        out += [line(r) for r in defaults]
+    if c.needs:
+        out += ["", *[f"  note: {need}" for need in c.needs]]
+    counts = {kind: sum(r.kind == kind for r in given) for kind in KINDS}
+    out += [
+        "",
+        f"{len(given)} options: "
+        + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        + f"; {len(defaults)} unset options take TRL {c.version}'s defaults",
+    ]
+    return "\n".join(out)
+
+
+# The written config's keys in the order `--print_config` shows them; others after, as they came.
+ORDER = {
+    "seed_everything": None,
+    "trainer": None,
+    "model": (
+        "policy",
+        "reward_funcs",
+        "reward_weights",
+        "val_reward",
+        "num_generations_eval",
+        "model_options",
+        "lora",
+        "grpo",
+    ),
+    "data": ("class_path", "init_args"),
+}
+
+
+def _ordered(config: dict, order: dict) -> dict:
+    ranked = [k for k in order if k in config] + [k for k in config if k not in order]
+    return {
+        k: _ordered(config[k], dict.fromkeys(order[k])) if isinstance(order.get(k), tuple) else config[k]
+        for k in ranked
+    }
+
+
+def config_text(c: Conversion, recipe: Recipe, version: str) -> str:
+    """The config as `cli.py fit --config` reads it, the unsupported options listed in comments at the top."""
+    head = [
+        f"# {recipe.path} converted by `cli.py from-trl` (TRL {version}'s defaults for what it leaves unset)"
+    ]
+    unsupported = [r for r in c.rows.values() if r.kind == "unsupported"]
+    if unsupported:
+        head.append("# No counterpart here (the run goes without them):")
+        head += [f"#   {r.key}: {_short(r.value, 60)}: {r.note}" for r in unsupported]
+    config = _ordered(c.config, ORDER)
+
+    return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False, width=110, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+USAGE = "cli.py from-trl RECIPE [--trl-version V] [--devices N] [--out config.yaml] [--overwrite]"
+HELP = (
+    "Convert a TRL recipe (a YAML of GRPOConfig, ModelConfig and ScriptArguments options, or a TRL script's "
+    "command line) into a config for `cli.py fit --config`, with a table of what became of each option."
+)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"from-trl: {message} (usage: {USAGE})")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="cli.py from-trl", usage=USAGE, description=HELP)
+    parser.add_argument("recipe", help="the TRL recipe: a YAML file, or a file holding a TRL command line")
+    parser.add_argument(
+        "--trl-version",
+        help="the TRL version the recipe was written for, whose defaults fill what it leaves unset "
+        f"(default: the version a `# trl==X.Y` comment in it names, else {NEWEST_VERSION}, the newest known)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="the processes the recipe ran on (TRL's num_processes), also trainer.devices",
+    )
+    parser.add_argument("--out", help="write the config here (default: print it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    return parser
+
+
+def chosen_version(given: str | None, recipe: Recipe) -> tuple[str, str]:
+    """The TRL version whose defaults apply, and a line saying where it came from."""
+    if given:
+        version, how = checked_version(given), "--trl-version"
+    elif recipe_version(recipe.text):
+        version, how = checked_version(recipe_version(recipe.text)), "named in the recipe"
+    else:
+        return NEWEST_VERSION, (
+            f"TRL {NEWEST_VERSION}'s defaults (the newest known; give --trl-version for a recipe written for "
+            "another, e.g. 0.18 for open-r1's)"
+        )
+    if version_key(version) > version_key(NEWEST_VERSION):
+        how += f"; its defaults as of {NEWEST_VERSION}, the newest known"
+    return version, f"TRL {version}'s defaults ({how})"
+
+
+def main(argv: list[str]) -> None:
+    """Run `from-trl`: the config to `--out` (or standard output) and the table to standard output (or
+    standard error). Bad input raises ValueError with the one line `cli.main` prints."""
+    args = _parser().parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"from-trl --devices={args.devices}: must be >= 1")
+    if args.out and os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"from-trl --out {args.out}: the file exists; add --overwrite to replace it")
+    recipe = read_recipe(args.recipe)
+    version, version_line = chosen_version(args.trl_version, recipe)
+    conversion = convert(recipe, version, args.devices)
+    if args.devices is not None:
+        conversion.put("trainer.devices", args.devices)
+    text = config_text(conversion, recipe, version)
+    report = table(conversion, recipe, version_line)
+    if args.out:
+        write_atomically(args.out, text, "the converted config")
+        print(report)
+        print(f"wrote {args.out}: python cli.py fit --config {args.out}")
+    else:
+        print(report, file=sys.stderr)
+        print(text, end="")
