@@ -17,6 +17,7 @@ from grpo_lightning.core.rewards.audit import AnswerForm, audit_reward_funcs, au
 from grpo_lightning.core.rewards.verifiable import (
     LengthPenalty,
     accuracy_reward,
+    completion_text,
     extract_answer,
     format_reward,
     normalize_number,
@@ -354,3 +355,14 @@ def test_the_audit_fails_a_reward_that_scores_the_right_final_answer_0():
         "no_answer": 0.0,
     }
     assert sound.table().splitlines()[-1] == "verdict: OK"
+
+
+def test_a_tool_result_is_not_the_policy_s_answer():
+    """A multi-turn completion whose calculator printed the answer, its last turn writing none: the rewards
+    read the model's turns only, so the tool's number earns nothing; the model writing it does."""
+    call = {"role": "assistant", "content": "Let me compute 6 * 7.", "tool_calls": [{"name": "calculator"}]}
+    tool = {"role": "tool", "name": "calculator", "content": "42"}
+    silent = [call, tool, {"role": "assistant", "content": "Done."}]
+    answered = [call, tool, {"role": "assistant", "content": "#### 42"}]
+    assert completion_text(silent) == "Let me compute 6 * 7.Done."
+    assert accuracy_reward([silent, answered], ["42", "42"]) == [0.0, 1.0]

@@ -228,10 +228,12 @@ Completion = str | Sequence[dict[str, Any]]
 
 def completion_text(completion: Completion) -> str:
     """The text of a completion: itself, or the content of TRL's chat completion ``[{"role", "content"}]``
-    (the messages' contents joined, should there be several)."""
+    (the messages' contents joined, should there be several). A multi-turn completion's tool results
+    (``role: "tool"``) are left out: they are not the policy's writing, and a reward reading them would pay
+    for an answer the tool printed."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content") or "") for message in completion)
+    return "".join(str(m.get("content") or "") for m in completion if m.get("role") != "tool")
 
 
 def _check_lengths(completions: Sequence[str], column: Sequence[Any], name: str = "answers") -> None:
