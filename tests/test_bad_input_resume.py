@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
@@ -96,13 +95,19 @@ def test_resuming_on_other_data_is_refused_by_the_cli_unless_asked(
 
 def test_resuming_on_other_data_from_python_is_said(tiny_model_dir, checkpoint, tmp_path):
     module = tiny_module(tiny_model_dir, reward_funcs=[digit_reward], max_completion_length=6)
-    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path))
+    first = FirstBatch()
+    trainer = quiet_trainer(
+        max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path), callbacks=[first]
+    )
     data = GSM8KDataModule("arithmetic", None, batch_size=3, val_size=2)
     with pytest.warns(
         UserWarning, match=r"resuming on other data \(data.batch_size: checkpoint 2, this run 3\)"
     ):
         trainer.fit(module, data, ckpt_path=checkpoint, weights_only=True)
-    assert trainer.global_step == 2 and torch.is_tensor(next(module.policy.parameters()))
+    # One step more, on the batch after the checkpoint's one in its data (at this data's batch size).
+    order = ResumableSampler(len(data.train_rows), seed=0).share(trainer.current_epoch)
+    assert trainer.global_step == 2
+    assert first.questions == [data.train_rows[i]["question"] for i in order[3:6]]
 
 
 def test_a_requeued_run_resumes_its_own_folder_after_a_kill(tiny_model_dir, tmp_path, capsys):
