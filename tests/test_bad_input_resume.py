@@ -7,6 +7,8 @@ import os
 import shutil
 import socket
 import subprocess
+import warnings
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.resume import ResumableSampler
-from grpo_lightning.training.training_state import DATA_OPTIONS_FREE_ON_RESUME, changed_data_options
+from grpo_lightning.training.training_state import (
+    DATA_OPTIONS_FREE_ON_RESUME,
+    changed_data_options,
+    free_on_resume,
+    warn_changed_options,
+)
 from tests.helpers import cli_error, digit_reward, one_error_line, quiet_trainer, tiny_module
 from tests.test_interrupt import FirstBatch, fit_args
 
@@ -108,6 +116,26 @@ def test_resuming_on_other_data_from_python_is_said(tiny_model_dir, checkpoint, 
     order = ResumableSampler(len(data.train_rows), seed=0).share(trainer.current_epoch)
     assert trainer.global_step == 2
     assert first.questions == [data.train_rows[i]["question"] for i in order[3:6]]
+
+
+def test_only_the_options_declared_so_are_free_to_change_on_resume():
+    """`RunOptions` declares that it leaves the training stream alone; every other section changes it. From
+    Python, the module's options win on resume, said for those that change the run alone."""
+    free = {entry.key for entry in FLAT_NAMES.values() if free_on_resume(f"grpo.{entry.key}")}
+    assert free == {"run.cpu_offload", "run.log_completions_every", "run.preflight"}
+    assert free_on_resume("grpo.run") and free_on_resume("num_generations_eval")
+    assert not free_on_resume("grpo") and not free_on_resume("grpo.sampling") and not free_on_resume("lora")
+
+    saved = {"grpo": asdict(GRPOConfig(num_generations=2)), "num_generations_eval": 1}
+    own = GRPOConfig(num_generations=2, preflight=False, log_completions_every=0, cpu_offload=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_changed_options(saved, {"grpo": asdict(own), "num_generations_eval": 4})
+    own = replace(own, sampling=replace(own.sampling, num_generations=4))
+    with pytest.warns(UserWarning, match="other options, this module's apply") as caught:
+        warn_changed_options(saved, {"grpo": asdict(own), "num_generations_eval": 4})
+    (message,) = [str(w.message) for w in caught]
+    assert message.endswith("apply: grpo.sampling.num_generations: checkpoint 2, this module 4")
 
 
 def test_a_requeued_run_resumes_its_own_folder_after_a_kill(tiny_model_dir, tmp_path, capsys):
