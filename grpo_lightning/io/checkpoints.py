@@ -57,6 +57,7 @@ __all__ = [
     "resolve_callable",
     "reward_recipe",
     "unimportable_rewards",
+    "upgrade_scheduler_states",
 ]
 NOT_IMPORTABLE = "not_importable"  # the key of a recipe naming a function without an import path
 # A module's arguments that hold functions (or classes), stored by import path: lists of them, and one each.
@@ -285,6 +286,18 @@ def comparable_hparams(hparams: MutableMapping) -> dict:
     if "val_reward" in plain:
         plain["val_reward"] = comparable(plain["val_reward"])
     return plain
+
+
+def upgrade_scheduler_states(checkpoint: dict) -> None:
+    """Schedulers' states written while the warm-up was torch's `LinearLR` (inside the `SequentialLR`), made
+    the states of today's warm-up, transformers' `LambdaLR`: the same step counters, without `LinearLR`'s
+    factors. The resumed run goes on from the same step, on today's rates."""
+    for state in checkpoint.get("lr_schedulers", []):
+        for part in state.get("_schedulers", []):
+            if "lr_lambdas" not in part and "start_factor" in part:
+                for factor in ("start_factor", "end_factor", "total_iters"):
+                    part.pop(factor, None)
+                part["lr_lambdas"] = [None]  # a plain function's: nothing to restore
 
 
 def sectioned_hparams(hparams: Mapping) -> dict:

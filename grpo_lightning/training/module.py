@@ -39,6 +39,7 @@ from grpo_lightning.io.checkpoints import (
     check_fits,
     register_safe_globals,
     resolve_rewards,
+    upgrade_scheduler_states,
 )
 from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
 from grpo_lightning.io.models import (
@@ -263,6 +264,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rollouts.weights_changed()  # the loaded weights, not the copy's, are sampled next
+        upgrade_scheduler_states(checkpoint)  # before Lightning restores the schedulers
         warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
             new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
