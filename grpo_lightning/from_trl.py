@@ -23,7 +23,7 @@ from typing import NoReturn
 import yaml
 
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.core.options import declared_rule, default_at, section_at
+from grpo_lightning.core.options import declared_rule, default_at, section_at, trl_value
 from grpo_lightning.io.files import write_atomically
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.trl_conversion import KINDS, Conversion, Row, Unsupported, grpo_key
@@ -128,33 +128,14 @@ KNOWN = MODEL_RULES.keys | RUN_RULES.keys | OUTPUT_RULES.keys | set(ALWAYS) | se
 
 
 # --------------------------------------------------------------------------------------- GRPOConfig's
-def _scale_rewards(value: object) -> tuple[object, str]:
-    if isinstance(value, bool):
-        ours = "group" if value else "none"
-        return ours, f'TRL reads {str(value).lower()} as "{ours}"'
-    return value, ""
-
-
-def _top_k(value: object) -> tuple[object, str]:
-    if value is None or (isinstance(value, int) and value < 0):
-        return 0, f"{value}: no top-k, which is 0 here"
-    return value, ""
-
-
-def _max_grad_norm(value: object) -> tuple[object, str]:
-    if value in (None, 0):
-        return None, f"{value}: no clipping in transformers, None here"
-    return value, ""
-
-
-SPELLINGS = {"scale_rewards": _scale_rewards, "top_k": _top_k, "max_grad_norm": _max_grad_norm}
-
-
 def flat_option(c: Conversion, name: str) -> None:
-    """A `GRPOConfig` option by its flat name: at its section's key (`FLAT_NAMES`), as TRL spells it where
-    that differs (`SPELLINGS`); a value of no choice or range of ours is unsupported, the default kept."""
+    """A `GRPOConfig` option by its flat name: at its section's key (`FLAT_NAMES`), TRL's spelling of one of
+    our values made ours (the option's declared `TRLValues`); a value of no choice or range of ours is
+    unsupported, the default kept."""
     entry = FLAT_NAMES[name]
-    value, note = SPELLINGS.get(name, lambda v: (v, ""))(c.get(name))
+    given = c.get(name)
+    value, spelled = trl_value(section_at(GRPOConfig, entry.path), entry.path[-1], given)
+    note = f"TRL's {given!r} is {value!r} here" if spelled else ""
     key = grpo_key(name)
     if entry.switch:
         c.row(name, "mapped", c.put(key, (c.read(key) or {}) if value else None))

@@ -15,8 +15,11 @@ import yaml
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.cli import main as cli_main
-from grpo_lightning.core.algorithm.schedules import SCHEDULES
+from grpo_lightning.core.algorithm.advantages import AdvantageOptions
+from grpo_lightning.core.algorithm.schedules import SCHEDULES, OptimizerOptions
 from grpo_lightning.core.config import FLAT_NAMES
+from grpo_lightning.core.generation.sampling import SamplingOptions
+from grpo_lightning.core.options import trl_value
 from grpo_lightning.from_trl import KNOWN, chosen_version, config_text, convert, table
 from grpo_lightning.trl_conversion import KINDS, grpo_key
 from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
@@ -281,7 +284,7 @@ def test_a_spelling_without_counterpart_is_unsupported_with_a_hint():
     )
     assert rows["loss_type"].kind == "unsupported" and "dapo" in rows["loss_type"].note  # our default kept
     assert rows["warmup_ratio"].kind == "unsupported" and "max_steps" in rows["warmup_ratio"].note
-    assert rows_of({"scale_rewards": False})["scale_rewards"].note == 'TRL reads false as "none"'
+    assert rows_of({"scale_rewards": False})["scale_rewards"].note == "TRL's False is 'none' here"
     assert rows_of({"logging_first_step": True, "logging_steps": 1})["logging_first_step"].kind == "mapped"
     assert (
         rows_of({"logging_first_step": True, "logging_steps": 5})["logging_first_step"].kind == "unsupported"
@@ -479,3 +482,12 @@ def test_the_docs_version_table_is_trl_versions():
         option = cells[0].strip("`")
         for version, cell in zip(versions, cells[1:], strict=True):
             assert defaults_at(version, {})[option][0] == ast.literal_eval(cell.strip("`")), (option, version)
+
+
+def test_trl_s_spellings_are_declared_at_each_option():
+    """`TRLValues` in an option's annotation: TRL's value made ours, a bool told apart from a number."""
+    assert trl_value(AdvantageOptions, "scale_rewards", False) == ("none", True)
+    assert trl_value(SamplingOptions, "top_k", None) == (0, True)
+    assert trl_value(SamplingOptions, "top_k", 1) == (1, False)  # a value of ours: kept
+    assert trl_value(OptimizerOptions, "max_grad_norm", 0) == (None, True)
+    assert trl_value(OptimizerOptions, "max_grad_norm", False) == (False, False)  # not TRL's 0

@@ -79,6 +79,36 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class TRLValues:
+    """TRL's spellings of an option's values, as the metadata of its annotation: `(TRL's value, ours)` pairs,
+    e.g. `TRLValues((False, "none"), (True, "group"))` on `scale_rewards`, which TRL also takes as a bool.
+    `cli.py from-trl` converts by them (`trl_value`)."""
+
+    pairs: tuple[tuple[object, object], ...]
+
+    def __init__(self, *pairs: tuple[object, object]) -> None:
+        object.__setattr__(self, "pairs", pairs)
+
+    def __repr__(self) -> str:  # what `--help` prints inside the type
+        return "TRL's " + ", ".join(f"{theirs!r} is {ours!r}" for theirs, ours in self.pairs)
+
+
+def trl_value(owner: type, option: str, value: object) -> tuple[object, bool]:
+    """`value` of TRL's as ours, by the `TRLValues` of `owner`'s field `option` (bools and numbers told
+    apart: TRL's `True` is not its `1`), and whether it was one of TRL's spellings."""
+    annotation = declared_annotation(owner, option)
+    candidates = [annotation, *typing.get_args(annotation)]
+    for candidate in candidates:
+        if typing.get_origin(candidate) is Annotated:
+            for meta in candidate.__metadata__:
+                if isinstance(meta, TRLValues):
+                    for theirs, ours in meta.pairs:
+                        if type(theirs) is type(value) and theirs == value:
+                            return ours, True
+    return value, False
+
+
+@dataclass(frozen=True)
 class Rule:
     """What one annotation allows: its kinds, bounds, choices, and whether None is allowed."""
 

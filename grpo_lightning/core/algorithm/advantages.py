@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from grpo_lightning.core.options import Alias, Choices, PositiveFloat, Range, check_fields
+from grpo_lightning.core.options import Alias, Choices, PositiveFloat, Range, TRLValues, check_fields
 
 STD_EPS = 1e-4  # added to the reward std before dividing, as in TRL
 
@@ -41,7 +41,7 @@ Baseline = Literal[tuple(BASELINES)]
 class AdvantageOptions:
     """How rewards become advantages (`GRPOConfig.advantages`)."""
 
-    scale_rewards: ScaleRewards = "group"
+    scale_rewards: Annotated[ScaleRewards, TRLValues((True, "group"), (False, "none"))] = "group"
     """"group" divides the centred reward by the group's std (GRPO), "batch" by the batch's (Hu et al.,
     REINFORCE++, arXiv:2501.03262), "none" only centres (Dr. GRPO, arXiv:2503.20783).
     """

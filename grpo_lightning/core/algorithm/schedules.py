@@ -38,6 +38,7 @@ from grpo_lightning.core.options import (
     NonNegativeFloat,
     NonNegativeInt,
     Range,
+    TRLValues,
     check_fields,
     option_error,
     warn_inert,
@@ -191,7 +192,12 @@ class OptimizerOptions:
     "constant". verl: `optim.min_lr_ratio`; TRL: `lr_scheduler_kwargs={"min_lr_rate": ...}` with
     "cosine_with_min_lr".
     """
-    max_grad_norm: Annotated[float, Range("> 0", why="a negative norm flips the gradient")] | None = 1.0
+    max_grad_norm: (
+        Annotated[
+            float, Range("> 0", why="a negative norm flips the gradient"), TRLValues((0, None), (0.0, None))
+        ]
+        | None
+    ) = 1.0
     """Gradient clipping by global norm, > 0; None disables."""
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from grpo_lightning.core.options import (
     PositiveFloat,
     PositiveInt,
     Range,
+    TRLValues,
     check_fields,
     option_error,
 )
@@ -100,7 +101,7 @@ class SamplingOptions:
     """Nucleus sampling: draw from the most likely tokens whose probabilities sum to top_p, in (0, 1]; 1.0
     disables it.
     """
-    top_k: Annotated[int, Range(">= 0", why="0 disables it")] = 0
+    top_k: Annotated[int, Range(">= 0", why="0 disables it"), TRLValues((None, 0), (-1, 0))] = 0
     """Draw from the k most likely tokens only; 0 disables it."""
 
     def __post_init__(self) -> None:
