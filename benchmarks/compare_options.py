@@ -159,6 +159,10 @@ def load_config(path: str, overrides: list[str]) -> dict:
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         *parents, leaf = key.split(".")
+        entry = FLAT_NAMES.get(leaf) if parents == ["model", "grpo"] else None
+        if entry is not None and not entry.switch:  # a flat name goes to its section, as cli.py files it
+            *sections, leaf = entry.path
+            parents = [*parents, *sections]
         node = config
         for depth, name in enumerate(parents, start=1):
             node = node.setdefault(name, {})
@@ -246,8 +250,10 @@ def build(
     model = dict(config["model"])
     lora = model.pop("lora", None)
     reward_funcs = model.pop("reward_funcs", None)
+    grpo = GRPOConfig(**model.pop("grpo", {}))
+    grpo.preflight = False  # a report, not training time
     module = GRPOModule(
-        grpo=GRPOConfig(**{**model.pop("grpo", {}), "preflight": False}),  # a report, not training time
+        grpo=grpo,
         model_options=ModelOptions(**model.pop("model_options", {})),
         lora=LoraOptions(**lora) if lora else None,
         reward_funcs=None if reward_funcs is None else [instantiate(f) for f in reward_funcs],
@@ -376,15 +382,15 @@ def heldout_setup(config: dict, device: str | None) -> dict:
     """What the accuracy before training depends on: the model, the held-out problems and their prompts,
     the decoding length, the precision and the device."""
     model, trainer = config.get("model") or {}, config.get("trainer") or {}
-    grpo = model.get("grpo") or {}
+    grpo = GRPOConfig(**(model.get("grpo") or {}))  # flat names or sections, read by their flat names
     data = {k: v for k, v in (config.get("data") or {}).items() if k not in DATA_OPTIONS_NOT_HELD_OUT}
     return {
         "model.policy": model.get("policy"),
         "model.tokenizer": model.get("tokenizer"),
         "model.model_options": model.get("model_options"),
         **{f"data.{key}": value for key, value in sorted(data.items())},
-        "model.grpo.max_completion_length": grpo.get("max_completion_length"),
-        "model.grpo.max_prompt_length": grpo.get("max_prompt_length"),
+        "model.grpo.max_completion_length": grpo.max_completion_length,
+        "model.grpo.max_prompt_length": grpo.max_prompt_length,
         "trainer.precision": trainer.get("precision"),
         "device": device or trainer.get("accelerator"),
     }

@@ -112,9 +112,11 @@ def tiny_demo(tiny_model_dir, tmp_path) -> tuple:
     trainer = config["trainer"]
     trainer.update(max_steps=2, default_root_dir=str(tmp_path), logger=False, precision="bf16-mixed")
     config["model"]["policy"] = tiny_model_dir
-    config["model"]["grpo"].update(num_generations=2, max_completion_length=8, preflight=False)
+    grpo = config["model"]["grpo"]  # in sections, as the shipped config writes them
+    grpo["sampling"].update(num_generations=2, max_completion_length=8)
+    grpo.setdefault("run", {})["preflight"] = False
     config["data"].update(val_size=4, val_batch_size=4, batch_size=2)
-    config["model"]["grpo"]["steps_per_generation"] = 2  # one rollout, 2 optimizer steps of one prompt
+    grpo.setdefault("update", {})["steps_per_generation"] = 2  # one rollout, 2 optimizer steps of one prompt
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     precisions = []

@@ -10,6 +10,7 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.memory import ModelFootprint, compute_bytes, estimate_memory, footprint
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from tests.test_preflight import BATCH, module_for
@@ -197,10 +198,10 @@ def config_estimate(name: str, shape: dict, trainable: int, weight_bytes: int, c
     CUDA): its copy in bf16 (FSDP2 gathers every weight in bf16; LoRA's base is bf16), its cache rows a power
     of two, prompts bucketed by 64."""
     config = yaml.safe_load((CONFIGS / name).read_text())
-    grpo, trainer, data = config["model"]["grpo"], config["trainer"], config["data"]
+    grpo, trainer, data = GRPOConfig(**config["model"]["grpo"]), config["trainer"], config["data"]
     lora = config["model"].get("lora") is not None
-    assert grpo.get("generation_backend", "auto") == "auto" and trainer["accelerator"] == "gpu"
-    rows = data["batch_size"] * grpo["num_generations"]
+    assert grpo.generation_backend == "auto" and trainer["accelerator"] == "gpu"
+    rows = data["batch_size"] * grpo.num_generations
     model = ModelFootprint(
         weight_bytes=int(shape["parameters"] * weight_bytes) + (trainable * 4 if lora else 0),
         parameters=int(shape["parameters"]),
@@ -217,10 +218,10 @@ def config_estimate(name: str, shape: dict, trainable: int, weight_bytes: int, c
         world=trainer["devices"],
         sharded=sharded,
         cpu_offload=cpu_offload,
-        reference=grpo["beta"] > 0 and not lora,
+        reference=grpo.beta > 0 and not lora,
         compute_bytes=2,  # bf16-mixed
         sequences=1 << (rows - 1).bit_length(),
-        tokens=-(-grpo["max_prompt_length"] // 64) * 64 + grpo["max_completion_length"],
+        tokens=-(-grpo.max_prompt_length // 64) * 64 + grpo.max_completion_length,
         inference_copy_bytes=int(shape["parameters"] + (trainable if lora else 0)) * 2,
     )
 

@@ -279,4 +279,13 @@ def test_help_lists_the_commands_that_run(capsys):
         main(["--help"])
     listed = capsys.readouterr().out.split("Available subcommands:")[1]
     commands = [m[1] for line in listed.splitlines() if (m := re.match(r" {4}([a-z][\w-]*)", line))]
-    assert commands == ["fit", "validate", "test", "predict", "audit", "export", "prepare-smollm2"]
+    assert commands == [
+        "fit",
+        "validate",
+        "test",
+        "predict",
+        "audit",
+        "export",
+        "prepare-smollm2",
+        "from-trl",
+    ]
