@@ -32,16 +32,10 @@ from grpo_lightning.core.rewards.scoring import (
     weighted_groups,
 )
 from grpo_lightning.core.rewards.verifiable import reward_name
-from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.rng import restore_rng_states
 from grpo_lightning.core.update import RolloutUpdate
-from grpo_lightning.io.checkpoints import (
-    as_options,
-    check_fits,
-    register_safe_globals,
-    resolve_rewards,
-    upgrade_scheduler_states,
-)
-from grpo_lightning.io.distributed import is_sharded, offloaded_to_cpu, ranks_of, shard_models
+from grpo_lightning.io.checkpoints import as_options, register_safe_globals, resolve_rewards
+from grpo_lightning.io.distributed import offloaded_to_cpu, ranks_of, shard_models
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,
@@ -52,9 +46,7 @@ from grpo_lightning.io.models import (
 )
 from grpo_lightning.training.held_out_loops import HeldOutLoops
 from grpo_lightning.training.hyperparameters import save_own_hyperparameters
-from grpo_lightning.training.lr_schedulers import (
-    reading_schedulers,
-)
+from grpo_lightning.training.lr_schedulers import reading_schedulers
 from grpo_lightning.training.manual_optimization import ManualOptimization
 from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
 from grpo_lightning.training.preflight import Preflight
@@ -72,15 +64,7 @@ from grpo_lightning.training.trainer_options import (
     planned_optimizer_steps,
     refuse_unsupported_tools,
 )
-from grpo_lightning.training.training_state import (
-    check_resumed_data,
-    drop_reference,
-    load_grpo_state,
-    reference_syncs_of,
-    restore_reference,
-    save_grpo_state,
-    warn_changed_options,
-)
+from grpo_lightning.training.training_state import load_module_state, save_module_state
 from grpo_lightning.training.validation_scores import ValidationScoring
 
 register_safe_globals()  # our checkpoints hold GRPOConfig & co. and must load under weights_only=True
@@ -167,7 +151,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         dynamic = grpo.dynamic_sampling or DynamicSamplingOptions()  # off: its buffer is never filled
         metric = dynamic.metric if grpo.dynamic_sampling else None
         self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, dynamic.max_rounds)
-        self._rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
+        self.rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
         self._planned_steps = (
             -1
@@ -255,32 +239,11 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         return [c for c in defaults if type(c) not in configured]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
-        rng = self.validation.training_rng or capture_rng_states()
-        syncs = self.reference_sync.syncs_done if self.reference_sync is not None else None
-        save_grpo_state(checkpoint, self.optimization.step_guard.bad_steps, rng, self.group_buffer, syncs)
-        if not is_sharded(self.policy) and self.reference_sync is None:  # a synced reference is stored
-            drop_reference(checkpoint)
+        save_module_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rollouts.weights_changed()  # the loaded weights, not the copy's, are sampled next
-        upgrade_scheduler_states(checkpoint)  # before Lightning restores the schedulers
-        warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
-        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
-            new_data = getattr(self.trainer, "new_data", False)  # GRPOTrainer.fit's
-            check_resumed_data(checkpoint, self.trainer.datamodule, new_data)
-        if self.reference is not None:
-            restore_reference(checkpoint, self.reference)
-        if "state_dict" in checkpoint and self.strict_loading:  # one line, not load_state_dict's dump
-            check_fits(self.state_dict(), checkpoint["state_dict"], self._trainer and self._trainer.ckpt_path)
-        world = self.trainer.world_size if self._trainer is not None else 1
-        own = load_grpo_state(checkpoint, self.global_rank, world)
-        if own is not None:
-            self.optimization.step_guard.bad_steps = own.bad_steps
-            self._rng_to_restore = own.rng
-            vars(self.group_buffer).update(own.group_buffer)
-        if self.reference_sync is not None:
-            self.reference_sync.syncs_done = reference_syncs_of(checkpoint, self.reference_sync.every)
+        load_module_state(self, checkpoint)
 
     def on_fit_start(self) -> None:
         check_one_optimizer(self.trainer, self.policy)
@@ -310,9 +273,9 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
             bound_epochs_by_steps(self.trainer, self.grpo)
         self._planned_steps = planned_optimizer_steps(self.trainer, self.grpo) if trainer is not None else -1
         # Restored here, not on load: the sanity check and the data loader's first fetch come in between.
-        if self._rng_to_restore is not None:
-            restore_rng_states(self._rng_to_restore)
-            self._rng_to_restore = None
+        if self.rng_to_restore is not None:
+            restore_rng_states(self.rng_to_restore)
+            self.rng_to_restore = None
         # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
         vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
 

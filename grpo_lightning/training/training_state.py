@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, is_dataclass
 
+import lightning as L
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -19,9 +20,10 @@ from torch import nn
 from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import declared_annotation, option_differences, section_class
+from grpo_lightning.core.rng import capture_rng_states
 from grpo_lightning.core.types import Rollout, ScoredGroups
-from grpo_lightning.io.checkpoints import comparable_hparams
-from grpo_lightning.io.distributed import gather_per_rank
+from grpo_lightning.io.checkpoints import check_fits, comparable_hparams, upgrade_scheduler_states
+from grpo_lightning.io.distributed import gather_per_rank, is_sharded
 from grpo_lightning.training.resume import state_of_rank
 
 STATE_KEY = "grpo_state"
@@ -186,3 +188,39 @@ def restore_reference(checkpoint: dict, reference: nn.Module) -> None:
     if "state_dict" in checkpoint:  # a sharded one was loaded in place
         for key, value in reference.state_dict().items():
             checkpoint["state_dict"].setdefault(REFERENCE_PREFIX + key, value)
+
+
+def save_module_state(module: L.LightningModule, checkpoint: dict) -> None:
+    """A `GRPOModule`'s `on_save_checkpoint`: its GRPO state (generators, bad steps, waiting groups, the
+    reference's syncs), and its frozen reference left out unless a sync changed it or the run is sharded."""
+    # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
+    rng = module.validation.training_rng or capture_rng_states()
+    syncs = module.reference_sync.syncs_done if module.reference_sync is not None else None
+    save_grpo_state(checkpoint, module.optimization.step_guard.bad_steps, rng, module.group_buffer, syncs)
+    if not is_sharded(module.policy) and module.reference_sync is None:  # a synced reference is stored
+        drop_reference(checkpoint)
+
+
+def load_module_state(module: L.LightningModule, checkpoint: dict) -> None:
+    """A `GRPOModule`'s `on_load_checkpoint`: older scheduler states upgraded, changed options warned about,
+    other data refused, the reference restored, the weights checked to fit in one line, and its GRPO state
+    taken back (applied when training starts)."""
+    upgrade_scheduler_states(checkpoint)  # before Lightning restores the schedulers
+    warn_changed_options(checkpoint.get("hyper_parameters", {}), dict(module.hparams))
+    if module._trainer is not None and module.trainer.training and module.trainer.datamodule is not None:
+        new_data = getattr(module.trainer, "new_data", False)  # GRPOTrainer.fit's
+        check_resumed_data(checkpoint, module.trainer.datamodule, new_data)
+    if module.reference is not None:
+        restore_reference(checkpoint, module.reference)
+    if "state_dict" in checkpoint and module.strict_loading:  # one line, not load_state_dict's dump
+        check_fits(
+            module.state_dict(), checkpoint["state_dict"], module._trainer and module._trainer.ckpt_path
+        )
+    world = module.trainer.world_size if module._trainer is not None else 1
+    own = load_grpo_state(checkpoint, module.global_rank, world)
+    if own is not None:
+        module.optimization.step_guard.bad_steps = own.bad_steps
+        module.rng_to_restore = own.rng
+        vars(module.group_buffer).update(own.group_buffer)
+    if module.reference_sync is not None:
+        module.reference_sync.syncs_done = reference_syncs_of(checkpoint, module.reference_sync.every)
