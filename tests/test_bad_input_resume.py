@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.cli_resume import is_typed, typed_options
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.resume import ResumableSampler
@@ -263,3 +264,13 @@ def test_a_run_resumes_from_its_own_saved_config(checkpoint, tmp_path, recwarn):
     assert cli.trainer.global_step == 2
     said = [str(w.message) for w in recwarn]
     assert not [m for m in said if "wins over the checkpoint" in m or "trained with other options" in m]
+
+
+def test_typed_options_name_each_value_given_and_a_section_given_empty():
+    """`cli_resume.typed_options` of a config parsed without defaults: every value typed (at its default
+    too), a section given empty (on with its defaults) by its own name; `is_typed` sees an option inside."""
+    given = {"grpo": {"run": {"preflight": True}, "dynamic_sampling": {}}, "lora": None, "_private": 1}
+    typed = typed_options(given)
+    assert typed == {"grpo.run.preflight", "grpo.dynamic_sampling", "lora"}
+    assert is_typed("grpo.run", typed) and is_typed("grpo.dynamic_sampling", typed)
+    assert not is_typed("grpo.kl", typed) and not is_typed("grpo.run.log_completions_every", typed)
