@@ -181,6 +181,23 @@ def test_clipped_gradient_hand_values() -> None:
     torch.testing.assert_close(logprobs.grad, expected)
 
 
+def test_bnpo_is_each_micro_batch_token_mean_over_their_number_hand_values() -> None:
+    """HAND's rows as two micro-batches of 2 and 3 tokens (losses -1.7 and 3.3 summed): bnpo gives each
+    its own token mean / 2, whatever total_tokens says; dapo divides both by the step's 5 tokens."""
+    rows = (slice(0, 1), slice(1, 2))
+    totals = {"total_tokens": 5.0, "total_sequences": 2, "num_micro_batches": 2}
+    options = {loss_type: PolicyLossOptions(loss_type) for loss_type in ("bnpo", "dapo")}
+    bnpo, dapo = (
+        [grpo_loss(**{key: value[r] for key, value in HAND.items()}, options=o, **totals)[0] for r in rows]
+        for o in options.values()
+    )
+    expected = torch.tensor([-1.7 / 2 / 2, 3.3 / 3 / 2], dtype=torch.float64)
+    torch.testing.assert_close(torch.stack(bnpo), expected)
+    torch.testing.assert_close(torch.stack(dapo), torch.tensor([-1.7 / 5, 3.3 / 5], dtype=torch.float64))
+    without_total = grpo_loss(**{key: value[rows[1]] for key, value in HAND.items()}, options=options["bnpo"])
+    torch.testing.assert_close(without_total[0], expected[1] * 2)  # one micro-batch: its token mean
+
+
 def test_cispo_hand_values() -> None:
     logprobs = HAND["logprobs"].clone().requires_grad_()
     loss, stats = grpo_loss(

@@ -1,6 +1,6 @@
 """Invariances and properties of grpo_loss: padding changes nothing, a zero-variance group gives no
-gradient, micro-batches sum to the full batch, an all-zero mask gives zero loss, finite inputs give a
-finite loss."""
+gradient, micro-batches sum to the full batch (bnpo's when they hold as many tokens), an all-zero mask
+gives zero loss, finite inputs give a finite loss."""
 
 import pytest
 import torch
@@ -65,8 +65,10 @@ def test_zero_variance_group_gives_zero_gradient(loss_type: str, level: str) -> 
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [loss_type for loss_type in LOSS_TYPES if loss_type != "bnpo"])
 def test_micro_batches_sum_to_full_batch(loss_type: str, level: str) -> None:
+    """bnpo's micro-batches weigh their tokens by their own counts (TRL's): they sum to the full batch only
+    when they hold as many tokens each (the next test)."""
     data = random_batch(11, batch=6, length=6)
     data["mask"][3] = False  # an empty completion must not break the totals
     options = sections(loss_options(loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01))
@@ -84,6 +86,32 @@ def test_micro_batches_sum_to_full_batch(loss_type: str, level: str) -> None:
             **totals,
         )[0]
         for rows in (slice(0, 1), slice(1, 4), slice(4, 6))
+    ]
+    summed = torch.stack(micro_losses).sum()
+    summed.backward()
+    torch.testing.assert_close(summed, full_loss)
+    torch.testing.assert_close(micro_logprobs.grad, logprobs.grad)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bnpo_micro_batches_of_equal_token_counts_sum_to_full_batch(level: str) -> None:
+    data = random_batch(11, batch=4, length=6)
+    data["mask"] = torch.arange(6) < torch.tensor([[6], [2], [3], [5]])  # micro-batches of 8 tokens each
+    options = sections(loss_options("bnpo", importance_sampling_level=level, beta=0.04, entropy_coef=0.01))
+
+    logprobs = data["logprobs"].clone().requires_grad_()
+    full_loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **options)
+    full_loss.backward()
+    micro_logprobs = data["logprobs"].clone().requires_grad_()
+    micro_losses = [
+        grpo_loss(
+            **{key: value[rows] for key, value in (data | {"logprobs": micro_logprobs}).items()},
+            **options,
+            total_tokens=16.0,
+            total_sequences=4,
+            num_micro_batches=2,
+        )[0]
+        for rows in (slice(0, 2), slice(2, 4))
     ]
     summed = torch.stack(micro_losses).sum()
     summed.backward()

@@ -1,6 +1,7 @@
 """grpo_loss against TRL 1.16's own `GRPOTrainer._compute_loss` on the same tensors: every loss type,
 importance-sampling level, KL weight (the KL bias-corrected or not, TRL's `use_bias_correction_kl`) and
-two-sided clip; the sampler's truncated importance weights as TRL's "token_truncate" mode computes them."""
+two-sided clip; bnpo and dapo over uneven micro-batches under gradient accumulation; the sampler's truncated
+importance weights as TRL's "token_truncate" mode computes them."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -14,10 +15,17 @@ from tests.test_loss import LEVELS, LOSS_TYPES, loss_options, random_batch, sect
 
 
 def _trl_compute_loss(
-    data: dict, options: dict, importance_sampling_ratio: torch.Tensor | None = None
+    data: dict,
+    options: dict,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    accumulation_steps: int = 1,
+    num_items_in_batch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process, no accumulation);
-    with ``importance_sampling_ratio``, as TRL runs it with vLLM and its correction on."""
+    """Run TRL's real ``GRPOTrainer._compute_loss`` with a stand-in ``self`` (1 process); with
+    ``importance_sampling_ratio``, as TRL runs it with vLLM and its correction on. With
+    ``accumulation_steps`` > 1, ``data`` is one of that many micro-batches of an optimizer step, each a
+    generation step of its own (TRL's default ``steps_per_generation``, its accumulation steps), and
+    ``num_items_in_batch`` the loss tokens of the whole step (default: this micro-batch's)."""
     trainer_cls = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
     logprobs, mask = data["logprobs"], data["mask"].to(data["logprobs"].dtype)
     batch, length = logprobs.shape
@@ -33,7 +41,7 @@ def _trl_compute_loss(
         args=SimpleNamespace(
             delta=options.get("delta"),
             use_bias_correction_kl=options.get("use_bias_correction_kl", True),
-            steps_per_generation=1,
+            steps_per_generation=accumulation_steps,
         ),
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
@@ -43,7 +51,7 @@ def _trl_compute_loss(
         _entropy_bonus_enabled=entropy_coef != 0.0,
         entropy_coef=entropy_coef,
         use_adaptive_entropy=False,
-        current_gradient_accumulation_steps=1,
+        current_gradient_accumulation_steps=accumulation_steps,
         model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(
             num_processes=1,
@@ -62,7 +70,7 @@ def _trl_compute_loss(
         "advantages": data["advantages"],
         "old_per_token_logps": data["old_logprobs"],
         "ref_per_token_logps": data["ref_logprobs"],
-        "num_items_in_batch": mask.sum(),
+        "num_items_in_batch": mask.sum() if num_items_in_batch is None else num_items_in_batch,
         "importance_sampling_ratio": importance_sampling_ratio,
     }
     loss = trainer_cls._compute_loss(trainer, None, inputs)
@@ -164,3 +172,52 @@ def test_token_truncate_weights_and_their_capped_share_are_trls(cap: float) -> N
     trl_loss.backward()
     torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
     torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
+
+
+UNEVEN_MICRO_BATCHES = (slice(0, 1), slice(1, 4), slice(4, 6))  # rows of a batch of 6
+
+
+def _micro_batch_sums(data: dict, micro_batch_loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of ``micro_batch_loss(micro-batch data)`` over ``UNEVEN_MICRO_BATCHES`` and its gradient
+    with respect to the whole batch's log-probs."""
+    logprobs = data["logprobs"].clone().requires_grad_()
+    whole = data | {"logprobs": logprobs}
+    parts = [{key: value[rows] for key, value in whole.items()} for rows in UNEVEN_MICRO_BATCHES]
+    loss = torch.stack([micro_batch_loss(part) for part in parts]).sum()
+    loss.backward()
+    return loss.detach(), logprobs.grad
+
+
+def _ours_and_trls_over_uneven_micro_batches(data: dict, options: dict) -> tuple[tuple, tuple]:
+    """Our micro-batch losses summed (the step's totals given) and TRL's, one accumulation step each."""
+    mask, steps = data["mask"], len(UNEVEN_MICRO_BATCHES)
+    totals = {"total_tokens": mask.sum().double(), "total_sequences": 6, "num_micro_batches": steps}
+    ours = _micro_batch_sums(data, lambda part: grpo_loss(**part, **sections(options), **totals)[0])
+    trls = _micro_batch_sums(
+        data,
+        lambda part: _trl_compute_loss(
+            part, options, accumulation_steps=steps, num_items_in_batch=mask.sum()
+        )[0],
+    )
+    return ours, trls
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bnpo_over_uneven_micro_batches_is_trls_and_dapo_is_not(level: str) -> None:
+    """A batch of 6 cut into micro-batches of 1, 3 and 2 rows that hold different numbers of tokens, one
+    optimizer step: the sum of our bnpo micro-batch losses and its gradient are those of TRL's bnpo with
+    3 accumulation steps (each micro-batch's own token mean / 3). Our dapo (the step's token mean) is TRL's
+    dapo there and differs from bnpo."""
+    data = random_batch(13, batch=6, length=7)
+    token_counts = [int(data["mask"][rows].sum()) for rows in UNEVEN_MICRO_BATCHES]
+    assert len(set(token_counts)) == 3, token_counts  # the micro-batches' token means weigh tokens apart
+    results = {}
+    for loss_type in ("bnpo", "dapo"):
+        options = loss_options(loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
+        (loss, grad), (trl_loss, trl_grad) = _ours_and_trls_over_uneven_micro_batches(data, options)
+        torch.testing.assert_close(loss, trl_loss, atol=1e-10, rtol=0)
+        torch.testing.assert_close(grad, trl_grad, atol=1e-10, rtol=0)
+        results[loss_type] = loss, grad
+    (bnpo, bnpo_grad), (dapo, dapo_grad) = results["bnpo"], results["dapo"]
+    assert abs(float(bnpo - dapo)) > 1e-3
+    assert (bnpo_grad - dapo_grad).abs().max() > 1e-3

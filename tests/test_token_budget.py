@@ -94,7 +94,8 @@ def test_bad_arguments_are_refused():
         token_budget_micro_batches([1], 0)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+# The loss types whose micro-batch losses add up to the step's whatever the cut (bnpo's, TRL's, do not).
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 
 
 def float64_trajectory(model_dir: str, share_prompt: bool, seed: int = 0):
@@ -124,9 +125,9 @@ def float64_trajectory(model_dir: str, share_prompt: bool, seed: int = 0):
 def test_budget_micro_batches_give_the_fixed_paths_loss_and_gradients_in_float64(
     tiny_model_dir, share_prompt
 ):
-    """Every loss type, the normalisations that count tokens or sequences across micro-batches included:
-    the token-budget micro-batches (trimmed to their own longest row, groups kept together when shared)
-    give the loss and the gradients of fixed micro-batches of 5 rows (which cut groups), to 1e-6."""
+    """Every loss type but bnpo, the normalisations that count tokens or sequences across micro-batches
+    included: the token-budget micro-batches (trimmed to their own longest row, groups kept together when
+    shared) give the loss and the gradients of fixed micro-batches of 5 rows (which cut groups), to 1e-6."""
     model, scorer, trajectory = float64_trajectory(tiny_model_dir, share_prompt)
     rollout = trajectory.rollout
     group = 4 if share_prompt else 1
@@ -154,6 +155,40 @@ def test_budget_micro_batches_give_the_fixed_paths_loss_and_gradients_in_float64
             torch.testing.assert_close(
                 budget_grads[name], grad, rtol=1e-6, atol=1e-9, msg=f"{loss_type} {name}"
             )
+
+
+def test_bnpo_micro_batches_are_each_a_step_of_their_own_over_their_number(tiny_model_dir):
+    """bnpo, TRL's gradient accumulation: the token-budget micro-batches (of different token counts) give
+    the mean of the losses and gradients each gives alone as a whole step (dapo over its own tokens), not
+    the step's token mean (dapo over all of them)."""
+    model, scorer, trajectory = float64_trajectory(tiny_model_dir, share_prompt=True)
+    parts = micro_batches(trajectory.rollout, None, 60, 4)
+    tokens = [float(trajectory.loss_mask[rows].sum()) for rows in parts]
+    assert len(set(tokens)) > 1, tokens
+    results = {}
+    for loss_type in ("bnpo", "dapo"):
+        cfg = GRPOConfig(num_generations=4, max_completion_length=12, beta=0.04, loss_type=loss_type)
+        denominators = mini_batch_denominators(trajectory, OneProcess())
+        sums = MicroBatchSums()
+        for loss in micro_batch_losses(scorer, model, trajectory, parts, cfg, *denominators, sums):
+            loss.backward()
+        results[loss_type] = sums.loss, grads(model)
+    cfg = GRPOConfig(num_generations=4, max_completion_length=12, beta=0.04, loss_type="dapo")
+    alone_loss = 0.0
+    for rows in parts:
+        part = trajectory.select(rows, trim=True)
+        sums = MicroBatchSums()
+        denominators = mini_batch_denominators(part, OneProcess())
+        for loss in micro_batch_losses(scorer, model, part, [slice(None)], cfg, *denominators, sums):
+            (loss / len(parts)).backward()
+        alone_loss = alone_loss + sums.loss / len(parts)
+    alone_grads = grads(model)
+    (bnpo, bnpo_grads), (dapo, dapo_grads) = results["bnpo"], results["dapo"]
+    torch.testing.assert_close(bnpo, alone_loss, rtol=1e-6, atol=1e-7)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(bnpo_grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    assert abs(float(bnpo - dapo)) > 1e-3
+    assert max(float((bnpo_grads[name] - dapo_grads[name]).abs().max()) for name in dapo_grads) > 1e-4
 
 
 @pytest.mark.parametrize("share_prompt", [True, False], ids=["shared", "unshared"])

@@ -10,7 +10,8 @@
    longest row, as sampled), or the token-budget partition (`token_budget`, `max_tokens_per_micro_batch`)
    as index tensors, each taken out and trimmed to its own longest row (`Rollout.select`).
 4. The loss of each micro-batch (`loss.grpo_loss`) with the whole mini-batch's denominators, so that the
-   micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward), and
+   micro-batch losses add up to the mini-batch's (`micro_batch_losses`, for the caller's backward; bnpo's,
+   as TRL's, to the mean of the micro-batches' own token means on this rank), and
    the sampler/scorer gap of its tokens (importance weights where asked,
    `sampler_correction.logprob_gap_stats`); their statistics weighted by token share (`MicroBatchSums`).
 5. The optimizer step, skipped when the loss or the gradient is not finite
@@ -73,8 +74,9 @@ class UpdateOptions:
     `global_step` and `max_steps`, the learning-rate schedule and `ref_model_sync_steps`. Advantages are
     computed over the whole rollout before the cut; the sampling policy's log-probs are taken at rollout
     time, so from the second step on the clipped ratio compares the updated policy with the one that
-    sampled. Each step normalises its loss over its own mini-batch (dapo/bnpo: the mini-batch's loss tokens
-    on all ranks; grpo: its sequences; dr_grpo: its sequences x max_completion_length), as TRL and verl do.
+    sampled. Each step normalises its loss over its own mini-batch (dapo: the mini-batch's loss tokens
+    on all ranks; bnpo: each micro-batch's own tokens, on this rank, averaged over the step's micro-batches;
+    grpo: its sequences; dr_grpo: its sequences x max_completion_length), as TRL and verl do.
     A batch must hold at least this many prompts. Checkpoints fall between training steps, so never
     between two mini-batches of one rollout: set `every_n_train_steps` of a `ModelCheckpoint` to a multiple
     of steps_per_generation x num_iterations. TRL: `steps_per_generation` counts forward/backward passes of
@@ -87,8 +89,8 @@ class UpdateOptions:
     micro_batch_size: AtLeastOne | None = None
     """Sequences per forward/backward; each optimizer step's rows (the rollout of prompts x G sequences, or
     its mini-batch with `steps_per_generation`) are split and the gradients accumulated, with the loss
-    normalised over all of them, and every micro-batch padded to the rollout's longest row. None: all at
-    once.
+    normalised over all of them (bnpo: over each micro-batch's own tokens, as TRL's gradient accumulation),
+    and every micro-batch padded to the rollout's longest row. None: all at once.
     """
     max_tokens_per_micro_batch: AtLeastOne | None = None
     """A token budget per micro-batch instead of `micro_batch_size` rows, in the policy update (within each
@@ -98,7 +100,7 @@ class UpdateOptions:
     micro-batch. A row (or shared group) longer than the budget alone gets a micro-batch of its own. Under
     DDP or FSDP each rank runs as many micro-batches as the busiest one (each forward/backward
     synchronises them), splitting its widest. The loss and gradients are those of the fixed-size path
-    (tests/test_token_budget.py).
+    (tests/test_token_budget.py), except bnpo's, which depend on how the rows are cut.
     Partition: `grpo_lightning.core.algorithm.token_budget`. Excludes `micro_batch_size`; must be >=
     `max_completion_length`. None: `micro_batch_size`. verl: `use_dynamic_bsz` with
     `ppo_max_token_len_per_gpu`; OpenRLHF: `dynamic_batch_enable`.
@@ -299,9 +301,11 @@ def micro_batch_loss(
     cfg: UpdateSections,
     total_tokens: Tensor,
     total_sequences: Tensor,
+    num_micro_batches: int = 1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`grpo_loss` of `trajectory`'s `rows` given the policy's `logprobs` / `entropies` `[b, T]` there,
-    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`). With the sampler's
+    normalised by `total_tokens` / `total_sequences` (`mini_batch_denominators`), or for bnpo by its own
+    tokens and the `num_micro_batches` of the optimizer step it is one of. With the sampler's
     log-probs, the statistics hold the gap to the scorer's, pi_old: the rollout-time log-probs, or with one
     optimizer step per rollout the policy's own (the same weights), so the gap costs no extra pass; with
     `importance_sampling_correction` the loss weights each token by `sampler_correction`'s weights."""
@@ -327,6 +331,7 @@ def micro_batch_loss(
         total_tokens=total_tokens,
         total_sequences=total_sequences,
         importance_weights=weights,
+        num_micro_batches=num_micro_batches,
     )
     return loss, {**stats, **gap}
 
@@ -342,14 +347,15 @@ def micro_batch_losses(
     sums: MicroBatchSums,
 ) -> Iterator[Tensor]:
     """The loss of each micro-batch of `trajectory` in turn, after its policy pass, for the caller's
-    backward (the gradients then add up to those of the whole loss); the losses and statistics are added
-    to `sums`."""
+    backward (the gradients then add up to those of the whole loss; for bnpo, of the mean of the
+    micro-batches' token means, this rank's `parts` counted); the losses and statistics are added to
+    `sums`."""
     tokens = trajectory.loss_mask.sum().clamp(min=1)
     for rows in parts:
         part, part_rows = micro_batch_part(trajectory, rows)
         logprobs, entropies = score(policy, part.rollout, part_rows, with_entropy=True)  # [b, T'] each
         loss, stats = micro_batch_loss(
-            part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences
+            part, part_rows, logprobs, entropies, cfg, total_tokens, total_sequences, len(parts)
         )
         yield loss
         sums.add(loss, stats, token_share=part.loss_mask[part_rows].sum() / tokens)

@@ -1,10 +1,10 @@
 """The optimizer steps of a training step, under Lightning's manual optimisation: one per mini-batch of the
 rollout's trajectory (`core.update.RolloutUpdate.mini_batches`), each the backward of every micro-batch's
 loss, the gradient clipped and the step taken unless the loss or the gradient is not finite
-(`StepGuard`); the schedulers stepped as Lightning would step them under automatic optimisation
-(`lr_schedulers.step_schedulers`: after each optimizer step, at an epoch's end, and a `ReduceLROnPlateau`
-of interval "step" at the training step's end, once its metrics are logged), and the rollout engine told
-that the weights changed.
+(`StepGuard`), and its metrics kept for the logs (`step_metrics.update_metrics`); the schedulers stepped
+as Lightning would step them under automatic optimisation (`lr_schedulers.step_schedulers`: after each
+optimizer step, at an epoch's end, and a `ReduceLROnPlateau` of interval "step" at the training step's
+end, once its metrics are logged), and the rollout engine told that the weights changed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import Tensor
 from grpo_lightning.core.types import Trajectory
 from grpo_lightning.core.update import MicroBatchSums
 from grpo_lightning.training.lr_schedulers import Monitored, step_monitored, step_schedulers
+from grpo_lightning.training.step_metrics import UpdateRows, update_metrics
 
 
 class StepGuard:
@@ -69,12 +70,11 @@ class StepGuard:
 
 class ManualOptimization:
     """A module's optimizer steps: the guard against non-finite updates (`max_bad_steps` in a row stop the
-    run), the learning rate of the last step taken (`learning_rate`, for the logs) and the schedulers'
-    monitors (`scheduler_monitors`, set from `configure_optimizers` by `lr_schedulers.reading_schedulers`)."""
+    run) and the schedulers' monitors (`scheduler_monitors`, set from `configure_optimizers` by
+    `lr_schedulers.reading_schedulers`)."""
 
-    def __init__(self, max_bad_steps: int, learning_rate: float) -> None:
+    def __init__(self, max_bad_steps: int) -> None:
         self.step_guard = StepGuard(max_bad_steps)
-        self.learning_rate = learning_rate
         self.scheduler_monitors: dict[int, Monitored] = {}
         self.steps_at_batch_start = 0  # for the schedulers that wait for a training step's metrics
 
@@ -87,19 +87,25 @@ class ManualOptimization:
     def epoch_ended(self, trainer: L.Trainer) -> None:
         step_schedulers(trainer, "epoch", self.scheduler_monitors)
 
-    def rollout_steps(self, module: L.LightningModule, trajectory: Trajectory) -> tuple[dict, Tensor | None]:
-        """An optimizer step per mini-batch of `trajectory`: the last one's statistics and gradient norm."""
+    def rollout_steps(
+        self, module: L.LightningModule, trajectory: Trajectory
+    ) -> tuple[dict[str, Tensor], UpdateRows]:
+        """An optimizer step per mini-batch of `trajectory`: the last one's statistics, and each one's index
+        (the optimizer steps before it; a skipped step shares it with the next) with its metrics
+        (`step_metrics.update_metrics`, the learning rate it used among them)."""
         optimizer, trainer = module.optimizers(), module.trainer
         max_steps = trainer.max_steps  # -1: no limit
+        rows: UpdateRows = []
         for mini_batch, denominators in module.update.mini_batches(trajectory):
+            index, learning_rate = module.global_step, optimizer.param_groups[0]["lr"]
             stats, grad_norm = self.optimizer_step(module, optimizer, mini_batch, denominators)
+            rows.append((index, update_metrics(stats, grad_norm, learning_rate)))
             if grad_norm is not None:
-                self.learning_rate = optimizer.param_groups[0]["lr"]  # this update's, for the log
                 step_schedulers(trainer, "step", self.scheduler_monitors)
                 module.rollouts.weights_changed()  # an engine's copy takes them before the next rollout
             if 0 <= max_steps <= module.global_step:  # the run ends here, part-way through the rollout
                 break
-        return stats, grad_norm
+        return stats, rows
 
     def optimizer_step(
         self,

@@ -53,7 +53,7 @@ from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks, check_setup
-from grpo_lightning.training.step_metrics import RolloutRecord, training_step_metrics
+from grpo_lightning.training.step_metrics import RolloutRecord, log_training_step, rollout_metrics
 from grpo_lightning.training.tool_rollouts import ToolSampling
 from grpo_lightning.training.trainer_options import (
     bound_epochs_by_steps,
@@ -145,8 +145,8 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         self.validation = ValidationScoring(num_generations_eval, val_reward)  # checks num_generations_eval
         self.val_accuracy = self.validation.accuracy  # a submodule: it moves with the module
         self.automatic_optimization = False
-        # Non-finite updates skipped, the run stopped after many; the learning rate of the last step taken.
-        self.optimization = ManualOptimization(grpo.update.max_bad_steps, grpo.optimizer.learning_rate)
+        # Non-finite updates skipped, the run stopped after many.
+        self.optimization = ManualOptimization(grpo.update.max_bad_steps)
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
         dynamic = grpo.dynamic_sampling or DynamicSamplingOptions()  # off: its buffer is never filled
         metric = dynamic.metric if grpo.dynamic_sampling else None
@@ -307,24 +307,17 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
             (scored, stats), logged_columns = filled, {}  # the columns belong to this round, not the update's
 
         trajectory = self.update.trajectory(scored, self.policy, self.reference, stats)
-        stats, grad_norm = self.optimization.rollout_steps(self, trajectory)
-        step_seconds = time.perf_counter() - start
+        stats, updates = self.optimization.rollout_steps(self, trajectory)  # each optimizer step's metrics
         extra = {**scores.metrics, **self.rollouts.engine_metrics()}  # rewards' metrics, the engine's speed
-        stats = {**stats, **trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}}
-        metrics = training_step_metrics(
+        metrics = rollout_metrics(
             trajectory,
-            stats,
-            grad_norm,
+            {**trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}},
             self.reward_names,
-            learning_rate=self.optimization.learning_rate,
             skipped_steps=self.optimization.step_guard.bad_steps,
             generate_seconds=generate_seconds,
-            step_seconds=step_seconds,
+            step_seconds=time.perf_counter() - start,
         )
-        metrics = {k: v.to(self.device) for k, v in metrics.items()}
-        batch_size = trajectory.rewards.numel()
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=batch_size)
+        log_training_step(self, metrics, updates, batch_size=trajectory.rewards.numel())
         self.last_rollout = RolloutRecord.of(
             trajectory, self.reward_names, float(stats["entropy"]), logged_columns
         )

@@ -1,6 +1,7 @@
-"""What each training step logs and sampled: `training_step_metrics` are the `train/...` metrics a step logs;
-`GRPOModule` leaves a `RolloutRecord` (what the step sampled and scored) in `last_rollout`, which the
-callbacks of `training.monitors` read.
+"""What each training step logs and sampled: the `train/...` metrics, those of each optimizer step
+(`update_metrics`) and those of the rollout (`rollout_metrics`), written on the optimizer-step axis
+(`log_training_step`); `GRPOModule` leaves a `RolloutRecord` (what the step sampled and scored) in
+`last_rollout`, which the callbacks of `training.monitors` read.
 """
 
 from __future__ import annotations
@@ -15,35 +16,55 @@ from grpo_lightning.core.types import Trajectory
 
 __all__ = [
     "RolloutRecord",
+    "UpdateRows",
+    "log_training_step",
     "logging_step",
-    "training_step_metrics",
+    "rollout_metrics",
+    "update_metrics",
 ]
+
+# Each optimizer step of a training step: its index (the optimizer steps before it) and its metrics.
+UpdateRows = list[tuple[int, dict[str, Tensor]]]
 
 
 def logging_step(trainer: L.Trainer) -> int:
     """The step at which Lightning logs the current training batch's metrics, counted from 0.
 
     One per training step (one rollout), however many optimizer steps it holds, so it is also the step that
-    `every_n_steps` counts. Lightning's own LearningRateMonitor reads the same counter.
+    `every_n_steps` counts. Lightning's own LearningRateMonitor reads the same counter. The `train/...`
+    metrics are on the optimizer-step axis instead (`log_training_step`); the two agree with one optimizer
+    step per training step.
     """
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def training_step_metrics(
+def update_metrics(
+    stats: dict[str, Tensor], grad_norm: Tensor | None, learning_rate: float
+) -> dict[str, Tensor]:
+    """`train/...` metrics of one optimizer step, detached float tensors: every statistic of its update
+    (`train/loss`, `train/kl`, `train/entropy`, `train/clip_ratio/...`, ...), the learning rate it used and,
+    for a step taken, the gradient norm; statistics already named `rollout/...` (the sampler/scorer gap
+    measured in the loss) keep their name."""
+    metrics = {key if key.startswith("rollout/") else f"train/{key}": value for key, value in stats.items()}
+    metrics["train/learning_rate"] = torch.tensor(learning_rate)
+    if grad_norm is not None:
+        metrics["train/grad_norm"] = grad_norm
+    return {k: v.detach().float() for k, v in metrics.items()}
+
+
+def rollout_metrics(
     trajectory: Trajectory,
-    update_stats: dict[str, Tensor],
-    grad_norm: Tensor | None,
+    stats: dict[str, Tensor],
     reward_names: list[str],
     *,
-    learning_rate: float,
     skipped_steps: int,
     generate_seconds: float,
     step_seconds: float,
 ) -> dict[str, Tensor]:
-    """`train/...` metrics, detached float tensors: rewards (total, per function), completion lengths, the
-    share cut off, throughput and times, learning rate, skipped steps, the gradient norm of a step that was
-    taken, and every statistic of the update (`train/loss`, `train/kl`, ...); statistics already named
-    `rollout/...` (the sampler/scorer gap, the rollout engine's speed and counters) keep their name."""
+    """`train/...` metrics of a training step's rollout, detached float tensors: rewards (total, per
+    function), completion lengths, the share cut off, throughput and times, the consecutive skipped
+    optimizer steps, and `stats` (the trajectory's, the rewards' own metrics) as `train/...`; those already
+    named `rollout/...` (the sampler/scorer gap, the rollout engine's speed and counters) keep their name."""
     rewards, rollout = trajectory.rewards, trajectory.rollout  # [B]
     lengths = rollout.model_mask.sum(dim=1).float()  # [B] the model's tokens, as TRL counts them
     grouped = rewards.view(-1, trajectory.num_generations)  # [N, G]
@@ -58,16 +79,37 @@ def training_step_metrics(
         "train/tokens_per_second": torch.tensor(lengths.sum().item() / step_seconds),
         "train/generate_seconds": torch.tensor(generate_seconds),
         "train/step_seconds": torch.tensor(step_seconds),
-        "train/learning_rate": torch.tensor(learning_rate),
         "train/skipped_steps": torch.tensor(float(skipped_steps)),
     }
-    if grad_norm is not None:
-        metrics["train/grad_norm"] = grad_norm
     for i, name in enumerate(reward_names):
         metrics[f"train/rewards/{name}"] = trajectory.rewards_per_func[:, i].nanmean()
-    for key, value in update_stats.items():
+    for key, value in stats.items():
         metrics[key if key.startswith("rollout/") else f"train/{key}"] = value
     return {k: v.detach().float() for k, v in metrics.items()}
+
+
+def log_training_step(
+    module: L.LightningModule, rollout: dict[str, Tensor], updates: UpdateRows, batch_size: int
+) -> None:
+    """Write a training step's metrics to the loggers, one row per optimizer step at its index (the
+    optimizer steps before it, counted from 0 as Lightning numbers its steps; transformers writes the
+    index + 1), every `log_every_n_steps` optimizer steps as TRL's `logging_steps`; the `rollout` metrics
+    once, in the first row of its optimizer steps that is written (none written: none). The callbacks and
+    the progress bar see the rollout's metrics and its last optimizer step's (`callback_metrics`)."""
+    trainer, device = module.trainer, module.device
+    latest = {**rollout, **updates[-1][1]}  # a training step makes one optimizer step at least
+    module.log_dict({k: v.to(device) for k, v in latest.items()}, logger=False, batch_size=batch_size)
+    module.log(
+        "reward", latest["train/reward"].to(device), prog_bar=True, logger=False, batch_size=batch_size
+    )
+    every = trainer.log_every_n_steps
+    rows = [(step, metrics) for step, metrics in updates if every and (step + 1) % every == 0]
+    epoch = torch.tensor(float(trainer.current_epoch))
+    for i, (step, metrics) in enumerate(rows):
+        written = {**(rollout if i == 0 else {}), **metrics, "epoch": epoch}
+        # Lightning's own writer (every logger, `trainer.logged_metrics`), at a step of our choosing: one
+        # `self.log` per training step keeps only the last of several values of a key.
+        trainer._logger_connector.log_metrics(written, step=step)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Clipped policy-gradient losses of GRPO and its variants: each surrogate apart from its aggregation.
 
 Pure tensor maths (only ``torch``): nothing here knows about models, tokenizers or Lightning. The numbers
-match TRL 1.16's ``GRPOTrainer`` for a single process without gradient accumulation, with two additions:
-the loss denominators can be set to batch-wide totals so that micro-batches sum to the full-batch loss,
-and the log-ratios are clamped before every ``exp`` so that no ``inf`` or ``NaN`` can appear.
+match TRL 1.16's ``GRPOTrainer`` for a single process without gradient accumulation (``bnpo`` also with
+it: each micro-batch's token mean over their number), with two additions: the other loss types'
+denominators can be set to batch-wide totals so that micro-batches sum to the full-batch loss, and the
+log-ratios are clamped before every ``exp`` so that no ``inf`` or ``NaN`` can appear.
 
 References:
     - GRPO: Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3.
@@ -18,7 +19,7 @@ References:
 """
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -68,29 +69,44 @@ def _cispo_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta):
     return per_token_loss, torch.zeros_like(ratio, dtype=torch.bool), is_high_clipped
 
 
-# The aggregations: (per-token loss [B, T], mask, token counts [B], total tokens, total sequences,
-# max_completion_length) -> the 0-d loss.
-def _sequence_mean(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_completion_length):
+class LossCounts(NamedTuple):
+    """What the aggregations divide by: the counts of this micro-batch and of its optimizer step."""
+
+    token_counts: Tensor  # [B] each sequence's loss tokens, at least 1
+    local_tokens: Tensor  # 0-d: this micro-batch's loss tokens, at least 1
+    num_tokens: Tensor  # 0-d: the optimizer step's loss tokens (`total_tokens`), at least 1
+    num_sequences: Tensor  # 0-d: the optimizer step's sequences (`total_sequences`), at least 1
+    max_completion_length: int | None
+    num_micro_batches: int  # of the optimizer step this micro-batch is one of
+
+
+# The aggregations: (per-token loss [B, T], mask, counts) -> the 0-d loss.
+def _sequence_mean(per_token_loss: Tensor, mask: Tensor, counts: LossCounts) -> Tensor:
     """Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3)."""
-    sequence_means = _masked_sum(per_token_loss, mask, dim=-1) / token_counts  # [B]
-    return sequence_means.sum() / num_sequences
+    sequence_means = _masked_sum(per_token_loss, mask, dim=-1) / counts.token_counts  # [B]
+    return sequence_means.sum() / counts.num_sequences
 
 
-def _token_mean(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_completion_length):
-    """Token sum / number of tokens (DAPO eq. 8)."""
-    return _masked_sum(per_token_loss, mask) / num_tokens
+def _token_mean(per_token_loss: Tensor, mask: Tensor, counts: LossCounts) -> Tensor:
+    """Token sum / the optimizer step's tokens (DAPO eq. 8)."""
+    return _masked_sum(per_token_loss, mask) / counts.num_tokens
 
 
-def _constant_normaliser(per_token_loss, mask, token_counts, num_tokens, num_sequences, max_length):
+def _micro_batch_token_mean(per_token_loss: Tensor, mask: Tensor, counts: LossCounts) -> Tensor:
+    """This micro-batch's own token mean / the step's number of micro-batches (TRL's bnpo)."""
+    return _masked_sum(per_token_loss, mask) / counts.local_tokens / counts.num_micro_batches
+
+
+def _constant_normaliser(per_token_loss: Tensor, mask: Tensor, counts: LossCounts) -> Tensor:
     """Token sum / (sequences x max_completion_length) (Dr. GRPO)."""
-    return _masked_sum(per_token_loss, mask) / (num_sequences * max_length)
+    return _masked_sum(per_token_loss, mask) / (counts.num_sequences * counts.max_completion_length)
 
 
 LOSS_TYPES = Choices(
     "loss_type",
     {
         "grpo": (_clipped_surrogate, _sequence_mean),
-        "bnpo": (_clipped_surrogate, _token_mean),
+        "bnpo": (_clipped_surrogate, _micro_batch_token_mean),
         "dapo": (_clipped_surrogate, _token_mean),
         "dr_grpo": (_clipped_surrogate, _constant_normaliser),
         "cispo": (_cispo_surrogate, _token_mean),
@@ -116,9 +132,12 @@ class PolicyLossOptions:
     (`GRPOConfig.loss`; `grpo_loss`)."""
 
     loss_type: LossType = "dapo"
-    """"grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "bnpo"/"dapo" (token mean over the
-    batch, DAPO arXiv:2503.14476 eq. 8), "dr_grpo" (token sum / (B * L_max), arXiv:2503.20783), "cispo"
-    (clipped IS-weight policy gradient, MiniMax-M1 arXiv:2506.13585).
+    """"grpo" (mean of per-sequence token means, arXiv:2402.03300 eq. 3), "dapo" (token mean over the
+    optimizer step's tokens on all ranks, DAPO arXiv:2503.14476 eq. 8), "bnpo" (as TRL computes it: each
+    micro-batch's own token mean divided by the step's number of micro-batches, on each rank apart, so
+    micro-batches with fewer tokens weigh each token more; the same as dapo when every micro-batch holds as
+    many tokens), "dr_grpo" (token sum / (B * L_max), arXiv:2503.20783), "cispo" (clipped IS-weight policy
+    gradient, MiniMax-M1 arXiv:2506.13585).
     """
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """"token" or "sequence" (GSPO, arXiv:2507.18071)."""
@@ -159,6 +178,7 @@ def grpo_loss(
     total_tokens: float | Tensor | None = None,
     total_sequences: int | Tensor | None = None,
     importance_weights: Tensor | None = None,
+    num_micro_batches: int = 1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate policy loss of GRPO and its variants, to be minimised.
 
@@ -190,12 +210,15 @@ def grpo_loss(
 
     Aggregation over the masked tokens (``options.loss_type``):
         - ``grpo``: mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
-        - ``bnpo``, ``dapo``, ``cispo``: token sum / number of tokens.
+        - ``dapo``, ``cispo``: token sum / number of tokens (``total_tokens`` when given).
+        - ``bnpo``: token sum / this batch's own number of tokens / ``num_micro_batches`` (TRL's bnpo under
+          gradient accumulation; ``total_tokens`` does not change it).
         - ``dr_grpo``: token sum / (number of sequences * ``max_completion_length``) (arXiv:2503.20783).
 
     When a batch is split into micro-batches (or across devices), pass the full batch's ``total_tokens``
     (replaces the local token count) and ``total_sequences`` (replaces the local ``B``): the micro-batch
-    losses then sum to the full-batch loss. The defaults use the local counts, as TRL.
+    losses then sum to the full-batch loss, except bnpo's, whose micro-batch losses sum to the mean of their
+    token means when ``num_micro_batches`` is their number. The defaults use the local counts, as TRL.
 
     ``importance_weights`` ``w`` (detached, ``[B, T]``) multiply each token's policy term, ``l = -w * min(...)
     + beta * KL``: the truncated importance weights ``min(pi_old / pi_sampler, C)`` of tokens drawn by a
@@ -203,7 +226,8 @@ def grpo_loss(
     leave the loss and its gradient unchanged.
 
     The entropy bonus subtracts ``options.entropy_coef`` times the masked token mean of ``entropies`` (its
-    token count is ``total_tokens`` when given).
+    token count is ``total_tokens`` when given, for every loss type, bnpo's too; TRL divides each
+    micro-batch's own entropy mean by the number of micro-batches instead).
 
     Args:
         logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
@@ -220,6 +244,7 @@ def grpo_loss(
         total_tokens: global number of masked tokens (float or 0-d tensor).
         total_sequences: global number of sequences (int or 0-d tensor).
         importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
+        num_micro_batches: the micro-batches of the optimizer step this batch is one of (bnpo divides by it).
 
     Returns:
         ``(loss, stats)``: the 0-d loss and detached 0-d stats ``policy_loss`` (before the entropy bonus),
@@ -266,10 +291,13 @@ def grpo_loss(
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl  # [B, T]
 
-    num_tokens = _denominator(mask.sum() if total_tokens is None else total_tokens, logprobs)
+    local_tokens = _denominator(mask.sum(), logprobs)
+    num_tokens = local_tokens if total_tokens is None else _denominator(total_tokens, logprobs)
     num_sequences = _denominator(logprobs.shape[0] if total_sequences is None else total_sequences, logprobs)
-    counts = (token_counts, num_tokens, num_sequences, max_completion_length)
-    policy_loss = aggregate(per_token_loss, mask, *counts)
+    counts = LossCounts(
+        token_counts, local_tokens, num_tokens, num_sequences, max_completion_length, num_micro_batches
+    )
+    policy_loss = aggregate(per_token_loss, mask, counts)
 
     loss = policy_loss
     if entropy_coef != 0.0:
