@@ -85,10 +85,11 @@ def test_log_every_n_steps_counts_optimizer_steps(tiny_model_dir, tmp_path):
 
 
 def test_one_optimizer_step_per_rollout_writes_one_row_per_training_step(tiny_model_dir, tmp_path):
-    """The default: the update's and the rollout's metrics in one row per training step, at Lightning's own
-    step numbers (0, 1, 2)."""
+    """The default: the update's, the rollout's and the monitors' metrics in one row per training step, at
+    Lightning's own step numbers (0, 1, 2)."""
     rows, losses = fit_and_read_rows(tiny_model_dir, tmp_path, 1, 3, log_every_n_steps=1)
-    train_rows = [row for row in rows if row.get("train/loss")]
-    assert [int(row["step"]) for row in train_rows] == [0, 1, 2]
-    assert all(row.get("train/reward") and row.get("train/learning_rate") for row in train_rows)
-    assert [float(row["train/loss"]) for row in train_rows] == pytest.approx(losses, rel=1e-6)
+    assert [int(row["step"]) for row in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["train/loss"] and row["train/reward"] and row["train/learning_rate"]
+        assert row["monitor/frac_identical_groups"]  # CollapseMonitor's, logged after the training step
+    assert [float(row["train/loss"]) for row in rows] == pytest.approx(losses, rel=1e-6)

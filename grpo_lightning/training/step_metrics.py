@@ -95,13 +95,20 @@ def log_training_step(
     optimizer steps before it, counted from 0 as Lightning numbers its steps; transformers writes the
     index + 1), every `log_every_n_steps` optimizer steps as TRL's `logging_steps`; the `rollout` metrics
     once, in the first row of its optimizer steps that is written (none written: none). The callbacks and
-    the progress bar see the rollout's metrics and its last optimizer step's (`callback_metrics`)."""
+    the progress bar see the rollout's metrics and its last optimizer step's (`callback_metrics`).
+
+    One optimizer step at Lightning's own step (the default, one per rollout): Lightning writes it, in one
+    row with the other metrics of the training step (`monitor/...`)."""
     trainer, device = module.trainer, module.device
     latest = {**rollout, **updates[-1][1]}  # a training step makes one optimizer step at least
-    module.log_dict({k: v.to(device) for k, v in latest.items()}, logger=False, batch_size=batch_size)
+    by_lightning = len(updates) == 1 and updates[0][0] == logging_step(trainer)
+    logger = None if by_lightning else False  # None: Lightning's default, the loggers if there are any
+    module.log_dict({k: v.to(device) for k, v in latest.items()}, logger=logger, batch_size=batch_size)
     module.log(
         "reward", latest["train/reward"].to(device), prog_bar=True, logger=False, batch_size=batch_size
     )
+    if by_lightning:
+        return
     every = trainer.log_every_n_steps
     rows = [(step, metrics) for step, metrics in updates if every and (step + 1) % every == 0]
     epoch = torch.tensor(float(trainer.current_epoch))
