@@ -101,7 +101,9 @@ def log_training_step(
     row with the other metrics of the training step (`monitor/...`)."""
     trainer, device = module.trainer, module.device
     latest = {**rollout, **updates[-1][1]}  # a training step makes one optimizer step at least
-    by_lightning = len(updates) == 1 and updates[0][0] == logging_step(trainer)
+    # Decided by the run, not by the step: Lightning refuses a key logged with other arguments later on, and
+    # a skipped (non-finite) update leaves a step whose row index is not Lightning's.
+    by_lightning = module.grpo.update.optimizer_steps_per_batch == 1
     logger = None if by_lightning else False  # None: Lightning's default, the loggers if there are any
     module.log_dict({k: v.to(device) for k, v in latest.items()}, logger=logger, batch_size=batch_size)
     module.log(
