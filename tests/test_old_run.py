@@ -6,7 +6,6 @@ the paths of the machine that wrote it change: its tiny random Llama is rebuilt 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ ONE_BATCH = ["--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1"] 
 @pytest.fixture
 def old_run(tiny_model_dir, tmp_path) -> tuple[str, str]:
     """The old run's config with this machine's paths (its flat `model.grpo` kept as written) and a copy of
-    its checkpoint."""
+    its checkpoint whose data source is this machine's copy of the same data."""
     config = yaml.safe_load((RUN / "config.yaml").read_text())
     assert "beta" in config["model"]["grpo"] and "kl" not in config["model"]["grpo"]  # the flat layout
     root = str(tmp_path / "run")
@@ -35,7 +34,9 @@ def old_run(tiny_model_dir, tmp_path) -> tuple[str, str]:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     checkpoint = tmp_path / "step2.ckpt"
-    shutil.copy(RUN / "step2.ckpt", checkpoint)
+    saved = torch.load(RUN / "step2.ckpt", weights_only=True, map_location="cpu")
+    saved["datamodule_hyper_parameters"]["source"] = GSM8K_DIR  # the data it was trained on, on this machine
+    torch.save(saved, checkpoint)
     return str(path), str(checkpoint)
 
 
