@@ -20,10 +20,8 @@ from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.core.tools.calculator import calculator
-from grpo_lightning.core.tools.schemas import tool_schema
-from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.offline.tiny import CHATML_TEMPLATE
+from grpo_lightning.offline.tool_caller import QUESTION, teach_tool_call
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
@@ -271,40 +269,14 @@ def loader_of(rows: list[dict]) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(rows, batch_size=len(rows), collate_fn=_collate)
 
 
-# A chat template that shows the tools (name and description) in a short system turn.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% for t in tools %}"
-    "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    + CHATML_TEMPLATE
-)
-QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
-ANSWER = "The answer is 42.<|im_end|>"
-
-
 @pytest.fixture(scope="module")
 def calling_model(tiny_model_dir):
-    """The tiny model taught (120 AdamW steps on one conversation) to call the calculator for 6*7, then
-    answer 42 from its result; the tokenizer's template shows tools."""
+    """The tiny model taught (`teach_tool_call`: 120 AdamW steps on one conversation) to call the calculator
+    for 6*7, then answer 42 from its result; the tokenizer's template shows tools."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = TOOLS_TEMPLATE
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    prompt = tokenizer.apply_chat_template(
-        QUESTION, tools=[tool_schema(calculator)], add_generation_prompt=True, return_dict=False
-    )
-    call, answer = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (CALL, ANSWER))
-    result = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], True))
-    ids = torch.tensor([prompt + call + result + answer])  # [1, L]
-    labels = ids.clone()  # the model's turns only
-    labels[0, : len(prompt)] = labels[
-        0, len(prompt) + len(call) : len(prompt) + len(call) + len(result)
-    ] = -100
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(120):
-        optimizer.zero_grad()
-        model(ids, labels=labels).loss.backward()
-        optimizer.step()
+    teach_tool_call(model, tokenizer)
     return model, tokenizer
 
 
