@@ -197,15 +197,23 @@ def test_the_budget_covers_every_turn_and_rolls_back_a_tool_turn_that_would_pass
     assert int(rollout.completion_mask.sum(1).max()) <= budget
 
 
-def test_a_tool_turn_that_would_fill_the_models_context_is_rolled_back(tokenizer):
+@pytest.mark.parametrize("ceiling", ["model", "engine"])
+def test_a_tool_turn_that_would_fill_the_context_is_rolled_back(tokenizer, ceiling):
+    """The context ends at the model's positions, or below them at the engine's own `max_model_len` (vLLM's,
+    which refuses a longer prompt)."""
     engine = ScriptedEngine(tokenizer, settings_of(tokenizer, 1000))
     tools = ToolRollouts(engine, tokenizer, ToolRunner([calculator]))
     ids, mask = PromptEncoder(tokenizer).encode([[{"role": "user", "content": "p0"}]], "cpu")
     _, own = expected_row(tokenizer, "p0", RESULTS["p0"])
     first, tool = own.index(0), own.count(0)
     model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(max_position_embeddings=1024)
     for room, length in ((first + tool, first), (first + tool + 1, len(own))):
-        model.config = SimpleNamespace(max_position_embeddings=int(mask.sum()) + room)
+        limit = int(mask.sum()) + room
+        if ceiling == "model":
+            model.config.max_position_embeddings = limit
+        else:
+            engine.max_model_len = limit
         rollout, _ = tools.generate(model, ids, mask, num_generations=1)
         assert int(rollout.completion_mask.sum()) == length
 

@@ -7,9 +7,10 @@ the rows whose last turn ended (an end-of-sequence token) with tool calls, runs 
 and the next assistant header, never a re-tokenised transcript) and samples the next turn of those rows
 alone, each from its own context; a row whose turn calls nothing, or that ran out of budget, leaves the
 batch. `settings.max_new_tokens` (`max_completion_length`) covers all turns together, tool tokens
-included: a tool turn that would pass it, or would fill the model's context
-(`config.max_position_embeddings`, as TRL checks), is not appended and its sample ends there; a turn is cut
-to what is left, and a tool turn that leaves nothing ends its sample, cut, after the results.
+included: a tool turn that would pass it, or would fill the context (the least of the engine's own ceiling
+where it has one, vLLM's `max_model_len`, and the model's `config.max_position_embeddings`, as TRL checks),
+is not appended and its sample ends there; a turn is cut to what is left, and a tool turn that leaves
+nothing ends its sample, cut, after the results.
 `ToolOptions.max_calling_iterations` bounds the rounds.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
@@ -45,6 +46,16 @@ class _Sample:
     truncated: bool
     last_turn: list[int]
     messages: list[dict] = field(default_factory=list)  # the turns as chat messages, for the rewards
+
+
+def _context_limit(engine: RolloutEngine, model: PreTrainedModel) -> int | None:
+    """What a turn's context must stay under: the least of the engine's own ceiling (vLLM refuses a prompt
+    of `max_model_len` tokens or more) and the model's positions; None: no bound known."""
+    limits = (
+        getattr(engine, "max_model_len", None),
+        getattr(getattr(model, "config", None), "max_position_embeddings", None),
+    )
+    return min((limit for limit in limits if limit is not None), default=None)
 
 
 @dataclass
@@ -114,7 +125,7 @@ class ToolRollouts:
         later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
-        context_limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        context_limit = _context_limit(self.engine, model)
         limit = self.runner.options.max_calling_iterations
         while live and (limit is None or rounds < limit):
             calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
