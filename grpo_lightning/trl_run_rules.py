@@ -182,9 +182,9 @@ def _schedule_floor(c: Conversion) -> None:
 
 
 def _warmup(c: Conversion, schedule_name: str) -> None:
-    """The warm-up in optimizer steps: `warmup_steps`, or a share of the run (`warmup_ratio`, or a
-    `warmup_steps` below 1, which transformers 5 reads as one)."""
-    key = grpo_key("warmup_steps")
+    """The warm-up: `warmup_steps` in optimizer steps, or a share of the run (`warmup_ratio`, or a
+    `warmup_steps` below 1, which transformers 5 reads as one), rounded up as transformers does."""
+    key, ratio_key = grpo_key("warmup_steps"), grpo_key("warmup_ratio")
     steps, ratio = c.get("warmup_steps", 0), c.get("warmup_ratio", 0.0)
     if schedule_name == "constant" and (steps or ratio):
         c.put(key, 0)
@@ -193,30 +193,16 @@ def _warmup(c: Conversion, schedule_name: str) -> None:
         return
     if steps >= 1 or not (steps or ratio):
         c.row("warmup_steps", "mapped", c.put(key, int(steps)))
-        c.row("warmup_ratio", "mapped", "", "no effect: warmup_steps is set, and wins in transformers")
+        note = "no effect: warmup_steps is set, and wins in transformers" if steps and ratio else ""
+        c.row("warmup_ratio", "mapped", "", note)
         return
-    name, share = ("warmup_steps", steps) if steps else ("warmup_ratio", ratio)
-    warmup = ratio_of_run(c, share)
-    if warmup is None:
-        c.row(
-            name,
-            "unsupported",
-            "",
-            f"a warm-up of {share} of the run needs the run's length, which the data's size decides here "
-            f"(max_steps -1): set {key} to {share} x the run's optimizer steps (the pre-flight prints "
-            "them), or give the recipe max_steps",
-        )
+    if steps:  # below 1: a share
+        note = "transformers 5 reads a value below 1 as a share"
+        c.row("warmup_steps", "converted", c.put(ratio_key, steps), note)
+        c.row("warmup_ratio", "mapped", "", "no effect: warmup_steps is set, and wins in transformers")
     else:
-        spelled = (
-            " (transformers 5 reads a warmup_steps below 1 as a share)" if name == "warmup_steps" else ""
-        )
-        c.row(
-            name,
-            "converted",
-            c.put(key, warmup),
-            f"{share} x max_steps, rounded up as transformers does{spelled}",
-        )
-    c.row("warmup_steps", "mapped", "", "0: the share sets the warm-up")
+        c.row("warmup_ratio", "mapped", c.put(ratio_key, ratio))
+        c.row("warmup_steps", "mapped", "", "0: the share sets the warm-up")
 
 
 # ------------------------------------------------------------------------------------------- precision

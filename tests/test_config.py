@@ -92,6 +92,7 @@ REFUSED = {
         "adam_beta2": below(0, inclusive=False) | above(1, inclusive=True) | NOT_A_NUMBER,
         "adam_epsilon": below(0, inclusive=False) | NOT_A_NUMBER,
         "warmup_steps": ints_below(0) | NOT_A_NUMBER,
+        "warmup_ratio": below(0, inclusive=False) | above(1, inclusive=True) | NOT_A_NUMBER,
         "lr_scheduler_type": st.sampled_from(["cosine_with_min_lr", "Linear", "constant_with_warmup", None]),
         "min_lr_ratio": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
         "max_grad_norm": below(0, inclusive=True) | st.just("1.0"),
@@ -501,3 +502,4 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
             if rule.bounds and ranges_shown:
                 assert ", ".join(b.strip() for b in rule.bounds.split(",")) + "]" in entry, name
     assert choices_seen >= 8  # loss_type, scale_rewards, ..., dtype, val_split
+

@@ -158,12 +158,12 @@ def test_the_fixtures_convert_as_their_recipes_say():
     assert grpo(codeforces, "micro_batch_size") == 4
     assert grpo(codeforces, "loss_type") == "dr_grpo" and grpo(codeforces, "scale_rewards") == "none"
     assert grpo(codeforces, "lr_scheduler_type") == "constant" and grpo(codeforces, "max_grad_norm") == 0.2
-    assert codeforces.rows["warmup_ratio"].kind == "unsupported"  # epochs bound the run: its length unknown
+    assert grpo(codeforces, "warmup_ratio") == 0.1  # of the run's length, which epochs bound
     assert codeforces.rows["save_steps"].kind == "unsupported"  # 0.05 of an unknown length
     assert codeforces.read("model.reward_funcs") == ["open_r1.rewards.cf_code_reward"]
     assert codeforces.read("model.reward_weights") == [1.0]  # code_format's 0.1 left out with it
     code = convert(read_recipe(str(RECIPES / "open_r1_code_demo.yaml")), "0.18", devices=7)
-    assert grpo(code, "warmup_steps") == 15  # ceil(0.03 x 500)
+    assert grpo(code, "warmup_ratio") == 0.03  # ceil(0.03 x 500) = 15 steps at the run's start
     assert grpo(code, "min_lr_ratio") == 0.1 and grpo(code, "beta") == 0.01
     (checkpoint,) = code.read("trainer.callbacks")
     assert checkpoint == {
@@ -253,8 +253,8 @@ def test_the_version_comes_from_the_option_then_the_recipe_then_the_newest():
             "min_lr_ratio",
             pytest.approx(0.1),
         ),
-        ({"warmup_steps": 0.1, "max_steps": 200}, "warmup_steps", 20),  # transformers 5: a ratio
-        ({"warmup_ratio": 0.03, "max_steps": 500}, "warmup_steps", 15),  # rounded up
+        ({"warmup_steps": 0.1, "max_steps": 200}, "warmup_ratio", 0.1),  # transformers 5: a ratio
+        ({"warmup_ratio": 0.03}, "warmup_ratio", 0.03),
         ({"warmup_ratio": 0.1, "warmup_steps": 7, "max_steps": 500}, "warmup_steps", 7),  # steps win
         ({"top_k": None}, "top_k", 0),
         ({"max_grad_norm": 0}, "max_grad_norm", None),
@@ -277,13 +277,12 @@ def test_trls_schedule_names_are_ours_and_open_r1s_rewards_import():
 
 
 def test_a_spelling_without_counterpart_is_unsupported_with_a_hint():
-    rows = rows_of({"lr_scheduler_type": "inverse_sqrt", "loss_type": "sapo", "warmup_ratio": 0.1})
+    rows = rows_of({"lr_scheduler_type": "inverse_sqrt", "loss_type": "sapo"})
     assert (
         rows["lr_scheduler_type"].kind == "unsupported"
         and "TRL's 'inverse_sqrt'" in rows["lr_scheduler_type"].note
     )
     assert rows["loss_type"].kind == "unsupported" and "dapo" in rows["loss_type"].note  # our default kept
-    assert rows["warmup_ratio"].kind == "unsupported" and "max_steps" in rows["warmup_ratio"].note
     assert rows_of({"scale_rewards": False})["scale_rewards"].note == "TRL's False is 'none' here"
     assert rows_of({"logging_first_step": True, "logging_steps": 1})["logging_first_step"].kind == "mapped"
     assert (

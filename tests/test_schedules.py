@@ -21,6 +21,7 @@ from grpo_lightning.core.algorithm.schedules import (
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.run_checks import check_run_length
 from tests.helpers import quiet_trainer
 
 
@@ -277,3 +278,31 @@ def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path):
     resumed = fit(5, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert resumed == pytest.approx(straight[2:])
     assert straight == pytest.approx([1e-3 * lr_multiplier(s, 1, 5, "cosine", 0.1) for s in range(5)])
+
+
+def test_a_warmup_ratio_is_transformers_share_of_the_run(tiny_model_dir, tmp_path):
+    """2 epochs of 2 batches are 4 optimizer steps; half of them warm up, as transformers rounds a share."""
+    warmup = transformers.TrainingArguments(output_dir=str(tmp_path), warmup_steps=0.5).get_warmup_steps(4)
+    assert warmup == GRPOConfig(warmup_ratio=0.5).optimizer.warmup_steps_of(4) == 2
+    assert GRPOConfig(warmup_ratio=0.3).optimizer.warmup_steps_of(5) == 2  # ceil(1.5)
+    grpo = GRPOConfig(num_generations=2, max_completion_length=4, learning_rate=1e-3, warmup_ratio=0.5)
+    module = GRPOModule(tiny_model_dir, grpo=dataclasses.replace(grpo, preflight=False))
+    data = GSM8KDataModule(source="arithmetic", batch_size=5, val_size=2, arithmetic_size=10)
+    logged = LoggedRates()
+    trainer = quiet_trainer(
+        max_epochs=2, limit_val_batches=0, callbacks=[logged], default_root_dir=str(tmp_path)
+    )
+    trainer.fit(module, data)
+    assert logged.rates == pytest.approx([0.0, 0.5e-3, 1e-3, 1e-3])  # constant after the warm-up
+
+
+def test_a_warmup_is_given_once_and_a_share_needs_the_runs_length():
+    with pytest.raises(ValueError) as both:
+        GRPOConfig(warmup_steps=3, warmup_ratio=0.1)
+    assert str(both.value) == (
+        "GRPOConfig.optimizer.warmup_ratio=0.1: give the warm-up once: warmup_steps=3 is set too"
+    )
+    with pytest.raises(ValueError, match=r"warmup_ratio=0.1 is a share of the run, whose length is unknown"):
+        check_run_length(quiet_trainer(max_steps=-1, max_epochs=-1), GRPOConfig(warmup_ratio=0.1))
+    with pytest.raises(ValueError, match=r"TRL's warmup_steps 0.1 is warmup_ratio 0.1"):
+        GRPOConfig(warmup_steps=0.1)

@@ -212,7 +212,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         optimizer = build_optimizer(params, cfg.optimizer)
         steps = optimizer_steps_in_run(trainer, cfg)  # the schedule's length
         schedule = (
-            cfg.optimizer.warmup_steps,
+            cfg.optimizer.warmup_steps_of(steps),
             steps,
             cfg.optimizer.lr_scheduler_type,
             cfg.optimizer.min_lr_ratio,

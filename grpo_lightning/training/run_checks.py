@@ -154,18 +154,21 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
     if max_steps == 0 or max_epochs == 0:
         option = "max_steps" if max_steps == 0 else "max_epochs"
         raise ValueError(f"trainer.{option}=0: the run would train nothing; give it at least 1")
-    if (
-        grpo.optimizer.lr_scheduler_type != "constant"
-        and max_steps < 0
-        and (max_epochs is None or max_epochs < 0)
-    ):
+    unbounded = max_steps < 0 and (max_epochs is None or max_epochs < 0)
+    if grpo.optimizer.lr_scheduler_type != "constant" and unbounded:
         raise ValueError(
             f"model.grpo.optimizer.lr_scheduler_type={grpo.optimizer.lr_scheduler_type!r} decays over "
             "the run, whose length is "
             "unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
             "lr_scheduler_type: constant"
         )
-    warmup = grpo.optimizer.warmup_steps
+    if grpo.optimizer.warmup_ratio and unbounded:
+        raise ValueError(
+            f"model.grpo.optimizer.warmup_ratio={grpo.optimizer.warmup_ratio} is a share of the run, whose "
+            "length is unknown (trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps, or "
+            "the warm-up in steps (warmup_steps)"
+        )
+    warmup = grpo.optimizer.warmup_steps_of(max(max_steps, 0))
     if max_steps > 0 and warmup >= max_steps:  # the warm-up's last rate, (w - 1) / w, is below the full one
         rank_zero_warn(
             f"model.grpo.optimizer.warmup_steps={warmup} does not end before the run does (trainer.max_steps="

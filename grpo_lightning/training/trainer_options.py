@@ -170,11 +170,12 @@ def check_after_validation(trainer: L.Trainer) -> list[str]:
 
 
 def optimizer_steps_in_run(trainer: L.Trainer, cfg: GRPOConfig) -> int:
-    """The optimizer steps `fit` makes at most, the length of a decaying learning-rate schedule: from the
+    """The optimizer steps `fit` makes at most, the length of a decaying learning-rate schedule (and of the
+    run a `warmup_ratio` is a share of): from the
     Trainer's `max_steps` (which counts them under the module's manual optimisation) and `max_epochs`
     (`schedules.optimizer_steps_in_fit`), the training data loaded for its batches per epoch. 0 for a
-    constant schedule, which reads no length (and nothing is loaded)."""
-    if cfg.optimizer.lr_scheduler_type == "constant":
+    constant schedule with no `warmup_ratio`, which reads no length (and nothing is loaded)."""
+    if cfg.optimizer.lr_scheduler_type == "constant" and not cfg.optimizer.warmup_ratio:
         return 0
     trainer.estimated_stepping_batches  # noqa: B018  (loads the training data: its batches per epoch)
     batches = trainer.num_training_batches

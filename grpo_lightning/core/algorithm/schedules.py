@@ -36,7 +36,6 @@ from grpo_lightning.core.options import (
     Alias,
     Choices,
     NonNegativeFloat,
-    NonNegativeInt,
     Range,
     TRLValues,
     check_fields,
@@ -176,9 +175,15 @@ class OptimizerOptions:
     """Added to AdamW's denominator for numerical stability; TRL's `adam_epsilon`."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    warmup_steps: NonNegativeInt = 0
+    warmup_steps: Annotated[
+        int,
+        Range(">= 0", why="a share of the run is warmup_ratio: TRL's warmup_steps 0.1 is warmup_ratio 0.1"),
+    ] = 0
     """Linear warm-up optimizer steps, from 0 (the first update's rate) towards learning_rate as in
     transformers' schedules, then the `lr_scheduler_type` schedule."""
+    warmup_ratio: Annotated[float, Range(">= 0, < 1", why="a share of the run's optimizer steps")] = 0.0
+    """The warm-up as a share of the run's optimizer steps instead, rounded up (`warmup_steps_of`): TRL's
+    `warmup_ratio`, and transformers 5's `warmup_steps` below 1. Give one of the two."""
     lr_scheduler_type: ScheduleType = "constant"
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
@@ -210,5 +215,17 @@ class OptimizerOptions:
                 "8-bit AdamW needs bitsandbytes, which is not installed: pip install bitsandbytes, or use "
                 "adamw_torch_fused",
             )
+        if self.warmup_steps and self.warmup_ratio:
+            raise option_error(
+                self,
+                "warmup_ratio",
+                self.warmup_ratio,
+                f"give the warm-up once: warmup_steps={self.warmup_steps} is set too",
+            )
         if self.lr_scheduler_type == "constant":
             warn_inert(self, "min_lr_ratio", "lr_scheduler_type: linear or cosine")
+
+    def warmup_steps_of(self, total_steps: int) -> int:
+        """The warm-up's optimizer steps in a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of
+        them rounded up, as transformers' `TrainingArguments.get_warmup_steps`."""
+        return self.warmup_steps or math.ceil(self.warmup_ratio * total_steps)
