@@ -33,6 +33,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -254,7 +255,9 @@ class GRPOCLI(LightningCLI):
         sectioned = sectioned_argv(argv)  # TRL's (flat) option names, by their sections' keys
         # What the user gave, for telling a typed option from a default (`typed_options`) on resume.
         self.given_args = args if isinstance(args, dict | Namespace) else sectioned
-        super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
+        with warnings.catch_warnings():  # the rewritten command line is passed as `args`, meant as it is
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
         subcommand = self.config.get("subcommand")
         if note := drop_switched_logger_kwargs(self.config[subcommand] if subcommand else self.config, argv):
             rank_zero_info(note)
