@@ -1,22 +1,25 @@
 """The flat option names on the command line and in config files, filed into `GRPOConfig`'s sections before
 jsonargparse reads them (`core.config.FLAT_NAMES`, derived from the sections' declarations).
 
-`--model.grpo.kl.beta 0.04` becomes `--model.grpo.kl.beta 0.04`, a switch such as
-`--model.grpo.dynamic_sampling true` its section on (`{}`) or off (`null`). A `--config` file whose
-`model.grpo` holds flat names (a TRL-style config, or a run's `config.yaml` written before the options had
-sections) is passed on as its YAML text with the names filed (`core.options.sectioned`: a name given both
-ways is refused in one line). Everything else is passed on as it is.
+`--model.grpo.beta 0.04` becomes `--model.grpo.kl.beta 0.04`, a switch such as
+`--model.grpo.dynamic_sampling true` its section on (`{}`) or off (`null`), and a flat name takes TRL's
+spellings of its values (`--model.grpo.scale_rewards false` is "none": the option's `TRLValues`). A
+`--config` file whose `model.grpo` holds flat names (a TRL-style config, or a run's `config.yaml` written
+before the options had sections) is passed on as its YAML text with the names filed
+(`core.options.sectioned`: a name given both ways is refused in one line). Everything else is passed on as
+it is.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import yaml
 
 from grpo_lightning.config_checks import config_files
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.core.options import sectioned
+from grpo_lightning.core.options import FlatName, section_at, sectioned, trl_value
 
 PREFIX = "--model.grpo."
 _TRUE, _FALSE = ("true", "True", "yes", "1"), ("false", "False", "no", "0")
@@ -52,8 +55,21 @@ def sectioned_argv(argv: Sequence[str]) -> list[str]:
         if entry.switch and value in _TRUE + _FALSE:
             result.append(f"{PREFIX}{entry.key}={'{}' if value in _TRUE else 'null'}")
         else:
-            result.append(f"{PREFIX}{entry.key}={value}")
+            result.append(f"{PREFIX}{entry.key}={_ours(entry, value)}")
     return result
+
+
+def _ours(entry: FlatName, typed: str) -> str:
+    """A value typed for a flat (TRL's) name, one of TRL's spellings made ours (`--model.grpo.scale_rewards
+    false` is "none")."""
+    try:
+        value = yaml.safe_load(typed)
+    except yaml.YAMLError:
+        return typed
+    ours, spelled = trl_value(section_at(GRPOConfig, entry.path), entry.path[-1], value)
+    if not spelled:
+        return typed
+    return ours if isinstance(ours, str) else json.dumps(ours)
 
 
 def _sectioned_config(path: str) -> str:

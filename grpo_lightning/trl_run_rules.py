@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 
-from grpo_lightning.core.algorithm.schedules import SCHEDULES
+from grpo_lightning.core.algorithm.schedules import SCHEDULES, OptimizerOptions
+from grpo_lightning.core.options import trl_value
 from grpo_lightning.trl_conversion import (
     Conversion,
     Rules,
@@ -126,21 +127,11 @@ def run_length(c: Conversion) -> None:
 
 
 # --------------------------------------------------------------------------------- learning-rate schedule
-# TRL's (transformers') schedule names and ours; a name of ours is taken as it is.
-TRL_SCHEDULES = {
-    "constant": "constant",
-    "constant_with_warmup": "constant",
-    "linear": "linear",
-    "cosine": "cosine",
-    "cosine_with_min_lr": "cosine",
-}
-
-
 @RUN_RULES("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps")
 def schedule(c: Conversion) -> None:
     name = c.get("lr_scheduler_type", "linear")
-    ours = name if name in SCHEDULES else TRL_SCHEDULES.get(name)
-    if ours is None:
+    ours, _ = trl_value(OptimizerOptions, "lr_scheduler_type", name)
+    if ours not in SCHEDULES:
         c.row(
             "lr_scheduler_type",
             "unsupported",

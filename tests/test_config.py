@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
+from grpo_lightning.cli_sections import sectioned_argv
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.options import declared_rule, default_at, section_at
 from grpo_lightning.io.models import LoraOptions, ModelOptions
@@ -62,11 +64,11 @@ REFUSED = {
         "truncate_prompts": st.sampled_from(["right", "LEFT", "", None]),
         "temperature": below(0, inclusive=True) | NOT_A_NUMBER,
         "top_p": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
-        "top_k": ints_below(0) | st.just(None) | st.just(2.5),
+        "top_k": ints_below(-1) | st.just(2.5),  # -1 and None are TRL's 0
         "dynamic_sampling": st.sampled_from([0, 1, "true", "yes", 1.0]),  # None: off
         "dynamic_sampling_max_rounds": ints_below(0) | st.just(None),
         "dynamic_sampling_metric": st.sampled_from([1, ["accuracy_reward"]]),
-        "scale_rewards": st.sampled_from(["std", "Group", None, True]),
+        "scale_rewards": st.sampled_from(["std", "Group", None, 1]),  # true and false are TRL's
         "baseline": st.sampled_from(["median", "rloo", None]),
         "advantage_clip": below(0, inclusive=True),
         "step_credit": below(0, inclusive=False),
@@ -93,9 +95,9 @@ REFUSED = {
         "adam_epsilon": below(0, inclusive=False) | NOT_A_NUMBER,
         "warmup_steps": ints_below(0) | NOT_A_NUMBER,
         "warmup_ratio": below(0, inclusive=False) | above(1, inclusive=True) | NOT_A_NUMBER,
-        "lr_scheduler_type": st.sampled_from(["cosine_with_min_lr", "Linear", "constant_with_warmup", None]),
+        "lr_scheduler_type": st.sampled_from(["inverse_sqrt", "Linear", "cosine_with_restarts", None]),
         "min_lr_ratio": below(0, inclusive=False) | above(1, inclusive=False) | NOT_A_NUMBER,
-        "max_grad_norm": below(0, inclusive=True) | st.just("1.0"),
+        "max_grad_norm": below(0, inclusive=False) | st.just("1.0"),  # 0 is TRL's None
         "micro_batch_size": ints_below(1),
         "max_tokens_per_micro_batch": ints_below(1) | st.just(2.5),
         "max_bad_steps": ints_below(1) | NOT_A_NUMBER,
@@ -233,7 +235,7 @@ def test_options_that_depend_on_each_other():
         ("--model.grpo.top_p=1.5", "GRPOConfig.sampling.top_p=1.5: must be > 0 and <= 1"),
         ("--model.grpo.max_grad_norm=-1", "GRPOConfig.optimizer.max_grad_norm=-1.0: must be > 0 or None"),
         ("--model.grpo.temperature=0", "GRPOConfig.sampling.temperature=0.0: must be > 0"),
-        ("--model.grpo.top_k=-1", "GRPOConfig.sampling.top_k=-1: must be >= 0"),
+        ("--model.grpo.top_k=-2", "GRPOConfig.sampling.top_k=-2: must be >= 0"),
         (
             "--model.grpo.learning_rate=-1e-5",
             "GRPOConfig.optimizer.learning_rate=-1e-05: must be > 0 (at 0 no weight",
@@ -503,3 +505,30 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
                 assert ", ".join(b.strip() for b in rule.bounds.split(",")) + "]" in entry, name
     assert choices_seen >= 8  # loss_type, scale_rewards, ..., dtype, val_split
 
+
+@pytest.mark.parametrize(
+    ("flat", "trls", "path", "ours"),
+    [
+        ("scale_rewards", False, ("advantages", "scale_rewards"), "none"),
+        ("scale_rewards", True, ("advantages", "scale_rewards"), "group"),
+        ("lr_scheduler_type", "constant_with_warmup", ("optimizer", "lr_scheduler_type"), "constant"),
+        ("lr_scheduler_type", "cosine_with_min_lr", ("optimizer", "lr_scheduler_type"), "cosine"),
+        ("top_k", -1, ("sampling", "top_k"), 0),
+        ("max_grad_norm", 0, ("optimizer", "max_grad_norm"), None),
+    ],
+)
+def test_trls_spellings_are_taken_by_trls_names_everywhere(tmp_path, flat, trls, path, ours):
+    """In Python, in a config file and on the command line, TRL's name takes TRL's value; the section's key
+    refuses it with a line saying what it is here."""
+    section, option = path
+    assert getattr(getattr(GRPOConfig(**{flat: trls}), section), option) == ours
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"grpo": {flat: trls}}}))
+    (_, text) = sectioned_argv(["--config", str(config)])
+    assert yaml.safe_load(text)["model"]["grpo"][section][option] == ours
+    typed = yaml.safe_dump(trls).split("\n")[0]  # as typed on the command line: false, 0, cosine_with_min_lr
+    argv = sectioned_argv([f"--model.grpo.{flat}", typed])
+    assert argv == [f"--model.grpo.{section}.{option}={'null' if ours is None else ours}"]
+    with pytest.raises(ValueError) as refused:
+        GRPOConfig(**{section: {option: trls}})
+    assert str(refused.value).endswith(f"; TRL's {trls!r} is {ours!r} here, which its flat name also takes")

@@ -16,7 +16,7 @@ import yaml
 from grpo_lightning.cli import build_cli
 from grpo_lightning.cli import main as cli_main
 from grpo_lightning.core.algorithm.advantages import AdvantageOptions
-from grpo_lightning.core.algorithm.schedules import SCHEDULES, OptimizerOptions
+from grpo_lightning.core.algorithm.schedules import OptimizerOptions
 from grpo_lightning.core.config import FLAT_NAMES
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.options import trl_value
@@ -25,7 +25,6 @@ from grpo_lightning.trl_conversion import KINDS, grpo_key
 from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
 from grpo_lightning.trl_output_rules import CHECKPOINT_CLASS
 from grpo_lightning.trl_recipes import Recipe, read_recipe
-from grpo_lightning.trl_run_rules import TRL_SCHEDULES
 from grpo_lightning.trl_versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +267,6 @@ def test_trls_spellings_mean_our_values(keys, flat, ours):
 
 
 def test_trls_schedule_names_are_ours_and_open_r1s_rewards_import():
-    assert set(TRL_SCHEDULES.values()) <= set(SCHEDULES)
     for name, path in OPEN_R1_REWARDS.items():
         assert (path is None) == (name in FACTORIES), name
         if path is not None and path.startswith("trl."):  # TRL is installed beside us; open-r1 is not

@@ -117,9 +117,18 @@ class Rule:
     choices: tuple = ()
     none: bool = False
     why: str = ""
+    spellings: tuple[tuple[object, object], ...] = ()  # TRL's spellings of the values (`TRLValues`)
 
     def problem(self, value: object) -> str | None:
-        """None when `value` is allowed, else the rule it breaks ("must be > 0 and <= 1 (why)")."""
+        """None when `value` is allowed, else the rule it breaks ("must be > 0 and <= 1 (why)"), and what it
+        is here where it is one of TRL's spellings."""
+        broken = self._broken(value)
+        ours = next((o for t, o in self.spellings if type(t) is type(value) and t == value), broken)
+        if broken is None or ours is broken:
+            return broken
+        return f"{broken}; TRL's {value!r} is {ours!r} here, which its flat name also takes"
+
+    def _broken(self, value: object) -> str | None:
         if value is None:
             return None if self.none else self.expected(type_too=False)
         if not any(_is_kind(value, kind) for kind in self.kinds):
@@ -161,7 +170,8 @@ def rule_of(annotation: object) -> Rule:
         if section_class(base) is not None:
             raise TypeError(f"{annotation!r} is a section: its own fields carry the rules")
         ranges = [m for m in metadata if isinstance(m, Range)]
-        rule = rule_of(base)
+        spellings = tuple(pair for m in metadata if isinstance(m, TRLValues) for pair in m.pairs)
+        rule = replace(rule_of(base), spellings=spellings)
         return replace(rule, bounds=ranges[0].bounds, why=ranges[0].why) if ranges else rule
     if origin is Literal:
         choices = typing.get_args(annotation)
@@ -402,6 +412,7 @@ def sectioned(composer: type, given: Mapping[str, Any], where: str) -> dict[str,
         entry = table[name]
         if entry.switch:
             continue
+        value, _ = trl_value(section_at(composer, entry.path), entry.path[-1], value)  # TRL's name, its value
         switch = next((n for n, e in table.items() if e.switch and e.path == entry.path[:1]), None)
         if switch is not None and result.get(entry.path[0]) is None:
             section = section_at(composer, entry.path)

@@ -184,13 +184,15 @@ class OptimizerOptions:
     warmup_ratio: Annotated[float, Range(">= 0, < 1", why="a share of the run's optimizer steps")] = 0.0
     """The warm-up as a share of the run's optimizer steps instead, rounded up (`warmup_steps_of`): TRL's
     `warmup_ratio`, and transformers 5's `warmup_steps` below 1. Give one of the two."""
-    lr_scheduler_type: ScheduleType = "constant"
+    lr_scheduler_type: Annotated[
+        ScheduleType, TRLValues(("constant_with_warmup", "constant"), ("cosine_with_min_lr", "cosine"))
+    ] = "constant"
     """The learning rate after the warm-up: "constant", or decaying over the rest of the run's optimizer
     steps to `min_lr_ratio` x learning_rate, "linear" or "cosine" (SGDR, arXiv:1608.03983); formulas in
     `grpo_lightning.core.algorithm.schedules`. The run's length is the trainer's max_steps (optimizer
     steps), or its epochs x batches x num_iterations x steps_per_generation. TRL: `lr_scheduler_type` (its
-    "constant_with_warmup" is "constant" here, its "cosine_with_min_lr" is "cosine" with `min_lr_ratio`);
-    verl: `optim.lr_scheduler_type`.
+    "constant_with_warmup" is "constant" here, its "cosine_with_min_lr" is "cosine" with `min_lr_ratio`;
+    both are taken by TRL's name); verl: `optim.lr_scheduler_type`.
     """
     min_lr_ratio: Annotated[float, Range(">= 0, <= 1", why="a share of learning_rate")] = 0.0
     """The floor of a decaying schedule, as a share of learning_rate, reached at the last step; ignored by
