@@ -1,14 +1,17 @@
-"""ModelOptions that reach transformers' `from_pretrained`: a hub revision and any other keyword
-(`init_kwargs`), checked before any weights load."""
+"""ModelOptions that reach transformers' `from_pretrained` (a hub revision, any other keyword:
+`init_kwargs`) and the tokenizer (a chat template override), checked before any weights load."""
 
 import json
 import shutil
 
 import huggingface_hub.constants
 import pytest
+from transformers import AutoTokenizer
 
+from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import ModelOptions, load_model, model_positions, policy_parts
-from tests.helpers import cli_error, one_error_line
+from grpo_lightning.training.module import GRPOModule
+from tests.helpers import cli_error, digit_reward, one_error_line
 from tests.test_interrupt import fit_args
 
 
@@ -91,3 +94,57 @@ def test_init_kwargs_must_be_a_mapping():
         ValueError, match=r"ModelOptions.init_kwargs=\['use_cache'\]: must be a mapping or None"
     ):
         ModelOptions(init_kwargs=["use_cache"])
+
+
+# A template of our own: a plain question-and-answer layout, unlike the tiny tokenizer's ChatML.
+QA_TEMPLATE = (
+    "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+CHAT = [{"role": "user", "content": "What is 2 plus 3?"}]
+
+
+@pytest.mark.parametrize("given_as", ["text", "file"])
+def test_a_chat_template_override_encodes_the_prompts_and_goes_with_the_export(
+    tiny_model_dir, tmp_path, given_as, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    if given_as == "file":
+        (tmp_path / "qa.jinja").write_text(QA_TEMPLATE)
+    options = ModelOptions(chat_template=QA_TEMPLATE if given_as == "text" else "qa.jinja")
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], model_options=options)
+    ids, _ = module.rollouts.encoder.encode([CHAT], "cpu")  # [1, P]
+    expected = module.tokenizer("Q: What is 2 plus 3?\nA:", add_special_tokens=False)["input_ids"]
+    assert ids[0].tolist() == expected
+    own = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward])  # the tokenizer's ChatML
+    assert own.rollouts.encoder.encode([CHAT], "cpu")[0][0].tolist() != expected
+    out = export_policy(module, str(tmp_path / "export"))
+    assert AutoTokenizer.from_pretrained(out).chat_template == QA_TEMPLATE
+
+
+def test_a_missing_chat_template_file_or_one_that_does_not_compile_is_one_line_before_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights
+):
+    missing = str(tmp_path / "nowhere.jinja")
+    err = cli_error(
+        fit_args(tiny_model_dir, str(tmp_path), 1, f"--model.model_options.chat_template={missing}"), capsys
+    )
+    assert one_error_line(err) == (
+        f"error: ModelOptions.chat_template={missing!r}: no such file: give a Jinja template, or the path of "
+        "a file holding one (.jinja)"
+    )
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    err = cli_error(
+        fit_args(tiny_model_dir, str(tmp_path), 1, f"--model.model_options.chat_template={broken}"), capsys
+    )
+    assert one_error_line(err).startswith(
+        f"error: ModelOptions.chat_template={str(broken)!r} does not compile at line 2: "
+    )
+    with pytest.raises(
+        ValueError, match=r"^ModelOptions.chat_template \(a template of 11 characters\) does "
+    ):
+        GRPOModule(
+            tiny_model_dir,
+            reward_funcs=[digit_reward],
+            model_options=ModelOptions(chat_template="{% if %}x{{"),
+        )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -22,6 +23,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from grpo_lightning.core.options import Range, check_fields, option_error
 
@@ -54,6 +56,11 @@ class ModelOptions:
             `{"low_cpu_mem_usage": true}`, or a config value such as `{"use_cache": false}`. A keyword that
             an option here sets (`torch_dtype`: `dtype`, `attn_implementation`, ...) is refused, naming the
             option. Default None.
+        chat_template: the chat template to train with, in place of the tokenizer's own (TRL's
+            `chat_template_path`): a Jinja template (a value holding `{{` or `{%`), or the path of a file
+            holding one (`.jinja`). Set on the tokenizer when it loads, so prompts, tool turns and an export's
+            tokenizer all use it. A missing file or a template that does not compile is refused before any
+            weights load. Default None (the tokenizer's template).
     """
 
     gguf_file: str | None = None
@@ -64,6 +71,7 @@ class ModelOptions:
     load_in_4bit: bool = False
     revision: str | None = None
     init_kwargs: dict | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -98,6 +106,36 @@ def check_revision(source: str | None, options: ModelOptions) -> None:
             "download that revision into a folder: huggingface-cli download MODEL --revision REV --local-dir "
             "DIR)",
         )
+
+
+def chat_template_of(options: ModelOptions) -> str | None:
+    """The template `options.chat_template` gives: the value itself, or the text of the file it names (a
+    value without `{{` or `{%`); None when unset. Raises ValueError (one line) for a missing file or a
+    template that does not compile, as `apply_chat_template` compiles it."""
+    value = options.chat_template
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        template, what = value, f"ModelOptions.chat_template (a template of {len(value)} characters)"
+    else:
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+            raise option_error(
+                options,
+                "chat_template",
+                value,
+                f"no such file{where}: give a Jinja template, or the path of a file holding one (.jinja)",
+            )
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+        what = f"ModelOptions.chat_template={value!r}"
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as err:
+        line = f" at line {err.lineno}" if isinstance(err, TemplateSyntaxError) else ""
+        raise ValueError(f"{what} does not compile{line}: {err.message}; fix the template") from None
+    return template
 
 
 # A hub id: "name" or "org/name" of letters, digits, "-", "_" and ".".
@@ -237,10 +275,13 @@ def policy_parts(
     if tokenizer is None and source is None:
         raise ValueError("pass a tokenizer along with an already-built policy model")
     check_revision(source, options)
+    chat_template = chat_template_of(options)  # before the tokenizer loads
     if tokenizer is None or isinstance(tokenizer, str):
         own = tokenizer in (None, source)  # the policy's own tokenizer: from the same revision
         revision = options.revision if own else None
         tokenizer = load_tokenizer(tokenizer or source, options.gguf_file, revision)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
 
 
