@@ -396,7 +396,8 @@ def test_every_option_is_documented_where_it_is_declared_and_shown_by_help(tiny_
 # ------------------------------------------------------------------------------------------ one declaration
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
 # String options that name something (a reward function, a file, a data set's column) rather than choose.
-FREE_TEXT = {"metric", "gguf_file", "attn_implementation", "revision", "chat_template"}  # dynamic_sampling.metric
+# metric: dynamic_sampling.metric
+FREE_TEXT = {"metric", "gguf_file", "attn_implementation", "revision", "chat_template"}
 DATA_FREE_TEXT = {"config_name", "system_prompt", "question_field", "answer_field"}
 
 
