@@ -11,10 +11,11 @@ subclass by class path (`data: {class_path: grpo_lightning.training.data.PromptD
   policy's answers to the test split's prompts (question, sample, completion, extracted answer).
 - `audit [--num_rows 300]`: the configured reward functions on the data's reference solutions and on
   corrupted copies; exits with status 1 when the audit is not perfect.
-- `export --ckpt_path run.ckpt [--out folder] [--merge_lora false] [--overwrite true]`: the checkpoint's
-  policy and tokenizer with `save_pretrained` (default folder: beside the checkpoint, `<name>-hf`); a
-  non-empty `folder` only when it is an earlier export and `--overwrite true` is given, which replaces it
-  whole.
+- `export --ckpt_path run.ckpt [--out folder] [--merge_lora false] [--overwrite true] [--push_to_hub REPO
+  [--private true]]`: the checkpoint's policy and tokenizer with `save_pretrained` (default folder: beside
+  the checkpoint, `<name>-hf`); a non-empty `folder` only when it is an earlier export and `--overwrite
+  true` is given, which replaces it whole. `--push_to_hub` (or `--push-to-hub`) then uploads the folder to
+  that Hub model repo, created if missing (`io.hub_push`).
 - `fit` saves the run's whole config as `config.yaml` beside its logs and checkpoints (`SaveRunConfig`):
   `validate --config <that file> --ckpt_path <checkpoint>` and `export` take it back with nothing else.
   `--ckpt_path last` is the run's newest checkpoint (`run_folder.latest_checkpoint`), refused when it has
@@ -65,6 +66,7 @@ from grpo_lightning.io.checkpoints import (
 )
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.export import export_policy
+from grpo_lightning.io.hub_push import check_repo_id, push_folder
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
@@ -172,6 +174,8 @@ class GRPOTrainer(Trainer):
         out: str | None = None,
         merge_lora: bool = True,
         overwrite: bool = False,
+        push_to_hub: str | None = None,
+        private: bool = False,
         datamodule: object = None,
     ) -> str:
         """Export a checkpoint's policy and tokenizer with `save_pretrained`.
@@ -183,14 +187,22 @@ class GRPOTrainer(Trainer):
             merge_lora: merge a LoRA adapter into the weights (True) or save the adapter alone (False).
             overwrite: replace an earlier export in `out` whole (True); default False refuses a non-empty
                 `out`. A folder that is not an earlier export is refused either way.
+            push_to_hub: a Hub model repo ("org/name") to upload the exported folder to, created if
+                missing; the token is huggingface_hub's (HF_TOKEN, or `hf auth login`). A failed push leaves
+                the folder. Also spelled `--push-to-hub`.
+            private: create the repo private (a repo that exists keeps its visibility).
             datamodule: unused; LightningCLI hands every subcommand the config's data module.
         """
         out = out or os.path.splitext(os.path.normpath(ckpt_path))[0] + "-hf"
+        if push_to_hub is not None:
+            check_repo_id(push_to_hub)  # before the export
         export_policy(model, out, ckpt_path=ckpt_path, merge_lora=merge_lora, overwrite=overwrite)
         print(
             f"exported {ckpt_path} to {out} ({', '.join(sorted(os.listdir(out)))}); load it with "
             f"AutoModelForCausalLM.from_pretrained({out!r}), or train from it with --model.policy {out}"
         )
+        if push_to_hub is not None:
+            print(f"pushed {out} to {push_to_hub}: {push_folder(out, push_to_hub, private)}")
         return out
 
 
@@ -409,6 +421,10 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError, MisconfigurationException)
 
 
+# `export --push-to-hub REPO`, as TRL spells its option and `from-trl` prints the command.
+_PUSH_FLAG = re.compile(r"^--push-to-hub(?==|$)")
+
+
 def main(args: list[str] | None = None) -> None:
     """Run the CLI. Exit status: 0 done; 2 bad input (one `error:` line); 143 stopped by SIGTERM and 130 by
     Ctrl-C, each after writing `interrupted.ckpt`; 1 for a second Ctrl-C (no checkpoint) or a failed audit.
@@ -424,6 +440,8 @@ def main(args: list[str] | None = None) -> None:
         if argv[:1] == [FROM_TRL]:  # nor is this: it writes a config, and trains nothing
             from_trl(argv[1:])
             return
+        if argv[:1] == ["export"]:
+            args = [_PUSH_FLAG.sub("--push_to_hub", word) for word in argv]  # TRL's spelling too
         cli = build_cli(args)
         close_process_group()
     except SIGTERMException:  # Lightning's, raised after InterruptCheckpoint wrote the checkpoint

@@ -91,7 +91,6 @@ ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
     "wandb_log_unique_prompts": ((False, True), "the completions table shows the first prompts' groups"),
     "num_completions_to_print": ((None, 0), "the console shows the first prompt's group"),
     "log_multimodal": (ANY, "no images here"),
-    "push_to_hub": ((False,), "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER"),
     "use_cpu": ((False,), "set trainer.accelerator: cpu"),
     "do_train": (ANY, "cli.py fit trains"),
     "do_predict": ((False,), "cli.py predict answers the test split's prompts"),
@@ -99,10 +98,6 @@ ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
 }
 # TRL's (and open-r1's) options with no counterpart here, and what to do instead.
 NO_COUNTERPART = {
-    "hub_model_id": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
-    "hub_strategy": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
-    "hub_private_repo": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
-    "hub_token": "no Hub push here: cli.py export, then huggingface-cli upload REPO FOLDER",
     "hub_model_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",
     "overwrite_hub_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",
     "push_to_hub_revision": "no Hub push here: huggingface-cli upload REPO FOLDER --revision REV",

@@ -15,12 +15,6 @@ MODEL_RULES = Rules()
 
 
 # --------------------------------------------------------------------------------------------- the model
-REVISION_HINT = (
-    "no revision option here: download that revision into a folder (huggingface-cli download MODEL "
-    "--revision REV --local-dir DIR) and set model.policy to it"
-)
-
-
 @MODEL_RULES(
     "model_name_or_path",
     "model_revision",
@@ -41,26 +35,25 @@ def model(c: Conversion) -> None:
     revision = c.get("model_revision", init.get("revision"))
     if revision in (None, "main"):
         c.row("model_revision", "mapped", "", "main: the model's default branch, which is what loads here")
-    elif "revision" in own:
-        c.row("model_revision", "mapped", c.put("model.model_options.revision", revision))
     else:
-        c.row("model_revision", "unsupported", "", REVISION_HINT)
+        c.row("model_revision", "mapped", c.put("model.model_options.revision", revision))
     for key in ("trust_remote_code", "attn_implementation"):
         value = c.get(key, init.get(key))
         if value is not None:
             c.put(f"model.model_options.{key}", value)
         c.row(key, "mapped", f"model.model_options.{key}")
     known = {"dtype", "torch_dtype", "revision", "trust_remote_code", "attn_implementation"}
-    rest = sorted(set(init) - known - own)
+    rest = {key: init[key] for key in sorted(set(init) - known - own)}
     for key in sorted(set(init) & own - known):
         c.put(f"model.model_options.{key}", init[key])
+    if rest:
+        c.put("model.model_options.init_kwargs", rest)
     c.row(
         "model_init_kwargs",
-        "unsupported" if rest else "converted",
+        "converted",
         "model.model_options",
-        f"{', '.join(rest)}: not a ModelOptions option (its options: {', '.join(sorted(own))})"
-        if rest
-        else "each key as ModelOptions' option (dtype: see bf16)",
+        "each key as ModelOptions' option (dtype: see bf16)"
+        + (f"; {', '.join(rest)} in model.model_options.init_kwargs" if rest else ""),
     )
     checkpointing = bool(c.get("gradient_checkpointing", False))
     c.row(
@@ -274,11 +267,6 @@ def data(c: Conversion) -> None:
     )
     for key, hint in (
         ("system_prompt", "put the system turn in the prompt column's chat messages"),
-        (
-            "chat_template",
-            "the chat template is the tokenizer's here: set tokenizer.chat_template, save_pretrained it to a "
-            "folder and set model.tokenizer to that folder",
-        ),
         ("chat_template_kwargs", "the tokenizer's chat template is rendered with its defaults"),
     ):
         if c.get(key) is None:
@@ -287,6 +275,13 @@ def data(c: Conversion) -> None:
             c.row(key, "mapped", c.put(f"data.init_args.{key}", c.get(key)))
         else:
             c.row(key, "unsupported", "", hint)
+    template = c.get("chat_template")
+    c.row(
+        "chat_template",
+        "mapped",
+        c.put("model.model_options.chat_template", template) if template is not None else "",
+        "" if template is not None else "None: the tokenizer's own",
+    )
     if c.has("dataloader_num_workers"):
         c.row(
             "dataloader_num_workers",

@@ -6,6 +6,7 @@ the completions tables).
 from __future__ import annotations
 
 import math
+import os
 
 from grpo_lightning.trl_conversion import (
     Conversion,
@@ -109,6 +110,33 @@ LOGGERS = {  # TRL's report_to names -> Lightning's logger and the options a rec
     "comet_ml": "lightning.pytorch.loggers.CometLogger",
 }
 WANDB_OPTIONS = {"wandb_project": "project", "wandb_entity": "entity", "wandb_run_group": "group"}
+
+
+# -------------------------------------------------------------------------------------------- the Hub
+@OUTPUT_RULES("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_token")
+def hub(c: Conversion) -> None:
+    push = bool(c.get("push_to_hub", False))
+    if not push:
+        c.row("push_to_hub", "mapped", "", "False: no push")
+        for key in ("hub_model_id", "hub_strategy", "hub_private_repo", "hub_token"):
+            c.row(key, "mapped", "", "no effect without push_to_hub, in TRL too")
+        return
+    # TRL's repo when hub_model_id is unset: the output folder's name, in the user's namespace.
+    repo = c.get("hub_model_id") or os.path.basename(os.path.normpath(c.get("output_dir") or "")) or "REPO"
+    private = bool(c.get("hub_private_repo"))
+    push = f"cli.py export --push-to-hub {repo}"
+    command = f"cli.py export --config RUN/config.yaml --ckpt_path last --push-to-hub {repo}"
+    c.row("push_to_hub", "converted", push, f"pushed once, after training: {command}")
+    c.row("hub_model_id", "converted", push, "the repo of the export's push after training")
+    if private:
+        c.row("hub_private_repo", "converted", "cli.py export --private true", "the push creates it private")
+    else:
+        c.row("hub_private_repo", "mapped", "", "the Hub's default visibility")
+    c.row("hub_strategy", "converted", push, "the export pushes the final model once, not at each save")
+    if c.get("hub_token") is not None:
+        c.row("hub_token", "unsupported", "", "no token in the config: set HF_TOKEN, or hf auth login")
+    else:
+        c.row("hub_token", "mapped", "", "huggingface_hub's token: HF_TOKEN or the cached login")
 
 
 @OUTPUT_RULES(

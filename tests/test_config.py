@@ -127,6 +127,9 @@ REFUSED = {
         "gradient_checkpointing": NOT_A_FLAG,
         "trust_remote_code": NOT_A_FLAG,
         "load_in_4bit": NOT_A_FLAG,
+        "revision": st.sampled_from([1, True, ["main"]]),
+        "init_kwargs": st.sampled_from([1, ["use_cache"], "use_cache=false", {"torch_dtype": "float16"}]),
+        "chat_template": st.sampled_from([1, True, ["chat.jinja"]]),
     },
     LoraOptions: {
         "r": ints_below(1) | NOT_A_NUMBER,
@@ -396,7 +399,8 @@ def test_every_option_is_documented_where_it_is_declared_and_shown_by_help(tiny_
 # ------------------------------------------------------------------------------------------ one declaration
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
 # String options that name something (a reward function, a file, a data set's column) rather than choose.
-FREE_TEXT = {"metric", "gguf_file", "attn_implementation"}  # dynamic_sampling.metric
+# metric: dynamic_sampling.metric
+FREE_TEXT = {"metric", "gguf_file", "attn_implementation", "revision", "chat_template"}
 DATA_FREE_TEXT = {"config_name", "system_prompt", "question_field", "answer_field"}
 
 

@@ -382,12 +382,12 @@ def test_bad_input_is_one_error_line(content, args, message, tmp_path, capsys):
 
 def test_without_out_the_config_goes_to_stdout_and_the_table_to_stderr(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("beta: 0.04\nscale_rewards: false\nchat_template: '{{ x }}'\n")
+    recipe.write_text("beta: 0.04\nscale_rewards: false\nuse_liger_kernel: true\n")
     cli_main(["from-trl", str(recipe), "--trl-version", "0.18"])
     out, err = capsys.readouterr()
     config = yaml.safe_load(out)
     assert config["model"]["grpo"]["advantages"]["scale_rewards"] == "none"
-    assert "#   chat_template: " in out and "3 options: 1 mapped, 1 converted, 1 unsupported" in err
+    assert "#   use_liger_kernel: " in out and "3 options: 1 mapped, 1 converted, 1 unsupported" in err
 
 
 # -------------------------------------------------------------------------------------- docs/from_trl.md

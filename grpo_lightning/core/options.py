@@ -35,6 +35,7 @@ _KIND_WORDS = {
     bool: "true or false",
     str: "a string",
     list: "a list of names",
+    dict: "a mapping",
 }
 
 

@@ -11,10 +11,11 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated, Literal
 
 import torch
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -22,8 +23,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from grpo_lightning.core.options import Range, check_fields
+from grpo_lightning.core.options import Range, check_fields, option_error
 
 try:  # transformers >= 5.2x keeps GGUF weights in GGUF blocks unless asked to dequantise them
     from transformers import GgufConfig
@@ -46,6 +48,19 @@ class ModelOptions:
         trust_remote_code: passed to `from_pretrained`. Default False.
         load_in_4bit: QLoRA (Dettmers et al., arXiv:2305.14314): the frozen base in 4-bit NF4 with double
             quantisation and bf16 compute, through bitsandbytes; needs a CUDA GPU and `lora`. Default False.
+        revision: the branch, tag or commit of a hub policy to load (TRL's `model_revision`), for the
+            policy (and so its reference copy), its config and its own tokenizer; a tokenizer named apart
+            (`tokenizer`) loads its default branch. Default None (the repo's default branch). Refused for a
+            local folder, which has no revisions and from which transformers would load whatever it holds.
+        init_kwargs: any other keyword of the policy's `from_pretrained` (TRL's `model_init_kwargs`), e.g.
+            `{"low_cpu_mem_usage": true}`, or a config value such as `{"use_cache": false}`. A keyword that
+            an option here sets (`torch_dtype`: `dtype`, `attn_implementation`, ...) is refused, naming the
+            option. Default None.
+        chat_template: the chat template to train with, in place of the tokenizer's own (TRL's
+            `chat_template_path`): a Jinja template (a value holding `{{` or `{%`), or the path of a file
+            holding one (`.jinja`). Set on the tokenizer when it loads, so prompts, tool turns and an export's
+            tokenizer all use it. A missing file or a template that does not compile is refused before any
+            weights load. Default None (the tokenizer's template).
     """
 
     gguf_file: str | None = None
@@ -54,9 +69,73 @@ class ModelOptions:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     load_in_4bit: bool = False
+    revision: str | None = None
+    init_kwargs: dict | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for key in self.init_kwargs or {}:
+            option = _OPTION_OF_KEYWORD.get(key, key if key in _field_names(self) else None)
+            if option is not None:
+                raise option_error(
+                    self,
+                    "init_kwargs",
+                    self.init_kwargs,
+                    f"{key!r} is an option here: set ModelOptions.{option}",
+                )
+
+
+# The `from_pretrained` keywords that a ModelOptions option of another name sets.
+_OPTION_OF_KEYWORD = {"torch_dtype": "dtype", "quantization_config": "load_in_4bit"}
+
+
+def _field_names(options: object) -> set[str]:
+    return {f.name for f in fields(options)}
+
+
+def check_revision(source: str | None, options: ModelOptions) -> None:
+    """Refuse a revision for a policy that is a local folder: transformers loads the folder as it is,
+    whatever the revision says, so the option would be silently ignored."""
+    if options.revision is not None and source is not None and os.path.isdir(os.path.expanduser(source)):
+        raise option_error(
+            options,
+            "revision",
+            options.revision,
+            f"the policy {source!r} is a local folder, which has no revisions: drop the revision (or "
+            "download that revision into a folder: huggingface-cli download MODEL --revision REV --local-dir "
+            "DIR)",
+        )
+
+
+def chat_template_of(options: ModelOptions) -> str | None:
+    """The template `options.chat_template` gives: the value itself, or the text of the file it names (a
+    value without `{{` or `{%`); None when unset. Raises ValueError (one line) for a missing file or a
+    template that does not compile, as `apply_chat_template` compiles it."""
+    value = options.chat_template
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        template, what = value, f"ModelOptions.chat_template (a template of {len(value)} characters)"
+    else:
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+            raise option_error(
+                options,
+                "chat_template",
+                value,
+                f"no such file{where}: give a Jinja template, or the path of a file holding one (.jinja)",
+            )
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+        what = f"ModelOptions.chat_template={value!r}"
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as err:
+        line = f" at line {err.lineno}" if isinstance(err, TemplateSyntaxError) else ""
+        raise ValueError(f"{what} does not compile{line}: {err.message}; fix the template") from None
+    return template
 
 
 # A hub id: "name" or "org/name" of letters, digits, "-", "_" and ".".
@@ -118,10 +197,14 @@ def _loading(what: str, name_or_path: str) -> Iterator[None]:
         ) from err
 
 
-def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str, gguf_file: str | None = None, revision: str | None = None
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer ready for batched generation: left padding and a pad token."""
     _check_exists(name_or_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if revision is not None:
+        kwargs["revision"] = revision
     with _loading("tokenizer", name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     check_tokenizer(tokenizer, name_or_path)
@@ -191,8 +274,14 @@ def policy_parts(
     source = policy if isinstance(policy, str) else None
     if tokenizer is None and source is None:
         raise ValueError("pass a tokenizer along with an already-built policy model")
+    check_revision(source, options)
+    chat_template = chat_template_of(options)  # before the tokenizer loads
     if tokenizer is None or isinstance(tokenizer, str):
-        tokenizer = load_tokenizer(tokenizer or source, options.gguf_file)
+        own = tokenizer in (None, source)  # the policy's own tokenizer: from the same revision
+        revision = options.revision if own else None
+        tokenizer = load_tokenizer(tokenizer or source, options.gguf_file, revision)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
 
 
@@ -207,7 +296,10 @@ def model_positions(model: PreTrainedModel | None, source: str | None, options: 
     else:
         try:
             config = AutoConfig.from_pretrained(
-                source, trust_remote_code=options.trust_remote_code, local_files_only=True
+                source,
+                trust_remote_code=options.trust_remote_code,
+                revision=options.revision,
+                local_files_only=True,
             )
         except (OSError, ValueError):  # not a local folder, not in the cache: the model's loading says why
             return None
@@ -227,7 +319,10 @@ def load_model(name_or_path: str, options: ModelOptions | None = None) -> PreTra
     """Load a causal LM with `AutoModelForCausalLM.from_pretrained`."""
     options = options or ModelOptions()
     _check_exists(name_or_path)
-    kwargs: dict = {"trust_remote_code": options.trust_remote_code}
+    check_revision(name_or_path, options)
+    kwargs: dict = {**(options.init_kwargs or {}), "trust_remote_code": options.trust_remote_code}
+    if options.revision is not None:
+        kwargs["revision"] = options.revision
     kwargs["dtype"] = options.dtype if options.dtype == "auto" else getattr(torch, options.dtype)
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
