@@ -48,6 +48,7 @@ from grpo_lightning.config_checks import (
     check_config_files,
     drop_switched_logger_kwargs,
     plain_value_error,
+    reset_preset_data_defaults,
     strategy_class_path,
 )
 from grpo_lightning.core.config import GRPOConfig
@@ -256,6 +257,8 @@ class GRPOCLI(LightningCLI):
         self.given_args = args if isinstance(args, dict | Namespace) else sectioned
         super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            reset_preset_data_defaults(self.config[subcommand], self.typed_config(subcommand))
         if note := drop_switched_logger_kwargs(self.config[subcommand] if subcommand else self.config, argv):
             rank_zero_info(note)
 
