@@ -10,6 +10,7 @@ from jsonargparse import Namespace
 from transformers import AutoTokenizer
 
 from grpo_lightning.config_checks import reset_preset_data_defaults
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT
 from grpo_lightning.training.data import PromptDataModule
@@ -168,3 +169,36 @@ def test_a_class_switch_does_not_carry_the_presets_system_prompt():
     config = parsed(DEFAULT_SYSTEM_PROMPT)
     reset_preset_data_defaults(config, given)
     assert config.data.init_args.system_prompt == DEFAULT_SYSTEM_PROMPT  # the user's own choice stays
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    messages = [[{"role": "user", "content": "2 + 2?"}]]
+    config = GRPOConfig(chat_template_kwargs={"enable_thinking": False})
+    assert config.prompts.chat_template_kwargs == {"enable_thinking": False}
+
+    plain, _ = PromptEncoder(tokenizer).encode(messages, "cpu")
+    off, _ = PromptEncoder(tokenizer, chat_template_kwargs=config.chat_template_kwargs).encode(
+        messages, "cpu"
+    )
+    closed_block = tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert off[0].tolist() == plain[0].tolist() + closed_block
+    expected = tokenizer.apply_chat_template(
+        messages[0], tokenize=True, add_generation_prompt=True, enable_thinking=False, return_dict=False
+    )
+    assert off[0].tolist() == list(expected)
+
+
+def test_the_rollouts_encoder_takes_the_options_kwargs(tiny_model_dir):
+    module = tiny_module(tiny_model_dir, chat_template_kwargs={"enable_thinking": False})
+    assert module.rollouts.encoder.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r"GRPOConfig.prompts.chat_template_kwargs='off': must be a mapping"):
+        GRPOConfig(chat_template_kwargs="off")

@@ -27,6 +27,7 @@ ADDED_OPTIONS = {
     "adam_epsilon": 1e-8,
     "max_tool_calling_iterations": None,
     "max_tool_response_length": 256,
+    "chat_template_kwargs": None,
 }
 
 
