@@ -50,6 +50,7 @@ from grpo_lightning.config_checks import (
     check_config_files,
     drop_switched_logger_kwargs,
     plain_value_error,
+    reset_preset_data_defaults,
     strategy_class_path,
 )
 from grpo_lightning.core.config import GRPOConfig
@@ -271,6 +272,8 @@ class GRPOCLI(LightningCLI):
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
             super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            reset_preset_data_defaults(self.config[subcommand], self.typed_config(subcommand))
         if note := drop_switched_logger_kwargs(self.config[subcommand] if subcommand else self.config, argv):
             rank_zero_info(note)
 

@@ -239,3 +239,34 @@ def drop_switched_logger_kwargs(config: Any, argv: Sequence[str]) -> str | None:
         f"{LOGGER}: {name} replaces the config's {', '.join(sorted(others))}; its dict_kwargs "
         f"({', '.join(dropped)}) are not passed to {name}"
     )
+
+
+DATA_PRESET = "grpo_lightning.training.data.GSM8KDataModule"  # the CLI's data class when a config names none
+
+
+def reset_preset_data_defaults(config: Any, given: Any) -> None:
+    """Give a data class that replaces the preset its own defaults for the options the user left out:
+    jsonargparse keeps the preset's default values when the class changes (`--data.class_path
+    PromptDataModule` would get GSM8K's system prompt, which makes every prompt a conversation).
+    `given`: the command's options without the defaults (`GRPOCLI.typed_config`)."""
+    spec = config.get("data") if "data" in config else None
+    if not hasattr(spec, "get") or not spec.get("class_path") or spec["class_path"] == DATA_PRESET:
+        return
+    init_args = spec.get("init_args")
+    module_name, _, name = spec["class_path"].rpartition(".")
+    try:
+        own = inspect.signature(getattr(importlib.import_module(module_name), name).__init__).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return  # jsonargparse names a class it cannot import
+    preset_module, _, preset_name = DATA_PRESET.rpartition(".")
+    preset = inspect.signature(
+        getattr(importlib.import_module(preset_module), preset_name).__init__
+    ).parameters
+    given_args = given.get("data.init_args") if hasattr(given, "get") else None
+    given_keys = set(given_args.keys()) if hasattr(given_args, "keys") else set()
+    for key in list(init_args.keys()) if hasattr(init_args, "keys") else []:
+        if key in given_keys or key not in own or key not in preset:
+            continue
+        carried, default = preset[key].default, own[key].default
+        if default is not inspect.Parameter.empty and init_args[key] == carried != default:
+            init_args[key] = default

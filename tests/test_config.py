@@ -62,6 +62,7 @@ REFUSED = {
         "min_completion_length": ints_below(0) | st.integers(min_value=257) | st.just(None),
         "max_prompt_length": ints_below(1) | st.just(1.5),
         "truncate_prompts": st.sampled_from(["right", "LEFT", "", None]),
+        "chat_template_kwargs": st.sampled_from(["enable_thinking=false", ["enable_thinking"], False, 1]),
         "temperature": below(0, inclusive=True) | NOT_A_NUMBER,
         "top_p": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "top_k": ints_below(-1) | st.just(2.5),  # -1 and None are TRL's 0

@@ -35,7 +35,7 @@ _KIND_WORDS = {
     bool: "true or false",
     str: "a string",
     list: "a list of names",
-    dict: "a mapping",
+    dict: "a mapping of names to values",
 }
 
 
@@ -159,7 +159,7 @@ class Rule:
 
 def rule_of(annotation: object) -> Rule:
     """The `Rule` an annotation declares: `X | None`, `Annotated[X, Range(...)]`, `Literal[...]`, `list[str]`,
-    a union of those, or a plain `int`, `float`, `bool` or `str`."""
+    `dict[str, ...]`, a union of those, or a plain `int`, `float`, `bool` or `str`."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
@@ -177,8 +177,8 @@ def rule_of(annotation: object) -> Rule:
     if origin is Literal:
         choices = typing.get_args(annotation)
         return Rule((type(choices[0]),), choices=choices)
-    if origin is list:
-        return Rule((list,))
+    if origin in (list, dict):
+        return Rule((origin,))
     if annotation not in _KIND_WORDS:
         raise TypeError(f"no rule for the annotation {annotation!r}")
     return Rule((annotation,))

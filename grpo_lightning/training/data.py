@@ -17,6 +17,7 @@ same rows' prompts.
 
 import functools
 import random
+import string
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -76,6 +77,20 @@ class PromptDataModule(L.LightningDataModule):
             hub data set loaded with `datasets.load_dataset(source, config_name, split=...)`. Required.
         config_name: the hub data set's configuration (GSM8K's is "main"); None for its default.
         prompt_field: the column holding the prompt. Default "prompt". It reaches the rewards as `prompts`.
+        system_prompt: a system message put before each prompt, which makes every prompt chat messages
+            (open-r1's `system_prompt`): a text prompt becomes `[{"role": "system", "content":
+            system_prompt}, {"role": "user", "content": <the text>}]`; a chat prompt gets the system turn
+            put first, and one that already starts with a system turn is refused (two system turns are
+            something no chat template expects). Default None: none.
+        prompt_template: a Python format string over the row's columns that writes each text prompt
+            (`"Solve: {question}"`), instead of reading `prompt_field`; the other columns still reach the
+            rewards, and a row's own `prompt` column, which the template may read, is replaced by the
+            text. A `{name}` that is no column is refused before any weights load. Default None.
+        chat_prompt: make each text prompt the user's turn of a conversation, rendered through the chat
+            template (TRL's "conversational" format; open-r1 makes one from its `dataset_prompt_column`).
+            Default False: a text prompt stays text, tokenized as it is without any chat template (TRL's
+            "standard" format), unless `system_prompt` is set, which implies a conversation. Prompts that
+            are chat messages in the rows are conversational either way.
         answer_field: the column holding the reference answer that validation checks (a number, or
             GSM8K's `#### N` form) when the model has no `val_reward`. Default "answer"; rows need it only
             for that check.
@@ -101,6 +116,9 @@ class PromptDataModule(L.LightningDataModule):
         config_name: str | None = None,
         prompt_field: str = "prompt",
         answer_field: str = "answer",
+        system_prompt: str | None = None,
+        prompt_template: str | None = None,
+        chat_prompt: bool = False,
         batch_size: AtLeastOne = 4,
         val_size: NonNegativeInt = 64,
         val_split: ValSplit = "holdout",
@@ -118,10 +136,6 @@ class PromptDataModule(L.LightningDataModule):
         self.source = source
         self.val_sets = list(val_sets or [])
         self.val_set_rows: list[list[Row]] = []  # each set's rows, read in `setup`
-        # `_loader` hands it to `collate_rows`, which only uses it for rows without a prompt (GSM8K's preset
-        # builds them at read time); a base option it is not, so that the CLI, when switching from the
-        # preset to this class, does not carry the preset's system prompt over.
-        self.hparams.setdefault("system_prompt", None)
         self.train_rows: list[Row] = []
         self.val_rows: list[Row] = []
         self.test_rows: list[Row] = []  # read in `setup` for `test` and `predict`
@@ -143,6 +157,25 @@ class PromptDataModule(L.LightningDataModule):
         names = ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"]
         check_arguments("data", signature, hp, names)
         check_validation_sets(self.val_sets)
+        self._template_columns()
+
+    def _template_columns(self) -> list[str]:
+        """The columns `prompt_template` names, or `ValueError` for a template that `str.format` cannot
+        fill from columns (a broken brace, a `{}` without a name)."""
+        template = self.hparams.get("prompt_template")
+        if template is None:
+            return []
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as err:
+            raise ValueError(f"data.prompt_template={template!r}: not a format string ({err})") from None
+        columns = [name.split(".")[0].split("[")[0] for name in names]
+        if not columns or any(not column or column.isdigit() for column in columns):
+            raise ValueError(
+                f"data.prompt_template={template!r}: name the columns it reads in braces, e.g. "
+                "'Solve: {question}'"
+            )
+        return columns
 
     @property
     def answer_column(self) -> str:
@@ -160,22 +193,63 @@ class PromptDataModule(L.LightningDataModule):
         hp = self.hparams
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-        if hp.prompt_field not in row:
-            raise ValueError(
-                f"{where}: missing field {hp.prompt_field!r} (has {sorted(row)}); name the prompt column "
-                "with data.prompt_field"
-            )
-        prompt = row[hp.prompt_field]
-        check_prompt(prompt, where, hp.prompt_field)
+        if hp.prompt_template is not None:
+            prompt, field = self._templated_prompt(row, where), "prompt"
+            out = {k: v for k, v in row.items() if k != "prompt"}
+        else:
+            if hp.prompt_field not in row:
+                raise ValueError(
+                    f"{where}: missing field {hp.prompt_field!r} (has {sorted(row)}); name the prompt column "
+                    "with data.prompt_field"
+                )
+            prompt, field = row[hp.prompt_field], hp.prompt_field
+            out = {k: v for k, v in row.items() if k != hp.prompt_field}
+            if "prompt" in out:  # it would replace the prompt read from prompt_field
+                raise ValueError(
+                    f"{where}: has a column 'prompt' beside the prompt column {hp.prompt_field!r} "
+                    "(data.prompt_field): rename one of them"
+                )
+        check_prompt(prompt, where, field)
         if hp.answer_field in row:
             check_answer(row[hp.answer_field], where, hp.answer_field)
-        out = {k: v for k, v in row.items() if k != hp.prompt_field}
-        if "prompt" in out:  # it would replace the prompt read from prompt_field
+        return {"prompt": self._as_conversation(prompt, where, field), **out}
+
+    def _templated_prompt(self, row: Row, where: str) -> str:
+        """`prompt_template` filled from the row's columns; a name that is no column is refused."""
+        template = self.hparams.prompt_template
+        missing = [column for column in self._template_columns() if column not in row]
+        if missing:
             raise ValueError(
-                f"{where}: has a column 'prompt' beside the prompt column {hp.prompt_field!r} "
-                "(data.prompt_field): rename one of them"
+                f"{where}: data.prompt_template={template!r} names {{{missing[0]}}}, which is not a column "
+                f"(the columns are {sorted(row)}): name a column in braces"
             )
-        return {"prompt": prompt, **out}
+        try:
+            return template.format_map(row)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"{where}: data.prompt_template={template!r} cannot be filled from the row "
+                f"({type(err).__name__}: {err})"
+            ) from None
+
+    def _as_conversation(self, prompt: str | list, where: str, field: str) -> str | list:
+        """The prompt as `system_prompt` and `chat_prompt` make it: a text prompt as the user's turn (after
+        the system turn), a chat prompt with the system turn put first; else as it is."""
+        system_prompt = self.hparams.system_prompt
+        if isinstance(prompt, str):
+            return chat_prompt(prompt, system_prompt) if self.makes_conversations else prompt
+        if not system_prompt:
+            return prompt
+        if prompt[0]["role"] == "system":
+            raise ValueError(
+                f"{where}: field {field!r} starts with a system message of its own, and data.system_prompt "
+                "would put a second one before it: drop data.system_prompt, or the rows' system messages"
+            )
+        return [{"role": "system", "content": system_prompt}, *prompt]
+
+    @property
+    def makes_conversations(self) -> bool:
+        """Whether text prompts become chat messages (`chat_prompt`, or a `system_prompt`)."""
+        return bool(self.hparams.get("chat_prompt")) or self.hparams.system_prompt is not None
 
     def _records(self, split: str) -> list[tuple[str, object]]:
         return read_split_records(self.source, self.hparams.config_name, split)
@@ -427,6 +501,7 @@ class GSM8KDataModule(PromptDataModule):
             val_split=val_split,
             val_batch_size=val_batch_size,
             train_size=train_size,
+            system_prompt=system_prompt,
             seed=seed,
             num_workers=num_workers,
             val_sets=val_sets,

@@ -123,8 +123,12 @@ class PolicyRollouts:
 
     @property
     def encoder(self) -> PromptEncoder:
+        sampling = self.cfg.sampling
         return PromptEncoder(
-            self.tokenizer, self.cfg.sampling.max_prompt_length, self.cfg.sampling.truncate_prompts
+            self.tokenizer,
+            sampling.max_prompt_length,
+            sampling.truncate_prompts,
+            self.cfg.prompts.chat_template_kwargs,
         )
 
     @property
