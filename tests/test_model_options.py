@@ -91,7 +91,7 @@ def test_init_kwargs_reach_from_pretrained(tiny_model_dir):
 
 def test_init_kwargs_must_be_a_mapping():
     with pytest.raises(
-        ValueError, match=r"ModelOptions.init_kwargs=\['use_cache'\]: must be a mapping or None"
+        ValueError, match=r"ModelOptions.init_kwargs=\['use_cache'\]: must be a mapping of names to values or None"
     ):
         ModelOptions(init_kwargs=["use_cache"])
 
