@@ -14,7 +14,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT
 from grpo_lightning.training.data import PromptDataModule
-from tests.helpers import quiet_trainer, tiny_module
+from tests.helpers import quiet_trainer, recorded_prompt_ids, tiny_module
 
 ROWS = [{"problem": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(6)]
 SYSTEM = "Think, then answer."
@@ -31,20 +31,6 @@ class PromptRecorder:
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         self.prompts.extend(prompts)
         return [float(len(str(c))) for c in completions]
-
-
-def recorded_prompt_ids(monkeypatch) -> list[list[int]]:
-    """Each prompt's token ids (padding dropped) as the encoder hands them to the policy."""
-    seen: list[list[int]] = []
-    encode = PromptEncoder.encode
-
-    def recording(self, prompts, device, tools=None):
-        ids, mask = encode(self, prompts, device, tools)
-        seen.extend([row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)])
-        return ids, mask
-
-    monkeypatch.setattr(PromptEncoder, "encode", recording)
-    return seen
 
 
 def test_a_system_prompt_makes_the_text_column_a_conversation(tiny_model_dir, monkeypatch):
