@@ -5,7 +5,6 @@ functions by open-r1's names.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import fields
 
 from grpo_lightning.io.models import LoraOptions, ModelOptions
@@ -200,13 +199,6 @@ def vllm(c: Conversion) -> None:
 DATA_CLASS = "grpo_lightning.training.data.PromptDataModule"
 
 
-def data_arguments() -> set[str]:
-    """The options of the data module the converted config names."""
-    from grpo_lightning.training.data import PromptDataModule
-
-    return set(inspect.signature(PromptDataModule).parameters)
-
-
 @MODEL_RULES(
     "dataset_name",
     "dataset_config",
@@ -216,7 +208,6 @@ def data_arguments() -> set[str]:
     "dataset_prompt_column",
     "system_prompt",
     "chat_template",
-    "chat_template_kwargs",
     "dataloader_num_workers",
     "remove_unused_columns",
     "shuffle_dataset",
@@ -224,7 +215,6 @@ def data_arguments() -> set[str]:
     "data_seed",
 )
 def data(c: Conversion) -> None:
-    own = data_arguments()
     c.put("data.class_path", DATA_CLASS)
     if c.has("dataset_name"):
         c.row("dataset_name", "mapped", c.put("data.init_args.source", c.get("dataset_name")))
@@ -255,26 +245,21 @@ def data(c: Conversion) -> None:
         "open-r1's mixture of data sets: concatenate them into one (datasets.concatenate_datasets, then "
         "save_to_disk) and set data.init_args.source to it",
     )
-    column = c.get("dataset_prompt_column", "prompt")
-    if column != "prompt":
-        c.put("data.init_args.prompt_field", column)
-    c.row(
-        "dataset_prompt_column",
-        "converted",
-        "data.init_args.prompt_field",
-        "open-r1 makes the column's text the user turn of a chat prompt; here a text prompt is the policy's "
-        "input as it is (no chat template): write the column as chat messages to match",
-    )
-    for key, hint in (
-        ("system_prompt", "put the system turn in the prompt column's chat messages"),
-        ("chat_template_kwargs", "the tokenizer's chat template is rendered with its defaults"),
-    ):
-        if c.get(key) is None:
-            c.row(key, "mapped", "", "None: nothing to set")
-        elif key in own:
-            c.row(key, "mapped", c.put(f"data.init_args.{key}", c.get(key)))
-        else:
-            c.row(key, "unsupported", "", hint)
+    if c.has("dataset_prompt_column"):  # open-r1's script: the column's text is the user's turn
+        column = c.get("dataset_prompt_column")
+        field = [c.put("data.init_args.prompt_field", column)] if column != "prompt" else []
+        c.row(
+            "dataset_prompt_column",
+            "mapped",
+            ", ".join([*field, c.put("data.init_args.chat_prompt", True)]),
+            "the column's text is the user's turn of a conversation rendered through the chat template, as "
+            "open-r1's script makes it (a column of chat messages is taken as it is)",
+        )
+    system_prompt = c.get("system_prompt")
+    if system_prompt is None:
+        c.row("system_prompt", "mapped", "", "None: nothing to set")
+    else:
+        c.row("system_prompt", "mapped", c.put("data.init_args.system_prompt", system_prompt))
     template = c.get("chat_template")
     c.row(
         "chat_template",

@@ -1,6 +1,6 @@
 """What several test files share: the GSM8K rows, dense rewards for random-weight models, a quiet CPU
 Trainer, a small GRPO module on the tiny model, a model that is not all full attention, the CLI's one-line
-errors and the accuracy metric's names."""
+errors, the accuracy metric's names and the prompt ids the policy is given."""
 
 import json
 import os
@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning.cli import main
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
@@ -122,3 +123,17 @@ def write_rows(path, rows: list) -> str:
 def copy_model(tiny_model_dir: str, folder) -> str:
     shutil.copytree(tiny_model_dir, folder)
     return str(folder)
+
+
+def recorded_prompt_ids(monkeypatch) -> list[list[int]]:
+    """Each prompt's token ids (padding dropped) as the encoder hands them to the policy, as they come."""
+    seen: list[list[int]] = []
+    encode = PromptEncoder.encode
+
+    def recording(self, prompts, device, tools=None):
+        ids, mask = encode(self, prompts, device, tools)
+        seen.extend([row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)])
+        return ids, mask
+
+    monkeypatch.setattr(PromptEncoder, "encode", recording)
+    return seen

@@ -10,11 +10,13 @@ from jsonargparse import Namespace
 from transformers import AutoTokenizer
 
 from grpo_lightning.config_checks import reset_preset_data_defaults
+from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.prompts import PromptEncoder
-from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT
+from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
 from grpo_lightning.training.data import PromptDataModule
-from tests.helpers import quiet_trainer, tiny_module
+from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
+from tests.helpers import GSM8K_DIR, quiet_trainer, recorded_prompt_ids, tiny_module
 
 ROWS = [{"problem": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(6)]
 SYSTEM = "Think, then answer."
@@ -31,20 +33,6 @@ class PromptRecorder:
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         self.prompts.extend(prompts)
         return [float(len(str(c))) for c in completions]
-
-
-def recorded_prompt_ids(monkeypatch) -> list[list[int]]:
-    """Each prompt's token ids (padding dropped) as the encoder hands them to the policy."""
-    seen: list[list[int]] = []
-    encode = PromptEncoder.encode
-
-    def recording(self, prompts, device, tools=None):
-        ids, mask = encode(self, prompts, device, tools)
-        seen.extend([row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)])
-        return ids, mask
-
-    monkeypatch.setattr(PromptEncoder, "encode", recording)
-    return seen
 
 
 def test_a_system_prompt_makes_the_text_column_a_conversation(tiny_model_dir, monkeypatch):
@@ -186,9 +174,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
     assert config.prompts.chat_template_kwargs == {"enable_thinking": False}
 
     plain, _ = PromptEncoder(tokenizer).encode(messages, "cpu")
-    off, _ = PromptEncoder(tokenizer, chat_template_kwargs=config.chat_template_kwargs).encode(
-        messages, "cpu"
-    )
+    off, _ = PromptEncoder(tokenizer, options=config.prompts).encode(messages, "cpu")
     closed_block = tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
     assert off[0].tolist() == plain[0].tolist() + closed_block
     expected = tokenizer.apply_chat_template(
@@ -199,6 +185,27 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
 
 def test_the_rollouts_encoder_takes_the_options_kwargs(tiny_model_dir):
     module = tiny_module(tiny_model_dir, chat_template_kwargs={"enable_thinking": False})
-    assert module.rollouts.encoder.chat_template_kwargs == {"enable_thinking": False}
+    assert module.rollouts.encoder.options == PromptOptions(chat_template_kwargs={"enable_thinking": False})
     with pytest.raises(ValueError, match=r"GRPOConfig.prompts.chat_template_kwargs='off': must be a mapping"):
         GRPOConfig(chat_template_kwargs="off")
+
+
+def test_an_evaluation_renders_its_prompts_with_the_modules_kwargs(tiny_model_dir, monkeypatch):
+    """`GSM8KAccuracyCallback` samples a `GRPOModule`'s policy from prompts rendered as its training ones."""
+    seen = recorded_prompt_ids(monkeypatch)
+    module = tiny_module(tiny_model_dir, chat_template_kwargs={"enable_thinking": False})
+    module.configure_model()
+    module.tokenizer.chat_template = THINKING_TEMPLATE
+    callback = GSM8KAccuracyCallback(source=GSM8K_DIR, split="holdout", num_problems=2, max_new_tokens=2)
+    callback.setup(None, module, "fit")
+    callback.evaluate(module)
+    batch = collate_rows(callback.data.val_rows, callback.data.hparams.system_prompt)["prompt"]
+    expected = [
+        module.tokenizer.apply_chat_template(
+            p, tokenize=True, add_generation_prompt=True, enable_thinking=False, return_dict=False
+        )
+        for p in batch
+    ]
+    assert len(seen) == 2 and seen == [list(ids) for ids in expected]
+    closed_block = module.tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert all(ids[-len(closed_block) :] == closed_block for ids in seen)

@@ -26,6 +26,7 @@ from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
 from grpo_lightning.trl_output_rules import CHECKPOINT_CLASS
 from grpo_lightning.trl_recipes import Recipe, read_recipe
 from grpo_lightning.trl_versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
+from tests.helpers import recorded_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "tests" / "fixtures" / "trl_recipes"
@@ -74,13 +75,17 @@ def test_each_recipe_converts_and_its_table_lists_every_option(name):
         assert (f"#   {row.key}: " in written) == (row.kind == "unsupported"), row.key
 
 
-def write_rows(folder: Path, prompt_field: str) -> str:
+PROBLEMS = [f"What is {a} + 2?" for a in range(8)]
+
+
+def write_rows(folder: Path, prompt_field: str, as_text: bool) -> str:
     """A train and a test split of 8 arithmetic problems, the prompt column named as the converted config
-    reads it, as chat messages (TRL's conversational format, which open-r1's scripts build)."""
+    reads it: text where the config makes it the user's turn (open-r1's data sets, whose script builds the
+    conversation), else chat messages (TRL's conversational format)."""
     folder.mkdir()
     rows = [
-        {prompt_field: [{"role": "user", "content": f"What is {a} + 2?"}], "solution": str(a + 2)}
-        for a in range(8)
+        {prompt_field: text if as_text else [{"role": "user", "content": text}], "solution": str(a + 2)}
+        for a, text in enumerate(PROBLEMS)
     ]
     for split in ("train", "test"):
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -100,24 +105,34 @@ CPU_OVERRIDES = (
     "--model.model_options.attn_implementation=null",
     "--model.grpo.sampling.num_generations=2",
     "--model.grpo.sampling.max_completion_length=8",
-    "--model.grpo.sampling.max_prompt_length=64",
+    "--model.grpo.sampling.max_prompt_length=256",  # open-r1's system prompts whole (under 200 tokens)
     "--data.batch_size=4",
 )
 OVERRIDDEN = {"num_generations", "max_completion_length", "max_prompt_length"}
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_each_converted_recipe_trains_two_steps_with_cpu_overrides(name, tiny_model_dir, tmp_path):
+def test_each_converted_recipe_trains_two_steps_with_cpu_overrides(
+    name, tiny_model_dir, tmp_path, monkeypatch
+):
     out = tmp_path / "run.yaml"
     cli_main(["from-trl", str(RECIPES / name), "--trl-version", FIXTURES[name], "--out", str(out)])
     config = yaml.safe_load(out.read_text())
+    data_options = config["data"]["init_args"]
+    recipe = read_recipe(str(RECIPES / name)).keys
+    # open-r1's script makes the prompt column's text the user's turn, after its system prompt; TRL's
+    # script keeps TRL's standard format.
+    assert data_options.get("chat_prompt", False) == ("dataset_prompt_column" in recipe)
+    assert data_options.get("system_prompt") == recipe.get("system_prompt")
     # open-r1's reward functions need the open-r1 package (installed from its repository, not PyPI), and
     # TRL's script passes its own in code: a reward of the tests' stands in for them, in the file, where
     # jsonargparse imports them.
     config["model"]["reward_funcs"] = ["tests.helpers.digit_reward"]
     config["model"].pop("reward_weights", None)
     out.write_text(yaml.safe_dump(config))
-    source = write_rows(tmp_path / "data", config["data"]["init_args"].get("prompt_field", "prompt"))
+    field = data_options.get("prompt_field", "prompt")
+    source = write_rows(tmp_path / "data", field, as_text=data_options.get("chat_prompt", False))
+    seen = recorded_prompt_ids(monkeypatch)
     cli = build_cli(
         [
             "fit",
@@ -146,6 +161,20 @@ def test_each_converted_recipe_trains_two_steps_with_cpu_overrides(name, tiny_mo
         if flat not in OVERRIDDEN and FLAT_NAMES[flat].path[0] != "engine":  # the engine is overridden
             assert getattr(cli.model.grpo, flat) == value, flat
     assert cli.datamodule.hparams.seed == config["data"]["init_args"]["seed"]
+    # The policy's prompts are the chat template's rendering of the conversation open-r1 builds.
+    system = [{"role": "system", "content": recipe["system_prompt"]}] if "system_prompt" in recipe else []
+    renders = {
+        tuple(
+            cli.model.tokenizer.apply_chat_template(
+                [*system, {"role": "user", "content": problem}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
+        for problem in PROBLEMS
+    }
+    assert len(seen) >= 2 * 4 and {tuple(ids) for ids in seen} <= renders
 
 
 def test_the_fixtures_convert_as_their_recipes_say():
@@ -257,6 +286,11 @@ def test_the_version_comes_from_the_option_then_the_recipe_then_the_newest():
         ({"warmup_ratio": 0.1, "warmup_steps": 7, "max_steps": 500}, "warmup_steps", 7),  # steps win
         ({"top_k": None}, "top_k", 0),
         ({"max_grad_norm": 0}, "max_grad_norm", None),
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            "chat_template_kwargs",
+            {"enable_thinking": False},
+        ),
     ],
 )
 def test_trls_spellings_mean_our_values(keys, flat, ours):

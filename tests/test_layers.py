@@ -116,6 +116,7 @@ CORE_ORDER = (
     "grpo_lightning.core.memory",
     "grpo_lightning.core.rewards",
     "grpo_lightning.core.metrics",
+    "grpo_lightning.core.chat_template",
     "grpo_lightning.core.tools",
     "grpo_lightning.core.generation",
     "grpo_lightning.core.algorithm",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.prompts import PromptEncoder
@@ -121,6 +122,52 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer
         check_prefix_preserving(changing, False)
     assert "\n" not in str(e.value)
     check_prefix_preserving(tokenizer, True)
+
+
+CLOSED_THINKING = "<think>\n\n</think>\n\n"  # what the template below writes under enable_thinking=False
+
+
+def thinking_template(template: str) -> str:
+    """Qwen2.5's template with Qwen3's `enable_thinking=False`: a closed thinking block opening each answer
+    (the generation prompt's and an answered assistant turn's), so that conversations stay prefixes."""
+    turn = "{{- '<|im_start|>' + message.role + '\\n' + message.content"
+    header = "{{- '<|im_start|>assistant\\n'"
+    assert template.count(turn) == 1 and template.count(header) == 1
+    closed = (
+        "{%- set closed = '<think>\\n\\n</think>\\n\\n' if enable_thinking is defined "
+        "and not enable_thinking else '' %}\n"
+    )
+    return closed + template.replace(
+        turn,
+        "{{- '<|im_start|>' + message.role + '\\n' + (closed if message.role == 'assistant' else '') "
+        "+ message.content",
+    ).replace(header, header + " + closed")
+
+
+def test_the_tool_turn_is_rendered_with_the_runs_chat_template_kwargs(tokenizer):
+    """The next assistant header after the tool results is the template's under the run's
+    `chat_template_kwargs`, as the prompt's is: here a closed thinking block, as Qwen3's template opens an
+    answer under `enable_thinking=False`."""
+    thinking = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    thinking.chat_template = thinking_template(tokenizer.chat_template)
+    off = PromptOptions(chat_template_kwargs={"enable_thinking": False})
+    results = tool_messages([("calculator", "42")], True)
+    default = tool_suffix_ids(thinking, results)
+    assert default == tool_suffix_ids(tokenizer, results)  # the template's default: no block
+    assert tool_suffix_ids(thinking, results, off) == default + tokens(tokenizer, CLOSED_THINKING)
+
+    engine = ScriptedEngine(thinking, settings_of(thinking, 1000))
+    tools = ToolRollouts(engine, thinking, ToolRunner([calculator]), off)
+    ids, mask = PromptEncoder(thinking, options=off).encode([[{"role": "user", "content": "p0"}]], "cpu")
+    assert thinking.decode(ids[0][mask[0].bool()]).endswith("<|im_start|>assistant\n" + CLOSED_THINKING)
+    rollout, _ = tools.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
+    first_turn = tokens(thinking, SCRIPTS["p0"][0])
+    suffix = tool_suffix_ids(thinking, results, off)
+    completion = rollout.completion_ids[0, : int(rollout.completion_mask[0].sum())].tolist()
+    assert completion == first_turn + suffix + tokens(thinking, SCRIPTS["p0"][1])
+    assert rollout.tool_mask[0].tolist()[: len(completion)] == (
+        [1] * len(first_turn) + [0] * len(suffix) + [1] * len(tokens(thinking, SCRIPTS["p0"][1]))
+    )
 
 
 def expected_row(tokenizer, name: str, results: list[list[str]]) -> tuple[list[int], list[int]]:

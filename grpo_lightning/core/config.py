@@ -26,8 +26,8 @@ from grpo_lightning.core.algorithm.loss import PolicyLossOptions
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSyncOptions
 from grpo_lightning.core.algorithm.sampler_correction import SamplerCorrectionOptions
 from grpo_lightning.core.algorithm.schedules import OptimizerOptions
+from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.backends import EngineOptions
-from grpo_lightning.core.generation.prompts import PromptOptions
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.generation.scorer import ScoringOptions
 from grpo_lightning.core.options import (
@@ -105,7 +105,7 @@ class GRPOConfig:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     """The group and how its completions are drawn (`generation.sampling.SamplingOptions`)."""
     prompts: PromptOptions = field(default_factory=PromptOptions)
-    """How chat prompts are rendered: the chat template's keyword arguments (`generation.prompts`)."""
+    """How chat prompts are rendered: the chat template's keyword arguments (`chat_template`)."""
     dynamic_sampling: Annotated[DynamicSamplingOptions | None, Alias("dynamic_sampling")] = None
     """Dynamic sampling, DAPO's filter of groups without signal (`algorithm.dynamic_sampling`); None: off.
     Flat: `dynamic_sampling: true`."""

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.engines import EagerEngine, RolloutEngine
 from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler
 from grpo_lightning.core.generation.sampling import SamplingSettings, stop_token_ids
@@ -52,10 +53,12 @@ def generate_answers(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     engine: RolloutEngine | None = None,
+    prompt_options: PromptOptions = PromptOptions(),
 ) -> list[str]:
     """Decoded completions of chat `prompts`, `num_generations` per prompt (greedy when 1), grouped.
     `engine`: the rollout engine to sample through (a `GRPOModule`'s, whose stop ids it keeps); default
-    `generate` on `model` itself."""
+    `generate` on `model` itself. `prompt_options`: how the chat template renders the prompts (a
+    `GRPOModule`'s `grpo.prompts`, as its training prompts)."""
     if engine is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token is not None else tokenizer.eos_token_id
         settings = SamplingSettings(
@@ -65,7 +68,7 @@ def generate_answers(
         )
         engine = EagerEngine(settings)
     settings = engine.settings.for_evaluation(max_new_tokens, temperature)
-    sampler = PromptSampler(PromptEncoder(tokenizer), engine, settings)
+    sampler = PromptSampler(PromptEncoder(tokenizer, options=prompt_options), engine, settings)
     _, completions = sampler.sample(model, prompts, num_generations, do_sample=num_generations > 1)
     return completions
 
@@ -77,6 +80,13 @@ def module_engine(pl_module: L.LightningModule, model: PreTrainedModel) -> Rollo
     if rollouts is None or model is not getattr(pl_module, "policy", None):
         return None
     return rollouts.current_engine()
+
+
+def module_prompt_options(pl_module: L.LightningModule) -> PromptOptions:
+    """How a module's chat prompts are rendered: a `GRPOModule`'s `grpo.prompts`, the template's defaults for
+    another module."""
+    options = getattr(getattr(pl_module, "grpo", None), "prompts", None)
+    return options if isinstance(options, PromptOptions) else PromptOptions()
 
 
 class GSM8KAccuracyCallback(L.Callback):
@@ -142,7 +152,7 @@ class GSM8KAccuracyCallback(L.Callback):
         tokenizer = attrgetter(self.tokenizer_attr)(pl_module)
         rows = self.data.val_rows[rank::world_size]
         metric = GSM8KAccuracy(k=self.num_generations).to(pl_module.device)
-        system_prompt = self.data.hparams.system_prompt
+        system_prompt, prompt_options = self.data.hparams.system_prompt, module_prompt_options(pl_module)
         engine = module_engine(pl_module, model)  # GRPOModule's: the engine (and copy) training samples from
         if engine is not None:
             engine.refresh(model, pl_module.device)  # every rank, rows or not: a collective under FSDP2
@@ -160,6 +170,7 @@ class GSM8KAccuracyCallback(L.Callback):
                     max_new_tokens=self.max_new_tokens,
                     temperature=self.temperature,
                     engine=engine,
+                    prompt_options=prompt_options,
                 )
                 metric.update(completions, batch["answer"])
         return metric.compute()

@@ -128,7 +128,7 @@ class PolicyRollouts:
             self.tokenizer,
             sampling.max_prompt_length,
             sampling.truncate_prompts,
-            self.cfg.prompts.chat_template_kwargs,
+            self.cfg.prompts,
         )
 
     @property

@@ -248,7 +248,7 @@ class ToolSampling:
         schemas = [
             [runner.row_schemas[i][name] for name in runner.row_tools[i]] for i in range(len(row_tools))
         ]
-        if not template_renders_tools(tokenizer, list(runner.schemas.values())):
+        if not template_renders_tools(tokenizer, list(runner.schemas.values()), rollouts.cfg.prompts):
             row_prompts = [
                 with_tools_in_system_prompt(p, s) for p, s in zip(row_prompts, schemas, strict=True)
             ]
@@ -262,7 +262,7 @@ class ToolSampling:
         encoded_tools = None if schemas is None else schemas[::G] if shared else schemas
         with rollouts.ready_engine() as (engine, device):
             ids, mask = rollouts.encoder.encode(encoded, device, tools=encoded_tools)
-            rollout, turns = ToolRollouts(engine, tokenizer, runner).generate(
+            rollout, turns = ToolRollouts(engine, tokenizer, runner, rollouts.cfg.prompts).generate(
                 rollouts.policy, ids, mask, num_generations=G if shared else 1, do_sample=do_sample
             )
         completions = rollouts.encoder.decode(rollout)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, assistant_message, parse_tool_calls
@@ -70,18 +71,22 @@ class ToolTurns:
 
 class ToolRollouts:
     """Multi-turn rollouts of `runner`'s tools through `engine`, the chat template of `tokenizer` rendering
-    the tool turns, bounded by the runner's `ToolOptions`. Checks once that the template renders
-    conversations as prefixes of the next (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
+    the tool turns with `prompt_options` (the run's `GRPOConfig.prompts`, as its prompts), bounded by the
+    runner's `ToolOptions`. Checks once that the template renders conversations as prefixes of the next
+    (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
 
     def __init__(
         self,
         engine: RolloutEngine,
         tokenizer: PreTrainedTokenizerBase,
         runner: ToolRunner,
+        prompt_options: PromptOptions = PromptOptions(),
     ) -> None:
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
-        self.template_has_tools = template_renders_tools(tokenizer, list(runner.schemas.values()))
-        check_prefix_preserving(tokenizer, self.template_has_tools)
+        self.prompt_options = prompt_options
+        schemas = list(runner.schemas.values())
+        self.template_has_tools = template_renders_tools(tokenizer, schemas, prompt_options)
+        check_prefix_preserving(tokenizer, self.template_has_tools, prompt_options)
 
     def generate(
         self,
@@ -135,7 +140,8 @@ class ToolRollouts:
             results = self.runner([calls[i] for i in live], rows=live)
             going = []
             for i, row_results in zip(live, results, strict=True):
-                suffix = tool_suffix_ids(self.tokenizer, tool_messages(row_results, self.template_has_tools))
+                turn = tool_messages(row_results, self.template_has_tools)
+                suffix = tool_suffix_ids(self.tokenizer, turn, self.prompt_options)
                 length = len(samples[i].ids) + len(suffix)
                 if length > s.max_new_tokens or (
                     context_limit is not None and len(samples[i].context) + length >= context_limit

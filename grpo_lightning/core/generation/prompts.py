@@ -1,6 +1,6 @@
-"""Prompts in, text out, around an engine: `PromptOptions` (how chat prompts are rendered),
-`PromptEncoder` (text or chat prompts -> left-padded token ids: the chat template, `max_prompt_length`;
-completion ids -> text) and `PromptSampler` (the encoder, then the engine, then the decoded completions),
+"""Prompts in, text out, around an engine: `PromptEncoder` (text or chat prompts -> left-padded token ids:
+the chat template with the run's `PromptOptions`, `max_prompt_length`; completion ids -> text) and
+`PromptSampler` (the encoder, then the engine, then the decoded completions),
 the one sampling path of training, validation and `evaluation.generate_answers`; `warn_if_unteachable` says
 when a rollout's decoded completions cannot teach anything.
 
@@ -12,16 +12,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.core.chat_template import PromptOptions, render_chat
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.options import check_fields
 from grpo_lightning.core.types import Rollout
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
@@ -52,20 +51,6 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
         )
 
 
-@dataclass(frozen=True)
-class PromptOptions:
-    """How chat prompts become the policy's text (`GRPOConfig.prompts`)."""
-
-    chat_template_kwargs: dict[str, Any] | None = None
-    """Keyword arguments given to every `apply_chat_template` call that renders a prompt, as TRL's
-    `chat_template_kwargs`: e.g. `{"enable_thinking": false}` for Qwen3's template, which then opens the
-    answer with an empty thinking block. Default None: the template's own defaults.
-    """
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-
 @dataclass
 class PromptEncoder:
     """Prompts (text or chat messages) -> left-padded token ids, and completion ids -> text.
@@ -74,13 +59,14 @@ class PromptEncoder:
         tokenizer: applies the chat template, tokenizes and decodes.
         max_prompt_length: prompt tokens kept; None keeps all.
         truncate_prompts: "left" cuts a longer prompt's start (with a warning), "error" refuses it.
-        chat_template_kwargs: given to `apply_chat_template` (`PromptOptions.chat_template_kwargs`).
+        options: how chat prompts are rendered (`GRPOConfig.prompts`: the chat template's keyword
+            arguments).
     """
 
     tokenizer: PreTrainedTokenizerBase
     max_prompt_length: int | None = None
     truncate_prompts: str = "left"
-    chat_template_kwargs: dict[str, Any] | None = None
+    options: PromptOptions = field(default_factory=PromptOptions)
 
     def encode(
         self,
@@ -97,13 +83,7 @@ class PromptEncoder:
         shown = [None] * len(prompts) if tools is None else [list(t) for t in tools]
         texts = (
             [
-                tok.apply_chat_template(
-                    p,
-                    tools=t,
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **(self.chat_template_kwargs or {}),
-                )
+                render_chat(tok, p, self.options, tokenize=False, add_generation_prompt=True, tools=t)
                 for p, t in zip(prompts, shown, strict=True)
             ]
             if conversational

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
+from grpo_lightning.core.chat_template import PromptOptions, render_chat
+
 Tool = Callable[..., object]  # a sync or async function with type hints and a Google-style docstring
 
 
@@ -54,14 +56,22 @@ def is_async_tool(tool: Tool) -> bool:
     return inspect.iscoroutinefunction(tool)
 
 
-def template_renders_tools(tokenizer: PreTrainedTokenizerBase, schemas: Sequence[dict]) -> bool:
-    """Whether `tokenizer`'s chat template shows the tools it is given (`apply_chat_template(tools=...)`):
-    the first tool's name and description appear in a rendered conversation."""
+def template_renders_tools(
+    tokenizer: PreTrainedTokenizerBase, schemas: Sequence[dict], options: PromptOptions = PromptOptions()
+) -> bool:
+    """Whether `tokenizer`'s chat template, rendered with `options` (the run's `GRPOConfig.prompts`), shows
+    the tools it is given (`apply_chat_template(tools=...)`): the first tool's name and description appear
+    in a rendered conversation."""
     if not schemas:
         return False
     function = schemas[0]["function"]
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "x"}], tools=list(schemas), tokenize=False, add_generation_prompt=True
+    rendered = render_chat(
+        tokenizer,
+        [{"role": "user", "content": "x"}],
+        options,
+        tokenize=False,
+        add_generation_prompt=True,
+        tools=schemas,
     )
     return function["name"] in rendered and function.get("description", "") in rendered
 

@@ -11,7 +11,9 @@ Qwen's `<|im_end|>`): the model never drew it, so dropping it would show the mod
 shown at inference (verl PR #6921).
 
 This holds only for a chat template that renders each conversation as a prefix of the next one
-(`check_prefix_preserving`).
+(`check_prefix_preserving`). Every render takes the run's `PromptOptions`, as the prompt's does, so that
+the tool turns are the ones the template writes after that prompt (a keyword such as `enable_thinking` may
+change them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
+
+from grpo_lightning.core.chat_template import PromptOptions, render_chat
 
 
 def tool_messages(results: Sequence[tuple[str, str]], template_has_tools: bool) -> list[dict]:
@@ -31,11 +35,10 @@ def tool_messages(results: Sequence[tuple[str, str]], template_has_tools: bool) 
     return [{"role": "user", "content": blocks}]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-    )
-    return list(ids)
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, options: PromptOptions
+) -> list[int]:
+    return render_chat(tokenizer, messages, options, tokenize=True, add_generation_prompt=generation_prompt)
 
 
 def _calling_turn(name: str) -> list[dict]:
@@ -52,12 +55,16 @@ def _cut_after_end_of_turn(ids: list[int], end_of_turn: int | None) -> list[int]
     return ids[: ends[-1] + 1] if ends else ids
 
 
-def tool_suffix_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+def tool_suffix_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], options: PromptOptions = PromptOptions()
+) -> list[int]:
     """The ids that follow an assistant turn's end-of-turn token for the tool result `messages`
-    (`tool_messages`): the separator after the turn, the results, the next assistant header."""
+    (`tool_messages`): the separator after the turn, the results, the next assistant header, rendered with
+    `options` (the run's `GRPOConfig.prompts`)."""
     name = messages[0].get("name", "tool")
-    before = _cut_after_end_of_turn(_render(tokenizer, _calling_turn(name), False), tokenizer.eos_token_id)
-    after = _render(tokenizer, _calling_turn(name) + messages, True)
+    calling = _render(tokenizer, _calling_turn(name), False, options)
+    before = _cut_after_end_of_turn(calling, tokenizer.eos_token_id)
+    after = _render(tokenizer, _calling_turn(name) + messages, True, options)
     if after[: len(before)] != before:
         raise ValueError(_NOT_PREFIX)
     return after[len(before) :]
@@ -71,13 +78,15 @@ _NOT_PREFIX = (
 )
 
 
-def check_prefix_preserving(tokenizer: PreTrainedTokenizerBase, template_has_tools: bool) -> None:
+def check_prefix_preserving(
+    tokenizer: PreTrainedTokenizerBase, template_has_tools: bool, options: PromptOptions = PromptOptions()
+) -> None:
     """Refuse, in one line naming the fix, a chat template under which a conversation's ids are not the start
     of the next one's: the prompt of the generation prompt within the prompt with an assistant turn, and
     that (cut after its end-of-turn token) within the conversation with tool results and the next header."""
     prompt = [{"role": "user", "content": "x"}]
     answered = [*prompt, {"role": "assistant", "content": "y"}]
-    first = _render(tokenizer, prompt, True)
-    if _render(tokenizer, answered, False)[: len(first)] != first:
+    first = _render(tokenizer, prompt, True, options)
+    if _render(tokenizer, answered, False, options)[: len(first)] != first:
         raise ValueError(_NOT_PREFIX)
-    tool_suffix_ids(tokenizer, tool_messages([("tool", "z")], template_has_tools))
+    tool_suffix_ids(tokenizer, tool_messages([("tool", "z")], template_has_tools), options)
