@@ -82,7 +82,7 @@ class ModelOptions:
                     self,
                     "init_kwargs",
                     self.init_kwargs,
-                    f"{key!r} is an option here: set ModelOptions.{option}",
+                    f"must not hold {key!r}, an option here: set ModelOptions.{option}",
                 )
 
 
