@@ -207,7 +207,10 @@ def precision(c: Conversion) -> None:
     init = c.get("model_init_kwargs") or {}
     dtype_key = next((k for k in ("dtype", "torch_dtype") if c.has(k)), None)
     dtype = c.get(dtype_key) if dtype_key else init.get("dtype", init.get("torch_dtype"))
-    mixed = next((MIXED[k] for k in MIXED if c.get(k)), None)
+    # TRL (from 0.19) leaves bf16 unset as "not fp16": a recipe's fp16 wins over bf16's version default.
+    fp16_wins = c.get("fp16") and "bf16" not in c.recipe
+    chosen = "fp16" if fp16_wins else next((k for k in MIXED if c.get(k)), None)
+    mixed = MIXED.get(chosen)
     options_dtype = "model.model_options.dtype"
     if mixed is not None:
         c.put("trainer.precision", mixed)

@@ -25,6 +25,7 @@ from grpo_lightning.trl_conversion import KINDS, grpo_key
 from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
 from grpo_lightning.trl_output_rules import CHECKPOINT_CLASS
 from grpo_lightning.trl_recipes import Recipe, read_recipe
+from grpo_lightning.trl_run_rules import MIXED
 from grpo_lightning.trl_versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
 from tests.helpers import recorded_prompt_ids
 
@@ -300,7 +301,13 @@ def test_trls_spellings_mean_our_values(keys, flat, ours):
     assert all(conversion.rows[key].note for key in spelled)
 
 
-def test_trls_schedule_names_are_ours_and_open_r1s_rewards_import():
+def test_trls_mixed_precision_is_the_trainers_over_float32_weights():
+    for flag, precision in MIXED.items():
+        conversion = convert(recipe_of({flag: True}), NEWEST_VERSION)
+        assert conversion.read("trainer.precision") == precision and conversion.rows[flag].kind == "converted"
+
+
+def test_open_r1s_rewards_import():
     for name, path in OPEN_R1_REWARDS.items():
         assert (path is None) == (name in FACTORIES), name
         if path is not None and path.startswith("trl."):  # TRL is installed beside us; open-r1 is not
