@@ -86,7 +86,6 @@ class SaveRunConfig(SaveConfigCallback, HoldsOutputLock):
                 "or a checkpoint dirpath shared by two runs); give this run a folder of its own"
             )
 
-
     def _resumes_in(self, folder: str) -> bool:
         """Whether this `fit` resumes a checkpoint that lies in `folder` (`--ckpt_path last` as resolved)."""
         ckpt_path = self.config.get("ckpt_path")
