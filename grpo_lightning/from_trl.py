@@ -62,7 +62,6 @@ ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
     "min_p": ((None, 0.0, 0), "sampling is temperature, top_p and top_k here"),
     "generation_kwargs": ((None, {}), "sampling is temperature, top_p and top_k here"),
     "cache_implementation": ((None,), "the engines keep their own caches"),
-    "top_entropy_quantile": ((1.0,), "every token is in the loss (no high-entropy token selection)"),
     "use_transformers_paged": ((False,), "Hugging Face generate, or the static or vLLM engine"),
     "use_transformers_continuous_batching": ((False,), "Hugging Face generate, or the static or vLLM engine"),
     "transformers_continuous_batching_config": (

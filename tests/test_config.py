@@ -88,6 +88,7 @@ REFUSED = {
         "num_iterations": ints_below(1) | NOT_A_NUMBER,
         "steps_per_generation": ints_below(1) | NOT_A_NUMBER,
         "mask_truncated_completions": NOT_A_FLAG,
+        "top_entropy_quantile": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "learning_rate": below(0, inclusive=True) | NOT_A_NUMBER,
         "weight_decay": below(0, inclusive=False) | NOT_A_NUMBER,
         "optim": st.sampled_from(["adamw", "AdamW", "sgd", "adamw_torch_4bit", "", None, 1]),

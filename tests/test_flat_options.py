@@ -28,6 +28,7 @@ ADDED_OPTIONS = {
     "max_tool_calling_iterations": None,
     "max_tool_response_length": 256,
     "warmup_ratio": 0.0,
+    "top_entropy_quantile": 1.0,
     "chat_template_kwargs": None,
 }
 

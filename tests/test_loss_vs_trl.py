@@ -43,7 +43,7 @@ def _trl_compute_loss(
             use_bias_correction_kl=options.get("use_bias_correction_kl", True),
             steps_per_generation=accumulation_steps,
         ),
-        top_entropy_quantile=1.0,
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
         off_policy_mask_threshold=None,
         use_vllm=importance_sampling_ratio is not None,
         vllm_importance_sampling_correction=True,
@@ -58,6 +58,7 @@ def _trl_compute_loss(
             sync_gradients=True,
             reduce=lambda tensor, reduction: tensor,
             gather=lambda tensor: tensor,
+            pad_across_processes=lambda tensor, dim, pad_index: tensor,
         ),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logprobs, data["entropies"], None),
@@ -73,6 +74,7 @@ def _trl_compute_loss(
         "num_items_in_batch": mask.sum() if num_items_in_batch is None else num_items_in_batch,
         "importance_sampling_ratio": importance_sampling_ratio,
     }
+    trainer.get_high_entropy_mask = lambda *args: trainer_cls.get_high_entropy_mask(trainer, *args)
     loss = trainer_cls._compute_loss(trainer, None, inputs)
     return loss, trainer._metrics["train"]
 
@@ -118,6 +120,32 @@ def test_matches_trl(
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert stats[key].item() == pytest.approx(metrics[key][0], abs=1e-6)
     assert stats["clip_ratio/region_mean"] > 0 or level == "sequence"
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_top_entropy_quantile_keeps_trls_tokens(loss_type: str, beta: float) -> None:
+    """The policy term of the 20% highest-entropy tokens only, TRL's selection; the others get no policy
+    gradient (with beta 0 none at all), and the KL term still reaches every token."""
+    data = random_batch(3, batch=6, length=9)
+    options = loss_options(
+        loss_type, top_entropy_quantile=0.2, beta=beta, epsilon_high=1.1 if loss_type == "cispo" else 0.28
+    )
+    logprobs = data["logprobs"].clone().requires_grad_()
+    loss, _ = grpo_loss(**(data | {"logprobs": logprobs}), **sections(options))
+    trl_logprobs = data["logprobs"].clone().requires_grad_()
+    trl_loss, _ = _trl_compute_loss(data | {"logprobs": trl_logprobs}, options)
+    torch.testing.assert_close(loss, trl_loss, atol=1e-6, rtol=0)
+    loss.backward()
+    trl_loss.backward()
+    torch.testing.assert_close(logprobs.grad, trl_logprobs.grad, atol=1e-6, rtol=0)
+    mask = data["mask"]
+    kept = data["entropies"] >= torch.quantile(data["entropies"][mask], 0.8)  # [B, T]
+    assert 0 < int((kept & mask).sum()) < int(mask.sum())
+    untouched = mask & ~kept
+    assert bool((logprobs.grad[untouched] == 0).all()) == (beta == 0.0)
+    everything, _ = grpo_loss(**data, **sections(options | {"top_entropy_quantile": 1.0}))
+    assert not torch.allclose(loss, everything)
 
 
 @pytest.mark.parametrize("level", LEVELS)

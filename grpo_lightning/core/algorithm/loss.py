@@ -154,6 +154,11 @@ class PolicyLossOptions:
     """Weight of the entropy bonus, loss - coef * mean token entropy (negative: a penalty)."""
     mask_truncated_completions: bool = False
     """Drop completions that never stopped from the loss (DAPO sec. 3.4)."""
+    top_entropy_quantile: Annotated[float, Range("> 0, <= 1", why="a share of the tokens")] = 1.0
+    """The share of each micro-batch's completion tokens, those of highest entropy under the policy, whose
+    policy term is kept ("Beyond the 80/20 Rule", arXiv:2506.01939, keeps 0.2); the KL term keeps every
+    token, the entropy bonus only these. 1.0 keeps every token. TRL's `top_entropy_quantile`: the threshold
+    is the micro-batch's entropy quantile on each rank (TRL's gathers the ranks' tokens first)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -162,6 +167,17 @@ class PolicyLossOptions:
             raise option_error(
                 self, "delta", self.delta, "must be > 1 + epsilon_high (it caps ratios above the clip range)"
             )
+
+
+def high_entropy_tokens(entropies: Tensor, mask: Tensor, share: float) -> Tensor:
+    """`[B, T]` bool: the masked tokens whose entropy is at least the `1 - share` quantile of the masked
+    tokens' entropies (linear interpolation, `torch.quantile`'s; TRL's `get_high_entropy_mask`)."""
+    mask = mask.bool()  # [B, T]
+    values = entropies.detach()[mask].float()  # [N]
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - share)
+    return (entropies.detach() >= threshold) & mask  # [B, T]
 
 
 def grpo_loss(
@@ -229,6 +245,10 @@ def grpo_loss(
     token count is ``total_tokens`` when given, for every loss type, bnpo's too; TRL divides each
     micro-batch's own entropy mean by the number of micro-batches instead).
 
+    With ``options.top_entropy_quantile`` ``q < 1``, only the tokens of the highest entropies (``q`` of this
+    batch's, ``high_entropy_tokens``) keep their policy term, and the entropy bonus sums theirs only; the
+    aggregation's token counts and the KL term are the unselected mask's, as TRL's.
+
     Args:
         logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
         advantages: ``[B]`` or ``[B, T]``.
@@ -240,7 +260,8 @@ def grpo_loss(
         ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when
             ``kl.loss_beta != 0``.
         max_completion_length: required for ``dr_grpo``.
-        entropies: ``[B, T]`` per-token entropies; required when ``options.entropy_coef != 0``.
+        entropies: ``[B, T]`` per-token entropies; required when ``options.entropy_coef != 0`` or
+            ``options.top_entropy_quantile < 1``.
         total_tokens: global number of masked tokens (float or 0-d tensor).
         total_sequences: global number of sequences (int or 0-d tensor).
         importance_weights: ``[B, T]`` per-token weights of the policy term, or ``None``.
@@ -282,6 +303,13 @@ def grpo_loss(
     )  # [B, T] or [B, 1], and the clip masks
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights.detach()  # [B, T]
+    if options.top_entropy_quantile < 1.0:
+        if entropies is None:
+            raise ValueError("entropies are required when top_entropy_quantile < 1.")
+        mask_of_policy = high_entropy_tokens(entropies, mask, options.top_entropy_quantile)  # [B, T]
+        per_token_loss = per_token_loss * mask_of_policy  # [B, T]
+    else:
+        mask_of_policy = mask
 
     per_token_kl = None
     if ref_logprobs is not None:
@@ -301,7 +329,7 @@ def grpo_loss(
 
     loss = policy_loss
     if entropy_coef != 0.0:
-        loss = loss - entropy_coef * _masked_sum(entropies, mask) / num_tokens
+        loss = loss - entropy_coef * _masked_sum(entropies, mask_of_policy) / num_tokens
 
     zero = torch.zeros((), device=logprobs.device)
     stats = {
