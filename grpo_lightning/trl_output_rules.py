@@ -174,13 +174,8 @@ def logging(c: Conversion) -> None:
         if strategy == "steps"
         else "Lightning logs by steps: set trainer.log_every_n_steps",
     )
-    first = not c.get("logging_first_step") or steps == 1
-    c.row(
-        "logging_first_step",
-        "mapped" if first else "unsupported",
-        "",
-        "the first step is logged when log_every_n_steps is 1",
-    )
+    first = bool(c.get("logging_first_step"))
+    c.row("logging_first_step", "mapped", c.put(grpo_key("logging_first_step"), first))
     for key, hint in (
         ("log_level", "Lightning's messages: logging.getLogger('lightning.pytorch').setLevel(...)"),
         ("log_level_replica", "the other ranks print nothing but warnings here"),

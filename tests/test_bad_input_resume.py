@@ -211,7 +211,7 @@ def test_only_the_options_declared_so_are_free_to_change_on_resume():
     """`RunOptions` declares that it leaves the training stream alone; every other section changes it. From
     Python, the module's options win on resume, said for those that change the run alone."""
     free = {entry.key for entry in FLAT_NAMES.values() if free_on_resume(f"grpo.{entry.key}")}
-    assert free == {"run.cpu_offload", "run.log_completions_every", "run.preflight"}
+    assert free == {"run.cpu_offload", "run.log_completions_every", "run.logging_first_step", "run.preflight"}
     assert free_on_resume("grpo.run") and free_on_resume("num_generations_eval")
     assert not free_on_resume("grpo") and not free_on_resume("grpo.sampling") and not free_on_resume("lora")
 

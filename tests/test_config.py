@@ -105,6 +105,7 @@ REFUSED = {
         "max_bad_steps": ints_below(1) | NOT_A_NUMBER,
         "log_completions_every": ints_below(0) | NOT_A_NUMBER,
         "preflight": NOT_A_FLAG,
+        "logging_first_step": NOT_A_FLAG,
         "share_prompt": NOT_A_FLAG,
         "packed_sequences": NOT_A_FLAG,
         "sync_ref_model": NOT_A_FLAG,

@@ -29,6 +29,7 @@ ADDED_OPTIONS = {
     "max_tool_response_length": 256,
     "warmup_ratio": 0.0,
     "top_entropy_quantile": 1.0,
+    "logging_first_step": False,
     "chat_template_kwargs": None,
 }
 

@@ -15,7 +15,9 @@ from tests.helpers import length_reward, quiet_trainer, tiny_module
 LR = 0.05
 
 
-def fit_and_read_rows(tiny_model_dir, tmp_path, steps_per_generation, training_steps, log_every_n_steps):
+def fit_and_read_rows(
+    tiny_model_dir, tmp_path, steps_per_generation, training_steps, log_every_n_steps, first=False
+):
     """Fit `training_steps` rollouts of 2 prompts under a linear schedule over the run's optimizer steps;
     the rows of metrics.csv, and each optimizer step's loss as its update computed it."""
     L.seed_everything(0)
@@ -27,6 +29,7 @@ def fit_and_read_rows(tiny_model_dir, tmp_path, steps_per_generation, training_s
         steps_per_generation=steps_per_generation,
         learning_rate=LR,
         lr_scheduler_type="linear",
+        logging_first_step=first,
     )
     losses = []
     original = module.optimization.optimizer_step
@@ -93,3 +96,23 @@ def test_one_optimizer_step_per_rollout_writes_one_row_per_training_step(tiny_mo
         assert row["train/loss"] and row["train/reward"] and row["train/learning_rate"]
         assert row["monitor/frac_identical_groups"]  # CollapseMonitor's, logged after the training step
     assert [float(row["train/loss"]) for row in rows] == pytest.approx(losses, rel=1e-6)
+
+
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+def test_logging_first_step_also_writes_the_first_optimizer_step(
+    tiny_model_dir, tmp_path, steps_per_generation
+):
+    """TRL's logging_first_step with logging_steps 3: global steps 1, 3 and 6 (indices 0, 2, 5), whether
+    Lightning writes the rows (one optimizer step per rollout) or the module does."""
+    rows, losses = fit_and_read_rows(
+        tiny_model_dir,
+        tmp_path,
+        steps_per_generation,
+        6 // steps_per_generation,
+        log_every_n_steps=3,
+        first=True,
+    )
+    assert steps_with(rows, "train/loss") == [0, 2, 5]
+    written = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
+    assert written == pytest.approx([losses[0], losses[2], losses[5]], rel=1e-6)
+    assert 0 in steps_with(rows, "train/reward")

@@ -64,6 +64,9 @@ class RunOptions:
     """
     log_completions_every: Annotated[int, Range(">= 0", why="0 disables the panels")] = 50
     """Steps between TensorBoard text panels of sample completions; 0 disables."""
+    logging_first_step: bool = False
+    """Also write the first optimizer step's `train/` metrics, wherever `trainer.log_every_n_steps` falls
+    (TRL's `logging_first_step`)."""
     preflight: bool = True
     """Before the first step, sample a few completions and report the effective batch, the share cut off by
     `max_completion_length`, the reward audit and LoRA's input gradients in one block

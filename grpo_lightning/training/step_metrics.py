@@ -109,11 +109,15 @@ def log_training_step(
     module.log(
         "reward", latest["train/reward"].to(device), prog_bar=True, logger=False, batch_size=batch_size
     )
-    if by_lightning:
-        return
-    every = trainer.log_every_n_steps
-    rows = [(step, metrics) for step, metrics in updates if every and (step + 1) % every == 0]
+    every, first = trainer.log_every_n_steps, module.grpo.run.logging_first_step
     epoch = torch.tensor(float(trainer.current_epoch))
+    regular = [step for step, _ in updates if every and (step + 1) % every == 0]
+    if by_lightning:
+        (step, _), lightning_writes = updates[-1], bool(regular)
+        if first and step == 0 and not lightning_writes:  # TRL's logging_first_step
+            trainer._logger_connector.log_metrics({**latest, "epoch": epoch}, step=0)
+        return
+    rows = [(step, metrics) for step, metrics in updates if step in regular or (first and step == 0)]
     for i, (step, metrics) in enumerate(rows):
         written = {**(rollout if i == 0 else {}), **metrics, "epoch": epoch}
         # Lightning's own writer (every logger, `trainer.logged_metrics`), at a step of our choosing: one
