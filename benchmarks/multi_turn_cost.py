@@ -40,7 +40,7 @@ from grpo_lightning.core.config import GRPOConfig  # noqa: E402
 from grpo_lightning.core.rewards.verifiable import completion_text  # noqa: E402
 from grpo_lightning.core.tools.calculator import calculator  # noqa: E402
 from grpo_lightning.offline.tiny import build_model, build_tokenizer  # noqa: E402
-from grpo_lightning.offline.tool_caller import ANSWER, CALL, QUESTION, TOOLS_TEMPLATE, teach_tool_call  # noqa: E402
+from grpo_lightning.offline.tool_caller import ANSWER, CALL, QUESTION, teach_tool_call  # noqa: E402
 from grpo_lightning.training.data import PromptDataModule  # noqa: E402
 from grpo_lightning.training.module import GRPOModule  # noqa: E402
 
@@ -59,7 +59,7 @@ class StepClock(L.Callback):
             tuple[float, float, float]
         ] = []  # per sample: all completion tokens, model's, calls
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_start(self, trainer, pl_module):
         build = pl_module.update.trajectory
 
         def recorded(*args, **kwargs):
@@ -73,6 +73,8 @@ class StepClock(L.Callback):
             return trajectory
 
         pl_module.update.trajectory = recorded
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._started = (time.perf_counter(), time.process_time())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -93,8 +95,7 @@ def policy(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
         model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)
-    teach_tool_call(model, tokenizer, steps=args.teach_steps)
-    tokenizer.chat_template = TOOLS_TEMPLATE
+    teach_tool_call(model, tokenizer, steps=args.teach_steps)  # sets TOOLS_TEMPLATE on the tokenizer
     return model, tokenizer
 
 
@@ -175,7 +176,7 @@ def main() -> None:
         single = run(args, model, tokenizer, engine, round(every))
         for name, clock in (("calculator", tools), ("single-turn", single)):
             wall, cpu = statistics.mean(clock.wall[1:]), statistics.mean(clock.cpu[1:])
-            tokens = [t for t in clock.tokens[1:]]
+            tokens = clock.tokens[1:]
             all_tokens, model_tokens = (
                 statistics.mean(t[0] for t in tokens),
                 statistics.mean(t[1] for t in tokens),
