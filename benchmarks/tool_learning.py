@@ -52,7 +52,8 @@ def fit(seed: int, shaping: str, args: argparse.Namespace) -> tuple[list[dict], 
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - started
-    (metrics,) = glob.glob(os.path.join(REPO, folder, "csv", "version_*", "metrics.csv"))
+    versions = glob.glob(os.path.join(REPO, folder, "csv", "version_*", "metrics.csv"))  # one per run here
+    metrics = max(versions, key=lambda path: int(path.split("version_")[-1].split(os.sep)[0]))
     with open(metrics, encoding="utf-8") as f:
         return list(csv.DictReader(f)), seconds
 
