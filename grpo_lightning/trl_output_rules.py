@@ -124,8 +124,9 @@ def hub(c: Conversion) -> None:
     # TRL's repo when hub_model_id is unset: the output folder's name, in the user's namespace.
     repo = c.get("hub_model_id") or os.path.basename(os.path.normpath(c.get("output_dir") or "")) or "REPO"
     private = bool(c.get("hub_private_repo"))
-    push = f"cli.py export --push-to-hub {repo}"
-    command = f"cli.py export --config RUN/config.yaml --ckpt_path last --push-to-hub {repo}"
+    flags = f"--push-to-hub {repo}" + (" --private true" if private else "")
+    push = f"cli.py export {flags}"
+    command = f"cli.py export --config RUN/config.yaml --ckpt_path last {flags}"
     c.row("push_to_hub", "converted", push, f"pushed once, after training: {command}")
     c.row("hub_model_id", "converted", push, "the repo of the export's push after training")
     if private:

@@ -527,3 +527,9 @@ def test_trl_s_spellings_are_declared_at_each_option():
     assert trl_value(SamplingOptions, "top_k", 1) == (1, False)  # a value of ours: kept
     assert trl_value(OptimizerOptions, "max_grad_norm", 0) == (None, True)
     assert trl_value(OptimizerOptions, "max_grad_norm", False) == (False, False)  # not TRL's 0
+
+
+def test_a_private_push_is_in_the_command_to_run():
+    rows = rows_of({"push_to_hub": True, "hub_model_id": "me/run", "hub_private_repo": True})
+    assert rows["push_to_hub"].note.endswith("--ckpt_path last --push-to-hub me/run --private true")
+    assert rows["hub_model_id"].ours == "cli.py export --push-to-hub me/run --private true"
