@@ -137,3 +137,13 @@ def recorded_prompt_ids(monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(PromptEncoder, "encode", recording)
     return seen
+
+
+def files_of(folder) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    found = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return found

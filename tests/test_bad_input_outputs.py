@@ -37,6 +37,7 @@ from tests.helpers import (
     cli_error,
     copy_model,
     digit_reward,
+    files_of,
     one_error_line,
     quiet_trainer,
     tiny_module,
@@ -44,16 +45,6 @@ from tests.helpers import (
 )
 from tests.test_heldout import load_script
 from tests.test_interrupt import REPO, fit_args
-
-
-def files_of(folder) -> dict[str, bytes]:
-    """Every file under `folder`, by relative path, with its bytes."""
-    found = {}
-    for parent, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(parent, name)
-            found[os.path.relpath(path, folder)] = open(path, "rb").read()
-    return found
 
 
 # ------------------------------------------------------------------------------------------ exports

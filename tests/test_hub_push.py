@@ -12,7 +12,7 @@ import pytest
 
 from grpo_lightning.cli import main
 from grpo_lightning.io.hub_push import push_folder
-from tests.helpers import cli_error, one_error_line
+from tests.helpers import cli_error, files_of, one_error_line
 
 
 class StandInHub(BaseHTTPRequestHandler):
@@ -101,15 +101,6 @@ def export_args(tiny_model_dir, tmp_path, good_checkpoint, *extra: str) -> list[
     ]
 
 
-def folder_files(folder) -> dict[str, bytes]:
-    found = {}
-    for parent, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(parent, name)
-            found[os.path.relpath(path, folder)] = open(path, "rb").read()
-    return found
-
-
 def test_export_pushes_every_exported_file_with_its_bytes(
     hub, tiny_model_dir, tmp_path, good_checkpoint, capsys
 ):
@@ -118,7 +109,7 @@ def test_export_pushes_every_exported_file_with_its_bytes(
             tiny_model_dir, tmp_path, good_checkpoint, "--push-to-hub", "me/tiny-grpo", "--private", "true"
         )
     )
-    exported = folder_files(tmp_path / "out")
+    exported = files_of(tmp_path / "out")
     assert "model.safetensors" in exported and "tokenizer.json" in exported
     assert hub.received == exported  # every file, the same bytes
     assert hub.created == [{"name": "tiny-grpo", "organization": "me", "visibility": "private"}]

@@ -221,7 +221,7 @@ def test_architecture_tables_name_every_file_of_the_tree():
     assert named - in_tree == set(), "docs/architecture.md names files that do not exist"
 
 
-def tested_in_table() -> dict[str, list[str]]:
+def where_tested_table() -> dict[str, list[str]]:
     """docs/architecture.md's "Where each file is tested" table: package file -> its test files."""
     tables = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = tables.split("## Where each file is tested", 1)[1]
@@ -269,12 +269,12 @@ def test_uses_sees_code_not_docstrings(tmp_path, monkeypatch):
     assert not uses("patched.py", "grpo_lightning.core.generation.pack")  # a prefix of a name is not it
 
 
-TESTED_IN = [(path, test) for path, tests in tested_in_table().items() for test in tests or [None]]
+TESTED_IN = [(path, test) for path, tests in where_tested_table().items() for test in tests or [None]]
 
 
 def test_the_tested_in_table_names_every_file_of_the_package_and_only_those():
     files = {str(p.relative_to(ROOT)) for m, p in FILES.items() if p.name != "__init__.py"}
-    assert set(tested_in_table()) == files
+    assert set(where_tested_table()) == files
 
 
 @pytest.mark.parametrize(("path", "test"), TESTED_IN, ids=[f"{p}-{t}" for p, t in TESTED_IN])

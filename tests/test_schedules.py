@@ -245,8 +245,10 @@ def test_epochs_bound_the_schedule(tiny_model_dir, tmp_path):
     assert logged.rates == pytest.approx([1e-3 * (1 - s / 4) for s in range(4)])
 
 
-def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path):
-    """Resumed from a checkpoint of step 2 of 5: the remaining steps use the uninterrupted run's rates."""
+@pytest.mark.parametrize("warmup", [{"warmup_steps": 1}, {"warmup_ratio": 0.2}], ids=["steps", "ratio"])
+def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path, warmup):
+    """Resumed from a checkpoint of step 2 of 5: the remaining steps use the uninterrupted run's rates (a
+    warm-up of 1 step, given as steps or as 0.2 of the run)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(max_steps: int, save: bool = False, ckpt_path: str | None = None) -> list[float]:
@@ -254,7 +256,7 @@ def test_a_resumed_run_continues_the_schedule(tiny_model_dir, tmp_path):
             num_generations=2,
             max_completion_length=4,
             learning_rate=1e-3,
-            warmup_steps=1,
+            **warmup,
             lr_scheduler_type="cosine",
             min_lr_ratio=0.1,
             preflight=False,
