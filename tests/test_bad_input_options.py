@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.config_checks import SECTIONS, check_config_files, strategy_class_path
+from grpo_lightning.cli.config_checks import SECTIONS, check_config_files, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.scoring import (
     FLOAT32_MAX,

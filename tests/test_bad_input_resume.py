@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import build_cli
-from grpo_lightning.cli_resume import is_typed, typed_options
+from grpo_lightning.cli.resume import is_typed, typed_options
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.resume import ResumableSampler

@@ -9,7 +9,7 @@ import pytest
 from jsonargparse import Namespace
 from transformers import AutoTokenizer
 
-from grpo_lightning.config_checks import reset_preset_data_defaults
+from grpo_lightning.cli.config_checks import reset_preset_data_defaults
 from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.prompts import PromptEncoder

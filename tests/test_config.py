@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_lightning.cli import GRPOTrainer, build_cli
-from grpo_lightning.cli_sections import sectioned_argv
+from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.options import declared_rule, default_at, section_at
 from grpo_lightning.io.models import LoraOptions, ModelOptions
@@ -384,7 +384,7 @@ def field_docstrings(cls: type) -> dict[str, str]:
 def test_every_option_is_documented_where_it_is_declared_and_shown_by_help(tiny_model_dir, capsys):
     import dataclasses
 
-    from grpo_lightning.cli import main, shows_option_docs
+    from grpo_lightning.cli.commands import main, shows_option_docs
 
     docs = field_docstrings(GRPOConfig)
     assert set(docs) == {f.name for f in dataclasses.fields(GRPOConfig)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from grpo_lightning.cli_sections import sectioned_argv
+from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.io.checkpoints import sectioned_hparams
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpo_lightning import cli
+from grpo_lightning.cli import commands as cli
 from grpo_lightning.offline import smollm2
 from tests.helpers import GSM8K_DIR
 

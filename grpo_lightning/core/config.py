@@ -10,7 +10,7 @@ sections and holds the rules that cross them.
 TRL's names, and the flat names that options had before they had sections, keep working: an option's
 `Alias` (or its own name) is its flat name, and `FLAT_NAMES`, derived from the declarations, is the one
 table of them. `GRPOConfig(beta=0.04)`, `config.beta` and `model.grpo.beta` in a config file or on the
-command line (`cli_sections.sectioned_argv`) all mean `kl.beta`; a checkpoint that stores the flat options
+command line (`cli.sections.sectioned_argv`) all mean `kl.beta`; a checkpoint that stores the flat options
 loads through the same table.
 """
 

@@ -44,15 +44,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from grpo_lightning.cli_resume import data_to_continue, drop_leaf, is_typed, not_for_the_config, typed_options
-from grpo_lightning.cli_sections import sectioned_argv
-from grpo_lightning.config_checks import (
+from grpo_lightning.cli.config_checks import (
     check_config_files,
     drop_switched_logger_kwargs,
     plain_value_error,
     reset_preset_data_defaults,
     strategy_class_path,
 )
+from grpo_lightning.cli.resume import data_to_continue, drop_leaf, is_typed, not_for_the_config, typed_options
+from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards

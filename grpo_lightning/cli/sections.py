@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from grpo_lightning.config_checks import config_files
+from grpo_lightning.cli.config_checks import config_files
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.options import FlatName, section_at, sectioned, trl_value
 
