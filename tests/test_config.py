@@ -13,8 +13,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lightning.cli import GRPOTrainer, build_cli
+from grpo_lightning.cli import build_cli
 from grpo_lightning.cli.sections import sectioned_argv
+from grpo_lightning.cli.trainer import GRPOTrainer
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.options import declared_rule, default_at, section_at
 from grpo_lightning.io.models import LoraOptions, ModelOptions
