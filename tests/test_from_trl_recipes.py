@@ -15,18 +15,19 @@ import yaml
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.cli import main as cli_main
+from grpo_lightning.cli.from_trl import chosen_version
 from grpo_lightning.core.algorithm.advantages import AdvantageOptions
 from grpo_lightning.core.algorithm.schedules import OptimizerOptions
 from grpo_lightning.core.config import FLAT_NAMES
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.options import trl_value
-from grpo_lightning.from_trl import KNOWN, chosen_version, config_text, convert, table
-from grpo_lightning.trl_conversion import KINDS, grpo_key
-from grpo_lightning.trl_model_rules import FACTORIES, OPEN_R1_REWARDS
-from grpo_lightning.trl_output_rules import CHECKPOINT_CLASS
-from grpo_lightning.trl_recipes import Recipe, read_recipe
-from grpo_lightning.trl_run_rules import MIXED
-from grpo_lightning.trl_versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
+from grpo_lightning.from_trl.conversion import KINDS, grpo_key
+from grpo_lightning.from_trl.converter import KNOWN, config_text, convert, table
+from grpo_lightning.from_trl.model_rules import FACTORIES, OPEN_R1_REWARDS
+from grpo_lightning.from_trl.output_rules import CHECKPOINT_CLASS
+from grpo_lightning.from_trl.recipes import Recipe, read_recipe
+from grpo_lightning.from_trl.run_rules import MIXED
+from grpo_lightning.from_trl.versions import NEWEST_VERSION, TRL_DEFAULTS, defaults_at
 from tests.helpers import recorded_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]

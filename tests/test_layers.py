@@ -3,9 +3,10 @@ inside functions included), and the tables of docs/architecture.md, checked agai
 
 - `grpo_lightning.core` is pure: no core file imports Lightning, directly or through another of our
   modules;
-- no arrow runs up a layer (core < io < training < demo, offline < the entry points): core imports nothing
-  from io or training, io nothing from training, the library layers nothing from demo or offline, and
-  only the entry points import `training.module`;
+- no arrow runs up a layer (core < io < training, from_trl < demo, offline < the entry points): core
+  imports nothing from io or training, io nothing from training, the library layers nothing from demo or
+  offline, and only the entry points import `training.module`; the converter of TRL recipes (`from_trl`)
+  and `training` stand side by side and never import each other;
 - core is a stack: its files and subpackages in one order (`CORE_ORDER`), each importing only its own unit
   and the units below it, so no circle runs between them, at folder level either;
 - no import circle among the package's files;
@@ -73,14 +74,15 @@ def is_lightning(name: str) -> bool:
 
 def layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in ("core", "training", "io", "demo", "offline") else None
+    layers = ("core", "training", "from_trl", "io", "demo", "offline")
+    return parts[1] if len(parts) > 2 and parts[1] in layers else None
 
 
 CORE = [m for m in FILES if layer(m) == "core"]
 
 
 def test_the_tree_has_three_layers_and_the_rule_sees_them():
-    assert {layer(m) for m in FILES} == {"core", "training", "io", "demo", "offline", None}
+    assert {layer(m) for m in FILES} == {"core", "training", "from_trl", "io", "demo", "offline", None}
     assert len(CORE) >= 10 and "grpo_lightning.core.algorithm.loss" in CORE
     # The rule can fail: the module reaches Lightning through our own files.
     assert any(is_lightning(m) for m in reaches("grpo_lightning.training.module"))
@@ -156,8 +158,9 @@ def test_core_units_form_no_circle():
     assert circles(graph) == []
 
 
-# Each layer may import its own and those below it: core < io < training < demo, offline < the entry points.
-LEVELS = {"core": 0, "io": 1, "training": 2, "demo": 3, "offline": 3, None: 4}
+# Each layer may import its own and those below it: core < io < training, from_trl < demo, offline < the entry
+# points.
+LEVELS = {"core": 0, "io": 1, "training": 2, "from_trl": 2, "demo": 3, "offline": 3, None: 4}
 
 
 def own_imports(module: str) -> set[str]:
@@ -171,6 +174,21 @@ def test_no_arrow_runs_up_a_layer(module):
     assert not upward, f"{module} ({layer(module)}) imports {upward} from a layer above"
     beside = sorted(m for m in own_imports(module) if {layer(m), layer(module)} == {"demo", "offline"})
     assert not beside, f"{module} imports {beside}"
+
+
+BESIDE = {"from_trl": "training", "training": "from_trl"}  # the two layers of level 2, side by side
+
+
+@pytest.mark.parametrize("module", [m for m in FILES if layer(m) in BESIDE])
+def test_from_trl_and_training_never_import_each_other(module):
+    beside = sorted(m for m in imports(module) if layer(m) == BESIDE[layer(module)])
+    assert not beside, f"{module} ({layer(module)}) imports {beside}"
+
+
+def test_the_converter_has_its_layer_beside_training():
+    assert layer("grpo_lightning.from_trl.converter") == "from_trl"  # the rule above sees its files
+    assert LEVELS["from_trl"] == LEVELS["training"] > LEVELS["io"]
+    assert len([m for m in FILES if layer(m) == "from_trl"]) >= 7
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -50,13 +50,13 @@ from grpo_lightning.cli.config_checks import (
     reset_preset_data_defaults,
     strategy_class_path,
 )
+from grpo_lightning.cli.from_trl import HELP as FROM_TRL_HELP
+from grpo_lightning.cli.from_trl import main as from_trl
 from grpo_lightning.cli.resume import data_to_continue, drop_leaf, is_typed, not_for_the_config, typed_options
 from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.cli.trainer import GRPOTrainer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
-from grpo_lightning.from_trl import HELP as FROM_TRL_HELP
-from grpo_lightning.from_trl import main as from_trl
 from grpo_lightning.io.checkpoints import (
     check_checkpoint_folder,
     check_module_checkpoint,

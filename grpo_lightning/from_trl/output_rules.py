@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 
-from grpo_lightning.trl_conversion import (
+from grpo_lightning.from_trl.conversion import (
     Conversion,
     Rules,
     Unsupported,

@@ -1,7 +1,7 @@
 """One conversion of a TRL recipe into this library's config (`cli.py from-trl`): the recipe's options
 beside TRL's defaults for those it leaves unset, the config built so far, and a row per option saying what
-became of it. The rules that fill them are in `trl_model_rules` (ModelConfig, ScriptArguments, open-r1's
-additions), `trl_run_rules` and `trl_output_rules` (TrainingArguments); `from_trl` runs them.
+became of it. The rules that fill them are in `model_rules` (ModelConfig, ScriptArguments, open-r1's
+additions), `run_rules` and `output_rules` (TrainingArguments); `converter` runs them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_lightning.core.config import FLAT_NAMES
-from grpo_lightning.trl_versions import version_key
+from grpo_lightning.from_trl.versions import version_key
 
 KINDS = ("mapped", "converted", "unsupported")
 

@@ -1,6 +1,6 @@
 """The rules of `cli.py from-trl` for TRL's `TrainingArguments`: batch sizes, the run's length, the
 learning-rate schedule, precision and evaluation, which live in the trainer, the data module's batch and
-the module's options here, or are counted in other units (checkpoints and logging: `trl_output_rules`).
+the module's options here, or are counted in other units (checkpoints and logging: `output_rules`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 from grpo_lightning.core.algorithm.schedules import SCHEDULES, OptimizerOptions
 from grpo_lightning.core.options import trl_value
-from grpo_lightning.trl_conversion import (
+from grpo_lightning.from_trl.conversion import (
     Conversion,
     Rules,
     Unsupported,

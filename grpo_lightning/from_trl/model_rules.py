@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from grpo_lightning.from_trl.conversion import Conversion, Rules, grpo_key
 from grpo_lightning.io.models import LoraOptions, ModelOptions
-from grpo_lightning.trl_conversion import Conversion, Rules, grpo_key
 
 MODEL_RULES = Rules()
 
