@@ -22,7 +22,7 @@ from grpo_lightning.core.config import FLAT_NAMES
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.options import trl_value
 from grpo_lightning.from_trl.conversion import KINDS, grpo_key
-from grpo_lightning.from_trl.converter import KNOWN, config_text, convert, table
+from grpo_lightning.from_trl.converter import ALWAYS, KNOWN, NO_COUNTERPART, config_text, convert, table
 from grpo_lightning.from_trl.model_rules import FACTORIES, OPEN_R1_REWARDS
 from grpo_lightning.from_trl.output_rules import CHECKPOINT_CLASS
 from grpo_lightning.from_trl.recipes import Recipe, read_recipe
@@ -326,6 +326,21 @@ def test_a_spelling_without_counterpart_is_unsupported_with_a_hint():
     assert rows_of({"scale_rewards": False})["scale_rewards"].note == "TRL's False is 'none' here"
     first = convert(recipe_of({"logging_first_step": True, "logging_steps": 5}), NEWEST_VERSION)
     assert first.rows["logging_first_step"].kind == "mapped" and grpo(first, "logging_first_step") is True
+
+
+def test_the_hand_tables_never_name_an_option_declared_here():
+    """`ALWAYS` and `NO_COUNTERPART` hold TRL's options that no option of ours declares: a flat name (an
+    option's `Alias`, TRL's name, or its own; `FLAT_NAMES`) is converted from its declaration before them, so
+    a row of it there would never be read, its value and hint drifting from the option's."""
+    for hand_table in (ALWAYS, NO_COUNTERPART):
+        assert sorted(set(hand_table) & set(FLAT_NAMES)) == []
+    assert "max_tool_calling_iterations" in FLAT_NAMES  # TRL's name, declared as an Alias: no hand row
+    rows = rows_of({"max_tool_calling_iterations": 3})
+    assert rows["max_tool_calling_iterations"].kind == "mapped"
+    assert (
+        rows["max_tool_calling_iterations"].ours
+        == "model.grpo." + FLAT_NAMES["max_tool_calling_iterations"].key
+    )
 
 
 # ------------------------------------------------------------------------------------------ batch sizes

@@ -84,7 +84,6 @@ ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
     "use_cpu": ((False,), "set trainer.accelerator: cpu"),
     "do_train": (ANY, "cli.py fit trains"),
     "do_predict": ((False,), "cli.py predict answers the test split's prompts"),
-    "max_tool_calling_iterations": ((None,), "set model.tool_options.max_tool_calling_iterations with tools"),
 }
 # TRL's (and open-r1's) options with no counterpart here, and what to do instead.
 NO_COUNTERPART = {
