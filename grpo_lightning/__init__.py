@@ -47,12 +47,12 @@ _PUBLIC = {
     "GSM8KAccuracyCallback": "grpo_lightning.training.evaluation",
     "ValidationResultsWriter": "grpo_lightning.training.evaluation",
     "generate_answers": "grpo_lightning.training.evaluation",
-    "CollapseMonitor": "grpo_lightning.training.monitors",
-    "CompletionsPanel": "grpo_lightning.training.monitors",
-    "Preflight": "grpo_lightning.training.preflight",
-    "RewardAuditCallback": "grpo_lightning.training.audit_callback",
+    "CollapseMonitor": "grpo_lightning.training.callbacks",
+    "CompletionsPanel": "grpo_lightning.training.callbacks",
+    "Preflight": "grpo_lightning.training.callbacks",
+    "RewardAuditCallback": "grpo_lightning.training.callbacks",
     "InterruptCheckpoint": "grpo_lightning.training.resume",
-    "ExportBestCallback": "grpo_lightning.training.export_best",
+    "ExportBestCallback": "grpo_lightning.training.callbacks",
     "export_policy": "grpo_lightning.io.export",
 }
 __all__ = ["__version__", *_PUBLIC]

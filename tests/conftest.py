@@ -127,7 +127,7 @@ def no_weights(monkeypatch):
 @pytest.fixture
 def no_audit(monkeypatch):
     """No reward audit before training: for tests about the training step scoring completions."""
-    from grpo_lightning.training.audit_callback import RewardAuditCallback
+    from grpo_lightning.training.callbacks.reward_audit import RewardAuditCallback
 
     monkeypatch.setattr(RewardAuditCallback, "on_fit_start", lambda self, trainer, pl_module: None)
 

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
 from grpo_lightning.training import monitors
-from grpo_lightning.training.completions_table import completion_rows, console_table
+from grpo_lightning.training.callbacks.completions_panel import CompletionsPanel
+from grpo_lightning.training.callbacks.completions_table import completion_rows, console_table
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.monitors import CompletionsPanel
 from grpo_lightning.training.step_metrics import RolloutRecord
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 

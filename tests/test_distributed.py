@@ -48,7 +48,7 @@ from grpo_lightning.io.distributed import (
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from grpo_lightning.io.rows import collate_rows
-from grpo_lightning.training.export_best import ExportBestCallback
+from grpo_lightning.training.callbacks.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 

@@ -16,8 +16,8 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.core.generation.sampling import SamplingSettings, generate_completions
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.models import LoraOptions
+from grpo_lightning.training.callbacks.export_best import ExportBestCallback
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.export_best import ExportBestCallback
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import GSM8K_DIR, length_reward, tiny_module
 

@@ -14,8 +14,8 @@ import pytest
 from grpo_lightning.demo.outputs import claim_output, unused_paths, write_json
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.files import OutputLock, replace_folder, write_atomically
+from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.output_lock import HoldsOutputLock
 from tests.helpers import copy_model
 from tests.test_bad_input_outputs import files_of
 

@@ -79,8 +79,8 @@ def test_static_engine_estimate_equals_its_copy_and_caches(tiny_model_dir, tied)
     from transformers import AutoTokenizer
 
     from grpo_lightning.core.config import GRPOConfig
+    from grpo_lightning.training.callbacks.preflight import rollout_memory
     from grpo_lightning.training.module import GRPOModule
-    from grpo_lightning.training.preflight import rollout_memory
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = LlamaConfig(
@@ -167,7 +167,7 @@ def test_compute_bytes_follow_the_precision_flag():
 
 def test_preflight_prints_the_estimate(tiny_model_dir):
     module = module_for(tiny_model_dir, grpo={"beta": 0.04, "max_prompt_length": 10})
-    from grpo_lightning.training.preflight import run_preflight
+    from grpo_lightning.training.callbacks.preflight import run_preflight
 
     line = run_preflight(module, BATCH, samples=1).lines["memory per GPU"]
     expected = estimate_memory(

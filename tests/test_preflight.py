@@ -11,15 +11,15 @@ from grpo_lightning.core.rewards.verifiable import accuracy_reward
 from grpo_lightning.io.arithmetic_task import arithmetic_problems
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.io.rows import collate_rows
-from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.preflight import (
+from grpo_lightning.training.callbacks.preflight import (
     Preflight,
     effective_batch,
     groups_cut_whole,
     input_gradients_enabled,
     run_preflight,
 )
+from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.module import GRPOModule
 from tests.helpers import length_reward, quiet_trainer
 from tests.test_bad_input_rewards import end_early
 

@@ -24,12 +24,12 @@ from grpo_lightning.core.rewards.verifiable import (
     format_reward,
     reference_answer,
 )
-from grpo_lightning.training.audit_callback import RewardAuditCallback
-from grpo_lightning.training.completions_table import completions_table
+from grpo_lightning.training.callbacks.collapse_monitor import CollapseMonitor
+from grpo_lightning.training.callbacks.completions_table import completions_table
+from grpo_lightning.training.callbacks.reward_audit import RewardAuditCallback
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import GSM8KAccuracyCallback
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.monitors import CollapseMonitor
 from grpo_lightning.training.step_metrics import RolloutRecord
 from tests.helpers import ACCURACY_KEYS, GSM8K_DIR, gsm8k_rows, quiet_trainer, tiny_module
 from tests.test_rewards import TAGS_PROMPT, exact_match_reward, tags_format_reward

@@ -24,7 +24,7 @@ from grpo_lightning.core.options import default_at
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from grpo_lightning.core.rewards.verifiable import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.core.rewards.verifiable import format_reward
-from grpo_lightning.training.completions_table import completions_table
+from grpo_lightning.training.callbacks.completions_table import completions_table
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer

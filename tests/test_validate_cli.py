@@ -13,7 +13,7 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, chat_prompt
-from grpo_lightning.training.export_best import ExportBestCallback
+from grpo_lightning.training.callbacks.export_best import ExportBestCallback
 from tests.helpers import GSM8K_DIR, gsm8k_rows, write_rows
 
 QWEN_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gsm8k_qwen2.5_0.5b.yaml")

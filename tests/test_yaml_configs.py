@@ -18,9 +18,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.training.callbacks.preflight import share_of_weights_updated
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.preflight import share_of_weights_updated
 from tests.helpers import length_reward, quiet_trainer
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))

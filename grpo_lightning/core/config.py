@@ -70,7 +70,7 @@ class RunOptions:
     preflight: bool = True
     """Before the first step, sample a few completions and report the effective batch, the share cut off by
     `max_completion_length`, the reward audit and LoRA's input gradients in one block
-    (`grpo_lightning.training.preflight`).
+    (`grpo_lightning.training.callbacks.preflight`).
     """
 
     def __post_init__(self) -> None:

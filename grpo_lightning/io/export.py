@@ -3,7 +3,7 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. A LoRA policy
 is either merged into its base weights (a plain model) or saved as the adapter alone, which transformers
 loads on top of the base model named in `adapter_config.json`. Any module works: it is only an object
-holding the model and the tokenizer as attributes. `training.export_best.ExportBestCallback` exports the best
+holding the model and the tokenizer as attributes. `training.callbacks.ExportBestCallback` exports the best
 checkpoint's policy this way at the end of `fit`.
 """
 

@@ -34,8 +34,8 @@ from grpo_lightning.core.rng import preserved_rng
 from grpo_lightning.io.distributed import gathered_for_generation
 from grpo_lightning.io.files import OutputLock, write_atomically
 from grpo_lightning.io.rows import DEFAULT_SYSTEM_PROMPT, collate_rows
+from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.output_lock import HoldsOutputLock
 from grpo_lightning.training.step_metrics import logging_step
 from grpo_lightning.training.validation_sets import COUNTED
 

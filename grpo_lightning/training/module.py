@@ -44,12 +44,13 @@ from grpo_lightning.io.models import (
     policy_parts,
     prepare_models,
 )
+from grpo_lightning.training.callbacks.collapse_monitor import CollapseMonitor
+from grpo_lightning.training.callbacks.completions_panel import CompletionsPanel
+from grpo_lightning.training.callbacks.preflight import Preflight
 from grpo_lightning.training.held_out_loops import HeldOutLoops
 from grpo_lightning.training.hyperparameters import save_own_hyperparameters
 from grpo_lightning.training.lr_schedulers import reading_schedulers
 from grpo_lightning.training.manual_optimization import ManualOptimization
-from grpo_lightning.training.monitors import CollapseMonitor, CompletionsPanel
-from grpo_lightning.training.preflight import Preflight
 from grpo_lightning.training.resume import InterruptCheckpoint
 from grpo_lightning.training.rollouts import PolicyRollouts
 from grpo_lightning.training.run_checks import FitChecks, check_setup

@@ -1,7 +1,7 @@
 """What each training step logs and sampled: the `train/...` metrics, those of each optimizer step
 (`update_metrics`) and those of the rollout (`rollout_metrics`), written on the optimizer-step axis
 (`log_training_step`); `GRPOModule` leaves a `RolloutRecord` (what the step sampled and scored) in
-`last_rollout`, which the callbacks of `training.monitors` read.
+`last_rollout`, which the monitors of `training.callbacks` read.
 """
 
 from __future__ import annotations

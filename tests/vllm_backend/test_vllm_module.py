@@ -10,8 +10,8 @@ import torch
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.training.callbacks.preflight import rollout_memory
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.preflight import rollout_memory
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
 
 VLLM = dict(generation_backend="vllm", vllm_kv_cache_gb=0.05, vllm_enforce_eager=True)

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from grpo_lightning.io.distributed import is_sharded
 from grpo_lightning.io.export import check_export_folder, export_policy, sources_of
-from grpo_lightning.training.output_lock import HoldsOutputLock
+from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 
 
 class ExportBestCallback(HoldsOutputLock):

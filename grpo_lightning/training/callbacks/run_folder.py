@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from grpo_lightning.training.output_lock import HoldsOutputLock
+from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 from grpo_lightning.training.resume import InterruptCheckpoint
 
 __all__ = ["SaveRunConfig", "checkpoint_roots", "latest_checkpoint", "run_folder"]
