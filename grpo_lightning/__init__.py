@@ -51,7 +51,7 @@ _PUBLIC = {
     "CompletionsPanel": "grpo_lightning.training.callbacks",
     "Preflight": "grpo_lightning.training.callbacks",
     "RewardAuditCallback": "grpo_lightning.training.callbacks",
-    "InterruptCheckpoint": "grpo_lightning.training.resume",
+    "InterruptCheckpoint": "grpo_lightning.training.callbacks",
     "ExportBestCallback": "grpo_lightning.training.callbacks",
     "export_policy": "grpo_lightning.io.export",
 }

@@ -29,10 +29,10 @@ from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_
 from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.callbacks.export_best import ExportBestCallback
+from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.evaluation import ValidationResultsWriter, check_results_path, write_results
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.resume import InterruptCheckpoint
 from tests.helpers import (
     cli_error,
     copy_model,

@@ -16,9 +16,10 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.io.models import LoraOptions
+from grpo_lightning.training.callbacks.interrupt_checkpoint import INTERRUPT_FILENAME
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.resume import INTERRUPT_FILENAME, ResumableSampler
+from grpo_lightning.training.resume import ResumableSampler
 from tests.helpers import length_reward, quiet_trainer
 
 M = 2  # steps after the resume

@@ -21,9 +21,9 @@ from grpo_lightning.core.update import (
     mini_batches,
     shuffled_mini_batches,
 )
+from grpo_lightning.training.callbacks.interrupt_checkpoint import INTERRUPT_FILENAME
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.manual_optimization import ManualOptimization
-from grpo_lightning.training.resume import INTERRUPT_FILENAME
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 from tests.test_resume import assert_same_continuation, fit
 

@@ -11,9 +11,9 @@ from lightning.pytorch import Trainer
 from grpo_lightning.core.rewards.audit import AuditReport, audit_module_rewards
 from grpo_lightning.io.export import export_policy
 from grpo_lightning.io.hub_push import check_repo_id, push_folder
+from grpo_lightning.training.callbacks.run_folder import version_checkpoint_folders
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.resume import version_checkpoint_folders
 
 
 class GRPOTrainer(Trainer):

@@ -37,8 +37,9 @@ from grpo_lightning.core.generation.backends import check_engine_importable
 from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.io.checkpoints import unimportable_rewards
 from grpo_lightning.io.models import model_positions
+from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.resume import InterruptCheckpoint, warn_checkpoint_cadence
+from grpo_lightning.training.resume import warn_checkpoint_cadence
 
 
 class FitChecks(L.Callback):

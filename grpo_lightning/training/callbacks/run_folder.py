@@ -6,7 +6,9 @@
   `--config` and nothing else: reward functions and callbacks are written as their import paths.
 - `latest_checkpoint`: what `--ckpt_path last` means here: the newest checkpoint anywhere in the run's
   folders (`ModelCheckpoint`'s, `interrupted.ckpt`, a sharded checkpoint's folder), or a one-line error when
-  the run has none, where Lightning would warn and train from scratch.
+  the run has none, where Lightning would warn and train from scratch;
+- `version_checkpoint_folders`: a run without a logger gets a checkpoint folder of its own
+  (`checkpoints/version_N`), as a logger gives each run a version.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
+from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
-from grpo_lightning.training.resume import InterruptCheckpoint
 
-__all__ = ["SaveRunConfig", "checkpoint_roots", "latest_checkpoint", "run_folder"]
+__all__ = [
+    "SaveRunConfig",
+    "checkpoint_roots",
+    "latest_checkpoint",
+    "run_folder",
+    "version_checkpoint_folders",
+]
 
 
 def run_folder(trainer: L.Trainer) -> str:
@@ -145,3 +153,26 @@ def latest_checkpoint(roots: list[str]) -> str:
             "without --ckpt_path, or give a checkpoint's path"
         )
     return max(found, key=os.path.getmtime)
+
+
+def version_checkpoint_folders(trainer: L.Trainer) -> str | None:
+    """Give a run without a logger a checkpoint folder of its own, `<default_root_dir>/checkpoints/version_N`
+    with the first N not taken, as a logger gives each run a version: else every such run writes
+    `<default_root_dir>/checkpoints/` and one run's `last.ckpt` or `interrupted.ckpt` replaces another's.
+
+    Sets the folder on the Trainer's `ModelCheckpoint` and `InterruptCheckpoint` callbacks that name none
+    (adding an `InterruptCheckpoint` when it has none) and returns it; None, changing nothing, with a logger.
+    """
+    if trainer.loggers:
+        return None
+    root = os.path.join(trainer.default_root_dir, "checkpoints")
+    version = 0
+    while os.path.exists(os.path.join(root, f"version_{version}")):
+        version += 1
+    folder = os.path.join(root, f"version_{version}")
+    if not any(isinstance(c, InterruptCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(InterruptCheckpoint())
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint | InterruptCheckpoint) and not callback.dirpath:
+            callback.dirpath = folder
+    return folder

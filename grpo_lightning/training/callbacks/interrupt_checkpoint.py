@@ -1,0 +1,132 @@
+"""`InterruptCheckpoint`: a checkpoint of the last completed step when a run gets SIGTERM or Ctrl-C, or stops
+on an error, written whole or not at all (`io.checkpoints.AtomicCheckpointIO`, which it installs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from grpo_lightning.io.checkpoints import AtomicCheckpointIO
+
+INTERRUPT_FILENAME = "interrupted.ckpt"
+
+
+class InterruptCheckpoint(L.Callback):
+    """On SIGTERM or Ctrl-C, finish the current step, write a checkpoint of it and stop; on an error during
+    training, write a checkpoint of the last completed step before the error propagates.
+
+    SIGTERM is what schedulers send before killing a job; Lightning turns it into `trainer.received_sigterm`
+    and a `SIGTERMException` after the step. A first Ctrl-C is turned into the same graceful stop (a
+    second one interrupts at once, without a checkpoint). An error (a reward function that raises, too
+    many non-finite steps) stops a step before its update, so the weights are those of the last completed
+    step; this is done on a single device only, where no other rank can be left waiting in the save.
+
+    The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else `<log_dir>/checkpoints`
+    with a logger, `<default_root_dir>/checkpoints` without) as `interrupted.ckpt`, or `interrupted-v1.ckpt`,
+    ... where that name is taken (never over a file); the log names it: resume with `--ckpt_path <path>`.
+    `stopped_by` says which signal stopped the run ("SIGTERM", "Ctrl-C"; None otherwise), so that the CLI
+    can exit with a non-zero status. Where the strategy writes checkpoints with Lightning's default
+    `TorchCheckpointIO`, it is replaced by `AtomicCheckpointIO`, for this checkpoint and `ModelCheckpoint`'s.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.saved_path: str | None = None
+        self.stopped_by: str | None = None
+        self._ctrl_c = False
+        self._previous_sigint = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def folder(self, trainer: L.Trainer) -> str:
+        """Where the checkpoint goes: `dirpath`, else the `ModelCheckpoint`'s folder, else where one would
+        write (`<log_dir>/checkpoints` with a logger, `<default_root_dir>/checkpoints` without)."""
+        dirpath = self.dirpath or getattr(trainer.checkpoint_callback, "dirpath", None)
+        if dirpath is None and trainer.loggers:
+            dirpath = os.path.join(trainer.log_dir, "checkpoints")
+        return dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
+
+    def path(self, trainer: L.Trainer) -> str:
+        """`interrupted.ckpt` in `folder`; `interrupted-v1.ckpt`, ... where a file of that name exists
+        (another run's, or the one this run resumed from), as `ModelCheckpoint` versions its names."""
+        stem, suffix = os.path.splitext(INTERRUPT_FILENAME)
+        path, version = os.path.join(self.folder(trainer), INTERRUPT_FILENAME), 0
+        while os.path.exists(path):
+            version += 1
+            path = os.path.join(self.folder(trainer), f"{stem}-v{version}{suffix}")
+        return path
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here, not in `on_fit_start`: Lightning notes every signal's handler after `on_fit_start` and puts
+        # them back when the run ends, after an error too, once this callback has restored Ctrl-C's; a
+        # handler of ours noted there would be put back, and take the user's later Ctrl-C.
+        current = signal.getsignal(signal.SIGINT)
+        # Only outside another program's handler; one left behind by an earlier fit that never reached its
+        # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
+        stale = isinstance(getattr(current, "__self__", None), InterruptCheckpoint)
+        if current is signal.default_int_handler or stale:
+            try:
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self._previous_sigint = signal.default_int_handler
+            except ValueError:  # not the main thread: leave Ctrl-C alone
+                self._previous_sigint = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._ctrl_c:
+            raise KeyboardInterrupt
+        self._ctrl_c = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (press again to abort now)", flush=True)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def _save(self, trainer: L.Trainer, reason: str) -> None:
+        if self.saved_path is not None:
+            return
+        path = self.path(trainer)
+        trainer.save_checkpoint(path)
+        self.saved_path = path  # only once written: a failed save is not reported as a checkpoint
+        rank_zero_info(
+            f"{reason}: wrote the checkpoint of step {trainer.global_step} to {path}; "
+            f"resume with --ckpt_path {path}"
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._ctrl_c:
+            self.stopped_by = "Ctrl-C"
+            self._save(trainer, "Ctrl-C")
+            trainer.should_stop = True
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if isinstance(exception, SIGTERMException):
+            # Lightning raises it once the step in progress (and any validation after it) is over.
+            self.stopped_by = "SIGTERM"
+            self._save(trainer, "SIGTERM")
+        elif (
+            isinstance(exception, Exception)
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.global_step > 0
+            and trainer.world_size == 1
+        ):
+            try:
+                self._save(trainer, f"stopped by {type(exception).__name__}")
+            except Exception as err:  # never hide the error that stopped the run behind this one
+                rank_zero_warn(f"could not write a checkpoint after the error: {err}")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_sigint()
