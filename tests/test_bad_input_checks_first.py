@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.demo.outputs import run_script
+from grpo_lightning.training.callbacks.fit_checks import FitChecks
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.run_checks import check_monitors, check_run_length, logged_metric_names
 from tests.helpers import cli_error, digit_reward, one_error_line, quiet_trainer, tiny_module
@@ -68,6 +69,18 @@ def test_a_fit_checks_its_folders_monitors_and_length_before_any_weights_load(
         max_epochs=-1,
         grpo={"lr_scheduler_type": "linear"},
     ) == (False, 0)
+
+
+def test_a_trainers_own_fit_checks_refuse_as_the_modules_do(tiny_model_dir, tmp_path, no_weights):
+    """`FitChecks`, one of the module's default callbacks, given to the Trainer instead (the module then adds
+    none of its own): the Trainer's refuses the fit before any weights load."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    own = [FitChecks(), ModelCheckpoint(dirpath=str(a_file / "ckpt"))]
+    refused = fit_refused(
+        tiny_model_dir, tmp_path, own, match="is a file, not a folder", enable_checkpointing=True
+    )
+    assert refused == (False, 0)
 
 
 def test_runs_that_cannot_do_what_was_asked_are_refused_or_warned_before_any_weights_load(

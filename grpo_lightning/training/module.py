@@ -46,6 +46,7 @@ from grpo_lightning.io.models import (
 )
 from grpo_lightning.training.callbacks.collapse_monitor import CollapseMonitor
 from grpo_lightning.training.callbacks.completions_panel import CompletionsPanel
+from grpo_lightning.training.callbacks.fit_checks import FitChecks
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.callbacks.preflight import Preflight
 from grpo_lightning.training.held_out_loops import HeldOutLoops
@@ -53,7 +54,7 @@ from grpo_lightning.training.hyperparameters import save_own_hyperparameters
 from grpo_lightning.training.lr_schedulers import reading_schedulers
 from grpo_lightning.training.manual_optimization import ManualOptimization
 from grpo_lightning.training.rollouts import PolicyRollouts
-from grpo_lightning.training.run_checks import FitChecks, check_setup
+from grpo_lightning.training.run_checks import check_setup
 from grpo_lightning.training.step_metrics import RolloutRecord, log_training_step, rollout_metrics
 from grpo_lightning.training.tool_rollouts import ToolSampling
 from grpo_lightning.training.trainer_options import (

@@ -4,8 +4,8 @@
 columns must hold what the rewards and the validation read; a checkpoint cadence that is not a multiple of a
 training step's optimizer steps, and a reward with no import path, are warned about.
 
-`FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up `fit` (the rows'
-length also for `validate`; `check_fit` for a script that works before its `fit`):
+`callbacks.fit_checks.FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up
+`fit` (the rows' length also for `validate`; `check_fit` for a script that works before its `fit`):
 
 - the engine: `generation_backend: vllm` where vLLM does not import is refused (at every stage's set-up);
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
@@ -33,24 +33,12 @@ import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from grpo_lightning.core.generation.backends import check_engine_importable
 from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.io.checkpoints import unimportable_rewards
 from grpo_lightning.io.models import model_positions
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.resume import warn_checkpoint_cadence
-
-
-class FitChecks(L.Callback):
-    """The checks above, on a `GRPOModule`'s `fit`."""
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_engine_importable(pl_module.grpo.engine)  # every stage samples
-        if stage == "fit":
-            check_fit(trainer, pl_module, trainer.datamodule)
-        elif stage == "validate":
-            check_row_length(pl_module)  # validation samples as long as training does
 
 
 def check_fit(trainer: L.Trainer, module: L.LightningModule, datamodule: object) -> None:

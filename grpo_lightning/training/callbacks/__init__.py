@@ -8,6 +8,7 @@ checkpoint (`ExportBestCallback`), the run's own folder
 from grpo_lightning.training.callbacks.collapse_monitor import CollapseMonitor
 from grpo_lightning.training.callbacks.completions_panel import CompletionsPanel
 from grpo_lightning.training.callbacks.export_best import ExportBestCallback
+from grpo_lightning.training.callbacks.fit_checks import FitChecks
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 from grpo_lightning.training.callbacks.preflight import Preflight
@@ -18,6 +19,7 @@ __all__ = [
     "CollapseMonitor",
     "CompletionsPanel",
     "ExportBestCallback",
+    "FitChecks",
     "HoldsOutputLock",
     "InterruptCheckpoint",
     "Preflight",
