@@ -45,7 +45,7 @@ _PUBLIC = {
     "LogProbScorer": "grpo_lightning.core.generation.scorer",
     # callbacks
     "GSM8KAccuracyCallback": "grpo_lightning.training.evaluation",
-    "ValidationResultsWriter": "grpo_lightning.training.evaluation",
+    "ValidationResultsWriter": "grpo_lightning.training.callbacks",
     "generate_answers": "grpo_lightning.training.evaluation",
     "CollapseMonitor": "grpo_lightning.training.callbacks",
     "CompletionsPanel": "grpo_lightning.training.callbacks",

@@ -30,8 +30,12 @@ from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.callbacks.export_best import ExportBestCallback
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
+from grpo_lightning.training.callbacks.results_writer import (
+    ValidationResultsWriter,
+    check_results_path,
+    write_results,
+)
 from grpo_lightning.training.data import GSM8KDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter, check_results_path, write_results
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import (
     cli_error,
@@ -439,7 +443,7 @@ def write_earlier_and_new(kind: str, root: str, model_dir: str):
     """The earlier files of `kind` in `<root>/folder` (and a file beside them that no write touches), and
     the write that replaces one of them: a checkpoint, an export or a results file."""
     from grpo_lightning.io.checkpoints import AtomicCheckpointIO
-    from grpo_lightning.training.evaluation import write_results
+    from grpo_lightning.training.callbacks.results_writer import write_results
 
     folder = os.path.join(root, "folder")
     os.makedirs(folder)  # and `root`

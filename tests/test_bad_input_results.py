@@ -8,7 +8,7 @@ import json
 import lightning as L
 import pytest
 
-from grpo_lightning.training.evaluation import ValidationResultsWriter
+from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from tests.test_validation_sets import MARKS, module_and_data, write_math_file
 
 

@@ -22,8 +22,8 @@ from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.offline.tool_caller import QUESTION, teach_tool_call
+from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.tool_rollouts import rollout_of_lists
 from tests.helpers import quiet_trainer

@@ -69,9 +69,9 @@ from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
+from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.callbacks.run_folder import SaveRunConfig, checkpoint_roots, latest_checkpoint
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.training_state import free_on_resume
 

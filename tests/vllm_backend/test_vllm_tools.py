@@ -25,8 +25,8 @@ from grpo_lightning.core.tools.schemas import tool_schema
 from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.offline.tool_caller import ANSWER, CALL, QUESTION
+from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.data import PromptDataModule
-from grpo_lightning.training.evaluation import ValidationResultsWriter
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer
 from tests.test_tool_rollouts import Trajectories, answered_42

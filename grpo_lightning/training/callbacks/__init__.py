@@ -1,8 +1,9 @@
-"""The callbacks of a GRPO run, one per file as in `lightning.pytorch.callbacks`: the monitors of each
-step (`CompletionsPanel`, `CollapseMonitor`), the pre-flight block (`Preflight`), the reward audit
-(`RewardAuditCallback`), the checkpoint of an interrupted run (`InterruptCheckpoint`), the export of the best
-checkpoint (`ExportBestCallback`), the run's own folder
-(`SaveRunConfig`), and the lock a callback holds on its output (`HoldsOutputLock`).
+"""The callbacks of a GRPO run, one per file as in `lightning.pytorch.callbacks`: the monitors of each step
+(`CompletionsPanel`, `CollapseMonitor`), the pre-flight block (`Preflight`), the checks before a fit
+(`FitChecks`), the reward audit (`RewardAuditCallback`), the checkpoint of an interrupted run
+(`InterruptCheckpoint`), the export of the best checkpoint (`ExportBestCallback`), the results of a
+validation, test or predict run (`ValidationResultsWriter`), the run's own folder (`SaveRunConfig`), and
+the lock a callback holds on its output (`HoldsOutputLock`).
 """
 
 from grpo_lightning.training.callbacks.collapse_monitor import CollapseMonitor
@@ -12,6 +13,7 @@ from grpo_lightning.training.callbacks.fit_checks import FitChecks
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.callbacks.output_lock import HoldsOutputLock
 from grpo_lightning.training.callbacks.preflight import Preflight
+from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.callbacks.reward_audit import RewardAuditCallback
 from grpo_lightning.training.callbacks.run_folder import SaveRunConfig
 
@@ -25,4 +27,5 @@ __all__ = [
     "Preflight",
     "RewardAuditCallback",
     "SaveRunConfig",
+    "ValidationResultsWriter",
 ]

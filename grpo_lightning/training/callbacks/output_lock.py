@@ -1,7 +1,7 @@
 """`HoldsOutputLock`: a callback that holds `io.files.OutputLock` on its run's output from `setup` until the
 run ends (`teardown`, or `on_exception` when it fails), so that a second run writing the same place meanwhile
 is refused in one line. Used by the run's config and checkpoint folder (`run_folder.SaveRunConfig`), the
-validation results file (`evaluation.ValidationResultsWriter`) and the export folder
+validation results file (`results_writer.ValidationResultsWriter`) and the export folder
 (`export_best.ExportBestCallback`)."""
 
 from __future__ import annotations
