@@ -16,7 +16,8 @@ from grpo_lightning.core.metrics import GSM8KAccuracy
 from grpo_lightning.core.rewards.scoring import CALL_KEYWORDS
 from grpo_lightning.core.rewards.verifiable import normalize_number, reference_answer
 from grpo_lightning.io.rows import CHAT_ROLES, check_prompt, check_row, read_records
-from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
+from grpo_lightning.training.data.gsm8k import GSM8KDataModule
+from grpo_lightning.training.data.prompts import PromptDataModule
 from tests.helpers import cli_error, one_error_line, write_rows
 from tests.test_interrupt import fit_args
 

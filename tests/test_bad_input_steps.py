@@ -5,7 +5,7 @@ front and naming both options; the schedule's last step is a real one (a learnin
 import lightning as L
 import pytest
 
-from grpo_lightning.training.data import GSM8KDataModule
+from grpo_lightning.training.data.gsm8k import GSM8KDataModule
 from tests.helpers import length_reward, quiet_trainer, tiny_module
 
 

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_lightning.io.rows import collate_rows
-from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
+from grpo_lightning.training.data.gsm8k import GSM8KDataModule
+from grpo_lightning.training.data.prompts import PromptDataModule
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
 TRL_ROWS = [
