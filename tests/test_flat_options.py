@@ -14,7 +14,7 @@ import yaml
 
 from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.io.checkpoints import sectioned_hparams
+from grpo_lightning.io.hparams import sectioned_hparams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OLD_CONFIGS = FIXTURES / "flat_options_configs"

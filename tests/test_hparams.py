@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import ListConfig, OmegaConf
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.io.checkpoints import plain_value, resolve_callable, reward_recipe
+from grpo_lightning.io.hparams import plain_value, resolve_callable, reward_recipe
 from grpo_lightning.training.hyperparameters import own_arguments
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, length_reward, quiet_trainer

@@ -25,7 +25,7 @@ from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.verifiable import LengthPenalty
 from grpo_lightning.core.types import ScoredGroups
-from grpo_lightning.io.checkpoints import import_object
+from grpo_lightning.io.hparams import import_object
 from grpo_lightning.training.callbacks.run_folder import checkpoint_roots, latest_checkpoint
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

@@ -57,14 +57,9 @@ from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.cli.trainer import GRPOTrainer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import option_differences, plain_options
-from grpo_lightning.io.checkpoints import (
-    check_checkpoint_folder,
-    check_module_checkpoint,
-    comparable_hparams,
-    read_checkpoint,
-    sectioned_hparams,
-)
+from grpo_lightning.io.checkpoints import check_checkpoint_folder, check_module_checkpoint, read_checkpoint
 from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.io.hparams import comparable_hparams, sectioned_hparams
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing

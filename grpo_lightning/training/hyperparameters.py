@@ -1,5 +1,5 @@
 """What a `GRPOModule` keeps of its arguments as hyper-parameters (`save_own_hyperparameters`): those of its
-own class's `__init__`, made portable (`io.checkpoints.portable_hparams`), so that
+own class's `__init__`, made portable (`io.hparams.portable_hparams`), so that
 `load_from_checkpoint(ckpt)` rebuilds it and the loggers get the same plain values.
 """
 
@@ -11,7 +11,7 @@ from types import FrameType
 import lightning as L
 from lightning.pytorch.utilities.parsing import collect_init_args
 
-from grpo_lightning.io.checkpoints import portable_hparams
+from grpo_lightning.io.hparams import portable_hparams
 
 
 def save_own_hyperparameters(

@@ -34,8 +34,9 @@ from grpo_lightning.core.rewards.scoring import (
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import restore_rng_states
 from grpo_lightning.core.update import RolloutUpdate
-from grpo_lightning.io.checkpoints import as_options, register_safe_globals, resolve_rewards
+from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import offloaded_to_cpu, ranks_of, shard_models
+from grpo_lightning.io.hparams import as_options, resolve_rewards
 from grpo_lightning.io.models import (
     LoraOptions,
     ModelOptions,

@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from grpo_lightning.core.generation.prompts import check_chat_template
-from grpo_lightning.io.checkpoints import unimportable_rewards
+from grpo_lightning.io.hparams import unimportable_rewards
 from grpo_lightning.io.models import model_positions
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.data import PromptDataModule

@@ -36,7 +36,7 @@ from grpo_lightning.core.rewards.scoring import RewardInputs
 from grpo_lightning.core.tools.calls import RowToolRunner, ToolOptions
 from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.io.checkpoints import import_object, resolve_callable
+from grpo_lightning.io.hparams import import_object, resolve_callable
 
 ENVIRONMENT_COLUMN = "environment"  # with a dict of environments: the row's column naming its own
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what a rollout_func must return

@@ -22,8 +22,9 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import declared_annotation, option_differences, section_class
 from grpo_lightning.core.rng import capture_rng_states
 from grpo_lightning.core.types import Rollout, ScoredGroups
-from grpo_lightning.io.checkpoints import check_fits, comparable_hparams, upgrade_scheduler_states
+from grpo_lightning.io.checkpoints import check_fits, upgrade_scheduler_states
 from grpo_lightning.io.distributed import gather_per_rank, is_sharded
+from grpo_lightning.io.hparams import comparable_hparams
 from grpo_lightning.training.resume import state_of_rank
 
 STATE_KEY = "grpo_state"
