@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.flat_names import default_at
 from grpo_lightning.core.generation.backends import EngineOptions
 from grpo_lightning.core.generation.vllm_engine import VLLMOptions
-from grpo_lightning.core.options import declared_annotation, declared_rule, default_at, section_class
+from grpo_lightning.core.options import declared_annotation, declared_rule, section_class
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget
 from tests.test_heldout import load_script
 

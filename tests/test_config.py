@@ -17,7 +17,8 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.cli.sections import sectioned_argv
 from grpo_lightning.cli.trainer import GRPOTrainer
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.core.options import declared_rule, default_at, section_at
+from grpo_lightning.core.flat_names import default_at, section_at
+from grpo_lightning.core.options import declared_rule
 from grpo_lightning.io.models import LoraOptions, ModelOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule

@@ -113,6 +113,7 @@ CORE_ORDER = (
     "grpo_lightning.core",
     "grpo_lightning.core.types",
     "grpo_lightning.core.options",
+    "grpo_lightning.core.flat_names",
     "grpo_lightning.core.ranks",
     "grpo_lightning.core.rng",
     "grpo_lightning.core.memory",

@@ -19,8 +19,8 @@ from trl.rewards import (
 )
 
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
+from grpo_lightning.core.flat_names import default_at
 from grpo_lightning.core.metrics import RewardAccuracy
-from grpo_lightning.core.options import default_at
 from grpo_lightning.core.rewards.scoring import RewardInputs, call_reward, score_completions, trainer_state
 from grpo_lightning.core.rewards.verifiable import accuracy_reward as gsm8k_accuracy_reward
 from grpo_lightning.core.rewards.verifiable import format_reward

@@ -6,7 +6,7 @@ jsonargparse reads them (`core.config.FLAT_NAMES`, derived from the sections' de
 spellings of its values (`--model.grpo.scale_rewards false` is "none": the option's `TRLValues`). A
 `--config` file whose `model.grpo` holds flat names (a TRL-style config, or a run's `config.yaml` written
 before the options had sections) is passed on as its YAML text with the names filed
-(`core.options.sectioned`: a name given both ways is refused in one line). Everything else is passed on as
+(`core.flat_names.sectioned`: a name given both ways is refused in one line). Everything else is passed on as
 it is.
 """
 
@@ -19,7 +19,8 @@ import yaml
 
 from grpo_lightning.cli.config_checks import config_files
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.core.options import FlatName, section_at, sectioned, trl_value
+from grpo_lightning.core.flat_names import FlatName, section_at, sectioned
+from grpo_lightning.core.options import trl_value
 
 PREFIX = "--model.grpo."
 _TRUE, _FALSE = ("true", "True", "yes", "1"), ("false", "False", "no", "0")

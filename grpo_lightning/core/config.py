@@ -27,19 +27,11 @@ from grpo_lightning.core.algorithm.reference_sync import ReferenceSyncOptions
 from grpo_lightning.core.algorithm.sampler_correction import SamplerCorrectionOptions
 from grpo_lightning.core.algorithm.schedules import OptimizerOptions
 from grpo_lightning.core.chat_template import PromptOptions
+from grpo_lightning.core.flat_names import build_section, default_at, flat_names, sectioned
 from grpo_lightning.core.generation.backends import EngineOptions
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.generation.scorer import ScoringOptions
-from grpo_lightning.core.options import (
-    Alias,
-    Range,
-    build_section,
-    check_fields,
-    default_at,
-    flat_names,
-    option_error,
-    sectioned,
-)
+from grpo_lightning.core.options import Alias, Range, check_fields, option_error
 from grpo_lightning.core.tools.calls import ToolOptions
 from grpo_lightning.core.update import UpdateOptions
 

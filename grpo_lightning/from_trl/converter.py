@@ -19,7 +19,8 @@ import warnings
 import yaml
 
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
-from grpo_lightning.core.options import declared_rule, default_at, section_at, trl_value
+from grpo_lightning.core.flat_names import default_at, section_at
+from grpo_lightning.core.options import declared_rule, trl_value
 from grpo_lightning.from_trl.conversion import KINDS, Conversion, Row, Unsupported, grpo_key
 from grpo_lightning.from_trl.model_rules import MODEL_RULES
 from grpo_lightning.from_trl.output_rules import OUTPUT_RULES
