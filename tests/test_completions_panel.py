@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
-from grpo_lightning.training import monitors
+from grpo_lightning.training.callbacks import completions_panel as monitors
 from grpo_lightning.training.callbacks.completions_panel import CompletionsPanel
 from grpo_lightning.training.callbacks.completions_table import completion_rows, console_table
 from grpo_lightning.training.data import GSM8KDataModule
