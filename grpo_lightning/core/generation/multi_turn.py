@@ -11,7 +11,7 @@ included: a tool turn that would pass it, or would fill the context (the least o
 where it has one, vLLM's `max_model_len`, and the model's `config.max_position_embeddings`, as TRL checks),
 is not appended and its sample ends there; a turn is cut to what is left, and a tool turn that leaves
 nothing ends its sample, cut, after the results.
-`ToolOptions.max_calling_iterations` bounds the rounds.
+`ToolOptions.max_calling_iterations` bounds the rounds (`ToolRunner.may_call`).
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -131,8 +131,7 @@ class ToolRollouts:
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
         context_limit = _context_limit(self.engine, model)
-        limit = self.runner.options.max_calling_iterations
-        while live and (limit is None or rounds < limit):
+        while live and self.runner.may_call(rounds):
             calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
             live = [i for i in live if calls[i]]
             if not live:

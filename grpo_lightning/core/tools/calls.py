@@ -30,7 +30,8 @@ class ToolOptions:
     max_calling_iterations: Annotated[int | None, Alias("max_tool_calling_iterations"), Range(">= 1")] = None
     """Tool turns per sample at most: after this many rounds of calls the sample ends with the model's last
     turn. None: no limit (the sample ends with a turn that calls nothing, or at `max_completion_length`).
-    TRL: `GRPOConfig.max_tool_calling_iterations` (None there too); verl: `max_assistant_turns`."""
+    TRL: `GRPOConfig.max_tool_calling_iterations` (None there too); verl: `max_assistant_turns`.
+    Read by `ToolRunner.may_call`."""
 
     max_response_length: Annotated[int, Alias("max_tool_response_length"), Range(">= 1")] = 256
     """Characters of each tool result the model reads: a longer one keeps its start and end, this many
@@ -251,6 +252,12 @@ class ToolRunner:
             else:
                 results[row][index] = (name, self._cut(result_text(outcome)))
         return results  # type: ignore[return-value]  every slot is filled above
+
+    def may_call(self, rounds: int) -> bool:
+        """Whether a sample that has had `rounds` rounds of tool calls may have another
+        (`ToolOptions.max_calling_iterations`)."""
+        limit = self.options.max_calling_iterations
+        return limit is None or rounds < limit
 
     def tools_of(self, row: int | None) -> tuple[dict[str, Tool], dict[str, dict]]:
         """The tools rollout row `row` calls, by name, and their schemas: the runner's, for every row."""
