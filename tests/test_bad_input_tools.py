@@ -1,0 +1,188 @@
+"""Tools, environments and rollout functions as a hostile policy or a careless user writes them: every call is
+bounded in time, whatever a call does is its result (never an exception or an exit of the trainer), a
+signal to the trainer is answered while a tool hangs, and what can never work is refused when the module is
+built, in one line naming the tool."""
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from grpo_lightning.core.generation.multi_turn import ToolRollouts
+from grpo_lightning.core.generation.prompts import PromptEncoder
+from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
+from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
+from tests.test_multi_turn import tokenizer as tokenizer  # noqa: F401  the fixture
+
+
+def never_returns(text: str) -> str:
+    """Wait for ever.
+
+    Args:
+        text: anything.
+    """
+    threading.Event().wait()
+    return text
+
+
+async def never_awaited(text: str) -> str:
+    """Wait for ever, asynchronously.
+
+    Args:
+        text: anything.
+    """
+    await asyncio.Event().wait()
+    return text
+
+
+async def blocks_its_loop(text: str) -> str:
+    """Block the event loop it runs on.
+
+    Args:
+        text: anything.
+    """
+    time.sleep(30)
+    return text
+
+
+def results_of(runner: ToolRunner, *calls: ToolCall) -> list[tuple[str, str]]:
+    return runner([list(calls)])[0]
+
+
+def test_a_tool_that_never_returns_is_the_calls_error_after_call_timeout():
+    runner = ToolRunner([never_returns, never_awaited, blocks_its_loop], ToolOptions(call_timeout=0.3))
+    start = time.perf_counter()
+    results = results_of(
+        runner,
+        ToolCall("never_returns", {"text": "a"}),
+        ToolCall("never_awaited", {"text": "b"}),
+        ToolCall("blocks_its_loop", {"text": "c"}),
+    )
+    assert time.perf_counter() - start < 5  # 0.3 s for the sync call, 1.3 s at most for the async ones
+    for name, text in results:
+        assert "did not return within 0.3 s" in json.loads(text)["error"], (name, text)
+    assert runner.counts.failures == 3
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_signal_to_the_trainer_is_answered_while_a_tool_hangs():
+    """A handler that raises (as a scheduler's SIGTERM handler may) ends the wait at once: the tool's bound
+    (60 s here) does not hold the trainer."""
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1))
+    try:
+        start = time.perf_counter()
+        timer.start()
+        with pytest.raises(Interrupted):
+            results_of(ToolRunner([never_returns]), ToolCall("never_returns", {"text": "a"}))
+        assert time.perf_counter() - start < 3
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def returns(value: object):
+    def tool(text: str) -> object:
+        """Return a fixed value.
+
+        Args:
+            text: anything.
+        """
+        return value
+
+    return tool
+
+
+def raises(error: BaseException):
+    def tool(text: str) -> str:
+        """Raise.
+
+        Args:
+            text: anything.
+        """
+        raise error
+
+    return tool
+
+
+def named(tool, name: str):
+    tool.__name__ = name
+    return tool
+
+
+def test_whatever_a_call_does_is_its_result_naming_the_tool():
+    looped: list = []
+    looped.append(looped)
+    tools = [
+        named(raises(SystemExit(0)), "exits"),
+        named(raises(KeyboardInterrupt()), "interrupts"),
+        named(raises(RecursionError("deep")), "recurses"),
+        named(returns(looped), "self_referencing"),
+        named(returns({(1, 2): 3}), "tuple_keys"),
+        named(returns([Unprintable()]), "unprintable"),
+        named(returns("a\udc80b"), "surrogate"),
+    ]
+    runner = ToolRunner(tools, ToolOptions(call_timeout=5))
+    results = dict(results_of(runner, *(ToolCall(t.__name__, {"text": "x"}) for t in tools)))
+    assert json.loads(results["exits"])["error"] == "SystemExit: 0"
+    assert json.loads(results["interrupts"])["error"] == "KeyboardInterrupt"
+    assert json.loads(results["recurses"])["error"] == "RecursionError: deep"
+    for name, why in [
+        ("self_referencing", "Circular reference"),
+        ("tuple_keys", "keys must be str"),
+        ("unprintable", "RuntimeError: no text"),
+    ]:
+        error = json.loads(results[name])["error"]
+        assert error.startswith(f"the result of {name} cannot be turned into text") and why in error
+    assert results["surrogate"] == "a?b"
+    results["surrogate"].encode("utf-8")
+
+
+def test_a_call_nested_thousands_deep_is_a_failed_call():
+    deep = "[" * 3000 + "]" * 3000
+    runner = ToolRunner([returns(1)])
+    for text in (
+        f"<tool_call>{deep}</tool_call>",
+        f'<tool_call>{{"name": "tool", "arguments": {{"a": {deep}}}}}</tool_call>',
+        f'<tool_call>{{"name": "tool", "arguments": "{{\\"a\\": {deep}}}"}}</tool_call>',
+    ):
+        [call] = runner.parse(text)
+        assert call.error is not None
+
+
+def test_a_tool_that_exits_and_a_deep_call_go_through_the_loop_as_results(tokenizer, monkeypatch):  # noqa: F811
+    """The whole unit on the scripted model: a `SystemExit(0)` from the tool and a call nested 3000 deep
+    are results the next turn follows, and the process is still here."""
+    deep = "[" * 3000 + "]" * 3000
+    exiting = '<tool_call>{"name": "exits", "arguments": {"text": "x"}}</tool_call><|im_end|>'
+    monkeypatch.setitem(SCRIPTS, "p0", [exiting, "after exit<|im_end|>"])
+    monkeypatch.setitem(SCRIPTS, "p1", [f"<tool_call>{deep}</tool_call><|im_end|>", "after deep<|im_end|>"])
+    monkeypatch.setitem(SCRIPTS, "p2", ["done<|im_end|>"])
+    engine = ScriptedEngine(tokenizer, settings_of(tokenizer, 20000))
+    tool = named(raises(SystemExit(0)), "exits")
+    rollouts = ToolRollouts(engine, tokenizer, ToolRunner([tool]))
+    prompts = [[{"role": "user", "content": name}] for name in SCRIPTS]
+    ids, mask = PromptEncoder(tokenizer).encode(prompts, "cpu")
+    rollout, turns = rollouts.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
+    first, second, _ = turns.messages
+    assert first[1]["role"] == "tool" and json.loads(first[1]["content"])["error"] == "SystemExit: 0"
+    assert first[2]["content"] == "after exit"
+    assert second[1]["role"] == "tool" and "nested too deeply" in second[1]["content"]
+    assert second[2]["content"] == "after deep"
+    assert turns.counts.calls == 2 and turns.counts.failures == 2
