@@ -12,11 +12,14 @@ import time
 import pytest
 import torch
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
+from grpo_lightning.training.module import GRPOModule
 from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
 from tests.test_multi_turn import tokenizer as tokenizer  # noqa: F401  the fixture
+from tests.test_tool_rollouts import BuyingEngine, Shop, saw_environments
 
 
 def never_returns(text: str) -> str:
@@ -186,3 +189,77 @@ def test_a_tool_that_exits_and_a_deep_call_go_through_the_loop_as_results(tokeni
     assert second[1]["role"] == "tool" and "nested too deeply" in second[1]["content"]
     assert second[2]["content"] == "after deep"
     assert turns.counts.calls == 2 and turns.counts.failures == 2
+
+
+class HangingShop(Shop):
+    """A shop whose `reset` hangs on the row whose answer is "0", and whose `get_reward` hangs after buying
+    of 5."""
+
+    def reset(self, answer: str, **row) -> str:
+        if answer == "0":
+            threading.Event().wait()
+        return super().reset(answer, **row)
+
+    def get_reward(self) -> float:
+        if self.stock == 0 and self.bought == 5:
+            threading.Event().wait()
+        return super().get_reward()
+
+    def buy(self, n: int) -> str:
+        """Buy from the shop.
+
+        Args:
+            n: how many
+        """
+        self.bought = n
+        return super().buy(n)
+
+
+class BrokenShop(Shop):
+    def __init__(self) -> None:
+        raise KeyError("stock")
+
+
+def hanging_module(model_dir: str, factory=HangingShop) -> GRPOModule:
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_completion_length=160,
+        preflight=False,
+        log_completions_every=0,
+        tools=ToolOptions(environment_timeout=0.5),
+    )
+    module = GRPOModule(model_dir, reward_funcs=[saw_environments], grpo=grpo, environment_factory=factory)
+    engine = BuyingEngine(module.tokenizer)
+    module.rollouts.build_engine = lambda: engine
+    module.configure_model()
+    return module
+
+
+def test_an_environment_past_environment_timeout_or_failing_is_named_in_one_line(tiny_model_dir):
+    module = hanging_module(tiny_model_dir)
+    prompt = [{"role": "user", "content": "Buy them all."}]
+    batch = {"prompt": [prompt, prompt], "answer": ["3", "5"]}
+    _, _, turns = module.rollouts.sample_batch(batch, 2)
+    reward = next(r for r in module.rollouts.multi_turn.rewards if r.__name__ == "HangingShop")
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match=r"HangingShop.get_reward did not return within 0.5 s"):
+        assert reward(environments=turns.environments) == [1.0, 1.0, None, None]
+    assert time.perf_counter() - start < 5
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"^HangingShop.reset\(\*\*row\) did not return within 0.5 s"):
+        module.rollouts.sample_batch({"prompt": [prompt], "answer": ["0"]}, 2)
+    assert time.perf_counter() - start < 5
+    with pytest.raises(RuntimeError, match=r"^environment_factory BrokenShop\(\) raised KeyError: 'stock'$"):
+        hanging_module(tiny_model_dir, BrokenShop)
+
+
+def test_a_rollout_func_that_raises_is_named(tiny_model_dir):
+    def my_rollout(prompts, module):
+        raise KeyError("prompt_ids")
+
+    grpo = GRPOConfig(num_generations=2, max_completion_length=16, preflight=False, log_completions_every=0)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[saw_environments], grpo=grpo, rollout_func=my_rollout)
+    module.configure_model()
+    prompt = [{"role": "user", "content": "x"}]
+    with pytest.raises(RuntimeError, match=r"^rollout_func .*my_rollout raised KeyError: 'prompt_ids'$"):
+        module.rollouts.sample_batch({"prompt": [prompt], "answer": ["1"]}, 2)

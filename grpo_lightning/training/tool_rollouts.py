@@ -20,7 +20,9 @@ loop, greedily where they decode greedily.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -33,7 +35,14 @@ from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.options import warn_inert
 from grpo_lightning.core.rewards.scoring import RewardInputs
-from grpo_lightning.core.tools.calls import RowToolRunner, ToolOptions
+from grpo_lightning.core.tools.calls import (
+    CallFailed,
+    CallTimeout,
+    RowToolRunner,
+    ToolOptions,
+    describe,
+    run_bounded,
+)
 from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.checkpoints import import_object, resolve_callable
@@ -86,22 +95,66 @@ def environment_tools(environment: object) -> list[Tool]:
 
 class EnvironmentReward:
     """The reward of the environments of class `cls`: each sample's `get_reward()` where its environment is
-    of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async."""
+    of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async. A `get_reward`
+    that does not return within `seconds` (`ToolOptions.environment_timeout`) is that sample's None, with a
+    warning naming the class; one that raises stops the run in one line naming it."""
 
-    def __init__(self, cls: type) -> None:
-        self.cls, self.__name__ = cls, cls.__name__
+    def __init__(self, cls: type, seconds: float = ToolOptions.environment_timeout) -> None:
+        self.cls, self.__name__, self.seconds = cls, cls.__name__, seconds
 
     def __call__(self, environments: Sequence[object] | None = None, **kwargs: object) -> object:
         ours = [type(e) is self.cls for e in environments or []]
         if not inspect.iscoroutinefunction(self.cls.get_reward):
-            return [e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)]
+            return [self._bounded(e) if mine else None for e, mine in zip(environments, ours, strict=True)]
 
         async def rewards() -> list:
             return [
-                await e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)
+                await self._awaited(e) if mine else None for e, mine in zip(environments, ours, strict=True)
             ]
 
         return rewards()
+
+    def _bounded(self, environment: object) -> object:
+        try:
+            return run_bounded(environment.get_reward, self.seconds, f"{self.__name__}.get_reward")
+        except CallTimeout as error:
+            return self._missing(error)
+        except CallFailed as error:
+            raise _user_code_error(f"{self.__name__}.get_reward()", error) from None
+
+    async def _awaited(self, environment: object) -> object:
+        try:
+            return await asyncio.wait_for(environment.get_reward(), self.seconds)
+        except TimeoutError:
+            return self._missing(
+                CallTimeout(f"{self.__name__}.get_reward did not return within {self.seconds:g} s")
+            )
+        except Exception as error:
+            raise _user_code_error(
+                f"{self.__name__}.get_reward()", CallFailed(error, describe(error))
+            ) from None
+
+    def _missing(self, error: CallTimeout) -> None:
+        warnings.warn(
+            f"{error} (tools.environment_timeout): that sample has no {self.__name__} reward", stacklevel=2
+        )
+        return None
+
+
+def _user_code_error(what: str, error: CallFailed | CallTimeout) -> RuntimeError:
+    """The one-line error of user code that failed: `what` it was (a class's method, a function) and why."""
+    if isinstance(error, CallTimeout):
+        return RuntimeError(f"{error} (tools.environment_timeout): raise the bound or fix the environment")
+    return RuntimeError(f"{what} raised {error}")
+
+
+def _user_call(what: str, function: Callable[[], object], seconds: float) -> object:
+    """`function()` (an environment's constructor or `reset`), bounded by `seconds`; what goes wrong is one
+    `RuntimeError` line naming `what`."""
+    try:
+        return run_bounded(function, seconds, what)
+    except (CallTimeout, CallFailed) as error:
+        raise _user_code_error(what, error) from None
 
 
 def _resolved(value: object, option: str) -> object:
@@ -149,15 +202,15 @@ class ToolSampling:
         self.factories: dict[str | None, Callable] = factories
         self.pool: dict[str | None, list] = {}  # instances reused across batches, as TRL's pool
         self.rewards: list[EnvironmentReward] = []
-        for name, factory in factories.items():
-            probe = factory()
+        for name in factories:
+            probe = self._built(name)
             if not callable(getattr(probe, "reset", None)):
                 shown = f"environment_factory[{name!r}]" if name is not None else "environment_factory"
                 raise ValueError(f"{shown}: an environment must have a reset(**row) method")
             self.pool[name] = [probe]
             has_reward = callable(getattr(type(probe), "get_reward", None))
             if has_reward and all(reward.cls is not type(probe) for reward in self.rewards):
-                self.rewards.append(EnvironmentReward(type(probe)))
+                self.rewards.append(EnvironmentReward(type(probe), self.options.environment_timeout))
         self._owner = None if owner is None else weakref.ref(owner)
 
     @classmethod
@@ -190,6 +243,13 @@ class ToolSampling:
         """The module's reward functions and weights with each environment class's `get_reward`, weight 1."""
         return funcs + list(self.rewards), weights + [1.0] * len(self.rewards)
 
+    def _built(self, name: str | None) -> object:
+        """A new environment of `environment_factory` (`name`'s, with a dict), bounded by
+        `environment_timeout`, its failure one line naming its class."""
+        factory = self.factories[name]
+        what = f"environment_factory {getattr(factory, '__qualname__', repr(factory))}()"
+        return _user_call(what, factory, self.options.environment_timeout)
+
     def _environments(self, batch: dict[str, list], G: int) -> tuple[list, list[str | None]]:
         """One environment per sample (G per row), reused from the pool, and each one's name."""
         rows = len(batch["prompt"])
@@ -211,7 +271,7 @@ class ToolSampling:
                 )
             pool, index = self.pool[name], handed.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(self._built(name))
             handed[name] = index + 1
             environments.append(pool[index])
         return environments, names
@@ -235,7 +295,11 @@ class ToolSampling:
                 row = {key: batch[key][i // G] for key in columns}
                 if self.multi_environment:
                     row.pop(ENVIRONMENT_COLUMN)  # which environment it is, not what to reset it to
-                observation = environment.reset(**row)
+                observation = _user_call(
+                    f"{type(environment).__qualname__}.reset(**row)",
+                    lambda environment=environment, row=row: environment.reset(**row),
+                    self.options.environment_timeout,
+                )
                 if observation is not None:
                     last = row_prompts[i][-1]
                     row_prompts[i] = [
@@ -280,7 +344,11 @@ class ToolSampling:
         """The rollout a `rollout_func` returns, checked and padded into a `Rollout`."""
         row_prompts = [prompt for prompt in batch["prompt"] for _ in range(G)]
         owner = self._owner() if self._owner is not None else None
-        output = self.rollout_func(row_prompts, owner)
+        try:
+            output = self.rollout_func(row_prompts, owner)
+        except Exception as error:  # the user's code: named, in one line
+            name = getattr(self.rollout_func, "__qualname__", repr(self.rollout_func))
+            raise RuntimeError(f"rollout_func {name} raised {describe(error)}") from error
         if not isinstance(output, Mapping):
             raise ValueError(f"rollout_func must return a dict, got a {type(output).__name__}")
         missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
