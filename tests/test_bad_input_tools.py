@@ -5,7 +5,10 @@ built, in one line naming the tool."""
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +18,8 @@ import torch
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.prompts import PromptEncoder
+from grpo_lightning.core.tools import calculator as calculator_module
+from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
 from grpo_lightning.training.module import GRPOModule
 from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
@@ -263,3 +268,48 @@ def test_a_rollout_func_that_raises_is_named(tiny_model_dir):
     prompt = [{"role": "user", "content": "x"}]
     with pytest.raises(RuntimeError, match=r"^rollout_func .*my_rollout raised KeyError: 'prompt_ids'$"):
         module.rollouts.sample_batch({"prompt": [prompt], "answer": ["1"]}, 2)
+
+
+COSTLY = [
+    "round(1, -10**15)",  # CPython builds 10**(10**15) before any size bound sees a value
+    "round(10**15, -999999999999999)",
+    "round(7, 10**15)",
+    "round(2.5, 0.5)",
+    "1 << 10**15",
+    "10**15 >> 1",
+    "factorial(10**6)",
+    "'a' * 10**15",
+    "[1] * 10**15",
+    "9**9**9",
+    "2 ** 0.5 ** -100",
+    "(" * 250 + "1" + ")" * 250,
+]
+
+
+@pytest.mark.parametrize("expression", COSTLY)
+def test_the_calculator_bounds_every_operations_cost_before_it_runs(expression):
+    """Each refused at once, in a process of its own so that a hang fails the test instead of holding it."""
+    script = (
+        "import sys, time\nfrom grpo_lightning.core.tools.calculator import evaluate_arithmetic\n"
+        "start = time.perf_counter()\ntry:\n    evaluate_arithmetic(sys.argv[1])\nexcept ValueError as e:\n"
+        "    print('refused', time.perf_counter() - start, e)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, expression], capture_output=True, text=True, timeout=30, check=False
+    )
+    said = run.stdout.split(maxsplit=2)
+    assert said[:1] == ["refused"] and float(said[1]) < 0.05, (run.stdout, run.stderr[-300:])
+
+
+def test_a_runaway_evaluation_is_stopped_and_the_calculator_goes_on(monkeypatch):
+    """An evaluation that never answers (its process stopped, as a runaway holding the CPU would be) is
+    the call's error after EVALUATION_SECONDS; the next call gets a fresh process."""
+    monkeypatch.setattr(calculator_module, "EVALUATION_SECONDS", 0.5)
+    assert calculator("6*7") == "42"
+    process = calculator_module._EVALUATOR.process
+    os.kill(process.pid, signal.SIGSTOP)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"took more than 0.5 s to evaluate"):
+        calculator("1+1")
+    assert time.perf_counter() - start < 3 and process.poll() is not None  # killed
+    assert calculator("2+2") == "4" and calculator_module._EVALUATOR.process is not process
