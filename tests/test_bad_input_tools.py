@@ -313,3 +313,86 @@ def test_a_runaway_evaluation_is_stopped_and_the_calculator_goes_on(monkeypatch)
         calculator("1+1")
     assert time.perf_counter() - start < 3 and process.poll() is not None  # killed
     assert calculator("2+2") == "4" and calculator_module._EVALUATOR.process is not process
+
+
+def star_args(*args: str) -> str:
+    """Join.
+
+    Args:
+        args: the parts
+    """
+    return "".join(args)
+
+
+def positional_only(a: int, /) -> int:
+    """Echo.
+
+    Args:
+        a: a number
+    """
+    return a
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+def no_hint(a) -> int:
+    """Echo.
+
+    Args:
+        a: a number
+    """
+    return a
+
+
+def buy(n: int) -> str:
+    """Buy elsewhere.
+
+    Args:
+        n: how many
+    """
+    return "bought"
+
+
+class UndocumentedShop(Shop):
+    def sell(self, n: int) -> str:
+        return "sold"
+
+
+@pytest.mark.parametrize(
+    ("tools", "environment_factory", "said"),
+    [
+        ([star_args], None, r"tools\[0\] \('star_args'\) takes \*args, which a call cannot fill"),
+        ([positional_only], None, r"tools\[0\] \('positional_only'\) takes a positional-only"),
+        ([calculator, Shop], None, r"tools\[1\] \('Shop'\) is a class, not a function"),
+        (
+            ["tests.test_tool_rollouts.Shop.buy"],
+            None,
+            r"tools\[0\] \('buy'\) is the method Shop.buy taken from",
+        ),
+        ([lambda expression: expression], None, r"tools\[0\] \('<lambda>'\) is a lambda"),
+        ([no_docstring], None, r"tools\[0\]: tool 'no_docstring' has no JSON schema"),
+        ([no_hint], None, r"tools\[0\]: tool 'no_hint' has no JSON schema"),
+        ([calculator, calculator], None, r"two tools are named 'calculator' \(tools\[0\], tools\[1\]\)"),
+        ([buy], Shop, r"two tools are named 'buy' \(tools\[0\], environment_factory Shop's method buy\)"),
+        (
+            None,
+            UndocumentedShop,
+            r"environment_factory UndocumentedShop's method sell: tool 'sell' has no JSON",
+        ),
+    ],
+)
+def test_tools_that_can_never_be_called_are_refused_when_the_module_is_built(
+    tiny_model_dir, tools, environment_factory, said
+):
+    grpo = GRPOConfig(num_generations=2, max_completion_length=16, preflight=False, log_completions_every=0)
+    with pytest.raises(ValueError, match=f"^{said}") as refused:
+        GRPOModule(
+            tiny_model_dir,
+            reward_funcs=[saw_environments],
+            grpo=grpo,
+            tools=tools,
+            environment_factory=environment_factory,
+        )
+    assert "\n" not in str(refused.value)

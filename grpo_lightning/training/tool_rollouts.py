@@ -43,7 +43,13 @@ from grpo_lightning.core.tools.calls import (
     describe,
     run_bounded,
 )
-from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
+from grpo_lightning.core.tools.schemas import (
+    Tool,
+    template_renders_tools,
+    tool_name,
+    tool_schema,
+    with_tools_in_system_prompt,
+)
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.checkpoints import import_object, resolve_callable
 
@@ -157,6 +163,56 @@ def _user_call(what: str, function: Callable[[], object], seconds: float) -> obj
         raise _user_code_error(what, error) from None
 
 
+def _uncallable(tool: object) -> str | None:
+    """Why the policy could never call `tool` through its schema (a JSON object of named arguments), or
+    None: a class, a lambda (no name to call it by), `*args` or `**kwargs`, positional-only arguments, a
+    method taken from its class (its `self` would be missing)."""
+    if inspect.isclass(tool):
+        return "is a class, not a function (an environment class goes to environment_factory)"
+    if getattr(tool, "__name__", None) == "<lambda>":
+        return "is a lambda, which has no name for the model to call it by: define it with def"
+    try:
+        parameters = inspect.signature(tool).parameters
+    except (TypeError, ValueError):
+        return "has no signature to read its arguments from"
+    for parameter in parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            stars = "*" if parameter.kind == parameter.VAR_POSITIONAL else "**"
+            return (
+                f"takes {stars}{parameter.name}, which a call cannot fill (it passes a JSON object of named "
+                "arguments): name and type each argument"
+            )
+        if parameter.kind == parameter.POSITIONAL_ONLY:
+            return f"takes {parameter.name} positional-only, which a call cannot fill: drop the /"
+    first = next(iter(parameters), None)
+    if first in ("self", "cls") and not inspect.ismethod(tool) and "." in getattr(tool, "__qualname__", ""):
+        return (
+            f"is the method {tool.__qualname__} taken from its class, so its {first} would be missing: give "
+            "the class as environment_factory (its methods become each sample's tools), or a bound method"
+        )
+    return None
+
+
+def _checked_tools(tools: Sequence[Tool], names: Sequence[str]) -> None:
+    """Refuse, in one line naming it, a tool the policy could never call (`_uncallable`), one without a JSON
+    schema (a type hint or its docstring's `Args:` line missing), and two tools of one name; `names` say
+    where each comes from (`tools[0]`, `environment_factory Shop's method buy`)."""
+    for tool, name in zip(tools, names, strict=True):
+        problem = _uncallable(tool)
+        if problem is not None:
+            raise ValueError(f"{name} ({tool_name(tool)!r}) {problem}")
+        try:
+            tool_schema(tool)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
+    called = [tool_name(tool) for tool in tools]
+    for twice in sorted({name for name in called if called.count(name) > 1}):
+        where = [name for name, each in zip(names, called, strict=True) if each == twice]
+        raise ValueError(
+            f"two tools are named {twice!r} ({', '.join(where)}): the model could not tell them apart"
+        )
+
+
 def _resolved(value: object, option: str) -> object:
     """A tool, environment class or rollout function given as itself or as its import path."""
     if isinstance(value, str):
@@ -189,6 +245,7 @@ class ToolSampling:
         self.options = options or ToolOptions()
         self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
         self.rollout_func = None if rollout_func is None else _resolved(rollout_func, "rollout_func")
+        _checked_tools(self.tools, [f"tools[{i}]" for i in range(len(self.tools))])
         self.multi_environment = isinstance(environment_factory, Mapping)
         if environment_factory is None:
             factories = {}
@@ -208,6 +265,15 @@ class ToolSampling:
                 shown = f"environment_factory[{name!r}]" if name is not None else "environment_factory"
                 raise ValueError(f"{shown}: an environment must have a reset(**row) method")
             self.pool[name] = [probe]
+            methods = environment_tools(probe)
+            where = f"environment_factory {type(probe).__qualname__}'s method"
+            _checked_tools(
+                [*self.tools, *methods],
+                [
+                    *(f"tools[{i}]" for i in range(len(self.tools))),
+                    *(f"{where} {tool_name(m)}" for m in methods),
+                ],
+            )
             has_reward = callable(getattr(type(probe), "get_reward", None))
             if has_reward and all(reward.cls is not type(probe) for reward in self.rewards):
                 self.rewards.append(EnvironmentReward(type(probe), self.options.environment_timeout))
