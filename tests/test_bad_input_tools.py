@@ -396,3 +396,59 @@ def test_tools_that_can_never_be_called_are_refused_when_the_module_is_built(
             environment_factory=environment_factory,
         )
     assert "\n" not in str(refused.value)
+
+
+def returning(**fields):
+    """A rollout_func returning one prompt [5, 6] and one completion [7, 8] per sample, `fields` replacing
+    any of its lists (given for the first sample; the others keep the valid ones)."""
+
+    def rollout_func(prompts, module):
+        output = {
+            "prompt_ids": [[5, 6]] * len(prompts),
+            "completion_ids": [[7, 8]] * len(prompts),
+            "logprobs": [[-0.5, -0.5]] * len(prompts),
+            "env_mask": [[1, 1]] * len(prompts),
+        }
+        for key, first in fields.items():
+            output[key] = [first] + output[key][1:]
+        return output
+
+    return rollout_func
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        (
+            {"completion_ids": [7, 10**6]},
+            r"completion_ids\[0\] holds the id 1000000, past the model's vocabulary",
+        ),
+        (
+            {"completion_ids": [7, "VOCAB"]},
+            r"completion_ids\[0\] holds the id \d+, past the model's vocabulary",
+        ),
+        ({"prompt_ids": [-1, 6]}, r"prompt_ids\[0\] holds the id -1: token ids are not negative"),
+        ({"completion_ids": [7.9, 8.2]}, r"completion_ids\[0\] holds torch.float32 values, not integers"),
+        ({"env_mask": [1, 2]}, r"env_mask\[0\] holds 2: env_mask is 1 on the policy's tokens and 0"),
+        ({"env_mask": [-1, 1]}, r"env_mask\[0\] holds -1"),
+        ({"env_mask": [0.5, 1]}, r"env_mask\[0\] holds torch.float32 values, not integers"),
+        ({"logprobs": [float("nan"), -1.0]}, r"logprobs\[0\] holds a value that is not a finite number"),
+        ({"completion_ids": [7, None]}, r"completion_ids\[0\] is not a list of numbers"),
+    ],
+)
+def test_a_rollout_funcs_ids_and_masks_are_checked_before_any_forward_pass(tiny_model_dir, fields, said):
+    grpo = GRPOConfig(num_generations=2, max_completion_length=16, preflight=False, log_completions_every=0)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[saw_environments], grpo=grpo, rollout_func=returning())
+    module.configure_model()
+    vocab = module.policy.get_input_embeddings().num_embeddings
+    fields = {k: [vocab if v == "VOCAB" else v for v in values] for k, values in fields.items()}
+    module.rollouts.multi_turn.rollout_func = returning(**fields)
+    forward = []
+    module.policy.register_forward_hook(lambda *args: forward.append(1))
+    prompt = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match=f"^rollout_func's {said}") as refused:
+        module.rollouts.sample_batch({"prompt": [prompt], "answer": ["1"]}, 2)
+    assert "\n" not in str(refused.value) and forward == []
+    module.rollouts.multi_turn.rollout_func = returning()
+    rollout, _, _ = module.rollouts.sample_batch({"prompt": [prompt], "answer": ["1"]}, 2)
+    assert rollout.completion_ids.tolist() == [[7, 8], [7, 8]]  # the valid lists pass
