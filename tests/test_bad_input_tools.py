@@ -4,6 +4,7 @@ signal to the trainer is answered while a tool hangs, and what can never work is
 built, in one line naming the tool."""
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -146,7 +147,7 @@ def test_whatever_a_call_does_is_its_result_naming_the_tool():
         named(returns([Unprintable()]), "unprintable"),
         named(returns("a\udc80b"), "surrogate"),
     ]
-    runner = ToolRunner(tools, ToolOptions(call_timeout=5))
+    runner = ToolRunner(tools)
     results = dict(results_of(runner, *(ToolCall(t.__name__, {"text": "x"}) for t in tools)))
     assert json.loads(results["exits"])["error"] == "SystemExit: 0"
     assert json.loads(results["interrupts"])["error"] == "KeyboardInterrupt"
@@ -452,3 +453,26 @@ def test_a_rollout_funcs_ids_and_masks_are_checked_before_any_forward_pass(tiny_
     module.rollouts.multi_turn.rollout_func = returning()
     rollout, _, _ = module.rollouts.sample_batch({"prompt": [prompt], "answer": ["1"]}, 2)
     assert rollout.completion_ids.tolist() == [[7, 8], [7, 8]]  # the valid lists pass
+
+
+def test_a_result_the_chat_template_refuses_is_rendered_as_an_error(tokenizer, monkeypatch):  # noqa: F811
+    """A template that raises on a result's text: the tool turn is rendered with the result replaced by an
+    error naming the tool, and the sample goes on."""
+    refusing = copy.copy(tokenizer)
+    refusing.chat_template = (
+        "{%- for m in messages %}{%- if m.role == 'tool' and 'BOOM' in m.content %}"
+        "{{ raise_exception('refused') }}{%- endif %}{%- endfor %}" + tokenizer.chat_template
+    )
+    calling = '<tool_call>{"name": "booms", "arguments": {"text": "x"}}</tool_call><|im_end|>'
+    monkeypatch.setitem(SCRIPTS, "p0", [calling, "after<|im_end|>"])
+    monkeypatch.setitem(SCRIPTS, "p1", ["done<|im_end|>"])
+    monkeypatch.setitem(SCRIPTS, "p2", ["done<|im_end|>"])
+    engine = ScriptedEngine(refusing, settings_of(refusing, 2000))
+    rollouts = ToolRollouts(engine, refusing, ToolRunner([named(returns("BOOM"), "booms")]))
+    prompts = [[{"role": "user", "content": name}] for name in SCRIPTS]
+    ids, mask = PromptEncoder(refusing).encode(prompts, "cpu")
+    _, turns = rollouts.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
+    first = turns.messages[0]
+    error = json.loads(first[1]["content"])["error"]
+    assert error == "the chat template cannot render the result of booms: TemplateError: refused"
+    assert first[2]["content"] == "after" and turns.counts.failures == 1
