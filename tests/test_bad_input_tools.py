@@ -23,6 +23,7 @@ from grpo_lightning.core.tools import calculator as calculator_module
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
 from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.tool_rollouts import ToolSampling
 from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
 from tests.test_multi_turn import tokenizer as tokenizer  # noqa: F401  the fixture
 from tests.test_tool_rollouts import BuyingEngine, Shop, saw_environments
@@ -443,6 +444,7 @@ def test_a_rollout_funcs_ids_and_masks_are_checked_before_any_forward_pass(tiny_
     module.configure_model()
     vocab = module.policy.get_input_embeddings().num_embeddings
     fields = {k: [vocab if v == "VOCAB" else v for v in values] for k, values in fields.items()}
+    assert isinstance(module.rollouts.multi_turn, ToolSampling)
     module.rollouts.multi_turn.rollout_func = returning(**fields)
     forward = []
     module.policy.register_forward_hook(lambda *args: forward.append(1))
