@@ -124,6 +124,8 @@ REFUSED = {
         "vllm_enforce_eager": NOT_A_FLAG,
         "max_tool_calling_iterations": ints_below(1) | st.just(2.5) | st.just("3"),
         "max_tool_response_length": ints_below(1) | NOT_A_NUMBER,
+        "tool_call_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
+        "environment_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),

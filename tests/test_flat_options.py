@@ -27,6 +27,8 @@ ADDED_OPTIONS = {
     "adam_epsilon": 1e-8,
     "max_tool_calling_iterations": None,
     "max_tool_response_length": 256,
+    "tool_call_timeout": 60.0,
+    "environment_timeout": 300.0,
     "warmup_ratio": 0.0,
     "top_entropy_quantile": 1.0,
     "logging_first_step": False,

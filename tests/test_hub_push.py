@@ -5,12 +5,14 @@ import base64
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import huggingface_hub.constants
 import pytest
 
 from grpo_lightning.cli import main
+from grpo_lightning.io import hub_push
 from grpo_lightning.io.hub_push import push_folder
 from tests.helpers import cli_error, files_of, one_error_line
 
@@ -23,6 +25,8 @@ class StandInHub(BaseHTTPRequestHandler):
     requests: list  # (method, path, Authorization header)
     created: list  # the bodies of the create requests
     refuse = False
+    silent = False  # accept each request and never answer it (until `release` is set)
+    release: threading.Event
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -36,12 +40,18 @@ class StandInHub(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.silent:  # the connection stays open, unanswered, until the test ends (60 s at most)
+            self.release.wait(60)
+            return
         # huggingface_hub's user-agent lookup of known agent tools, at most daily: not the push.
         if self.path != "/api/agent-harnesses":
             self.requests.append(("GET", self.path, self.headers.get("Authorization")))
         self.answer(401 if self.refuse else 404, {"error": "Invalid credentials in Authorization header"})
 
     def do_POST(self) -> None:
+        if self.silent:  # the connection stays open, unanswered, until the test ends (60 s at most)
+            self.release.wait(60)
+            return
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.requests.append(("POST", self.path, self.headers.get("Authorization")))
         endpoint = f"http://{self.headers['Host']}"
@@ -70,7 +80,8 @@ class StandInHub(BaseHTTPRequestHandler):
 @pytest.fixture
 def hub(monkeypatch):
     """The stand-in, serving in a thread; huggingface_hub's endpoint and token point at it."""
-    handler = type("Hub", (StandInHub,), {"received": {}, "requests": [], "created": []})
+    release = threading.Event()
+    handler = type("Hub", (StandInHub,), {"received": {}, "requests": [], "created": [], "release": release})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -80,6 +91,7 @@ def hub(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_standin")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     yield handler
+    release.set()
     server.shutdown()
     server.server_close()
 
@@ -162,3 +174,25 @@ def test_push_folder_uploads_nested_files_with_the_hubs_default_visibility(hub, 
     assert url == f"{huggingface_hub.constants.ENDPOINT}/me/adapter/commit/{'1' * 40}"
     assert hub.received == {"adapter_config.json": b'{"r": 4}', "sub/weights.bin": bytes(range(256)) * 3}
     assert hub.created == [{"name": "adapter", "organization": "me"}]  # no --private: the Hub's default
+
+
+def test_a_hub_that_never_answers_ends_the_push_in_one_line_and_the_export_stays(
+    hub, tiny_model_dir, tmp_path, good_checkpoint, capsys, monkeypatch
+):
+    """A server that accepts the connection and never answers: past `TIMEOUT_SECONDS` the push is one error
+    line, the export kept; huggingface_hub's client is put back as it was."""
+    hub.silent = True
+    monkeypatch.setattr(hub_push, "TIMEOUT_SECONDS", 1.0)
+    start = time.perf_counter()
+    err = cli_error(
+        export_args(tiny_model_dir, tmp_path, good_checkpoint, "--push-to-hub", "me/tiny-grpo"), capsys
+    )
+    assert time.perf_counter() - start < 60
+    line = one_error_line(err)
+    out = str(tmp_path / "out")
+    assert line.startswith(f"error: cannot push {out!r} to the Hub repo 'me/tiny-grpo'") and "Timeout" in line
+    assert f"the export stays in {out!r}" in line and "model.safetensors" in os.listdir(out)
+    assert (
+        huggingface_hub.utils._http._GLOBAL_CLIENT_FACTORY
+        is huggingface_hub.utils._http.default_client_factory
+    )

@@ -20,7 +20,9 @@ loop, greedily where they decode greedily.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -33,8 +35,21 @@ from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.options import warn_inert
 from grpo_lightning.core.rewards.scoring import RewardInputs
-from grpo_lightning.core.tools.calls import RowToolRunner, ToolOptions
-from grpo_lightning.core.tools.schemas import Tool, template_renders_tools, with_tools_in_system_prompt
+from grpo_lightning.core.tools.calls import (
+    CallFailed,
+    CallTimeout,
+    RowToolRunner,
+    ToolOptions,
+    describe,
+    run_bounded,
+)
+from grpo_lightning.core.tools.schemas import (
+    Tool,
+    template_renders_tools,
+    tool_name,
+    tool_schema,
+    with_tools_in_system_prompt,
+)
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.hparams import import_object, resolve_callable
 
@@ -86,22 +101,116 @@ def environment_tools(environment: object) -> list[Tool]:
 
 class EnvironmentReward:
     """The reward of the environments of class `cls`: each sample's `get_reward()` where its environment is
-    of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async."""
+    of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async. A `get_reward`
+    that does not return within `seconds` (`ToolOptions.environment_timeout`) is that sample's None, with a
+    warning naming the class; one that raises stops the run in one line naming it."""
 
-    def __init__(self, cls: type) -> None:
-        self.cls, self.__name__ = cls, cls.__name__
+    def __init__(self, cls: type, seconds: float = ToolOptions.environment_timeout) -> None:
+        self.cls, self.__name__, self.seconds = cls, cls.__name__, seconds
 
     def __call__(self, environments: Sequence[object] | None = None, **kwargs: object) -> object:
         ours = [type(e) is self.cls for e in environments or []]
         if not inspect.iscoroutinefunction(self.cls.get_reward):
-            return [e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)]
+            return [self._bounded(e) if mine else None for e, mine in zip(environments, ours, strict=True)]
 
         async def rewards() -> list:
             return [
-                await e.get_reward() if mine else None for e, mine in zip(environments, ours, strict=True)
+                await self._awaited(e) if mine else None for e, mine in zip(environments, ours, strict=True)
             ]
 
         return rewards()
+
+    def _bounded(self, environment: object) -> object:
+        try:
+            return run_bounded(environment.get_reward, self.seconds, f"{self.__name__}.get_reward")
+        except CallTimeout as error:
+            return self._missing(error)
+        except CallFailed as error:
+            raise _user_code_error(f"{self.__name__}.get_reward()", error) from None
+
+    async def _awaited(self, environment: object) -> object:
+        try:
+            return await asyncio.wait_for(environment.get_reward(), self.seconds)
+        except TimeoutError:
+            return self._missing(
+                CallTimeout(f"{self.__name__}.get_reward did not return within {self.seconds:g} s")
+            )
+        except Exception as error:
+            raise _user_code_error(
+                f"{self.__name__}.get_reward()", CallFailed(error, describe(error))
+            ) from None
+
+    def _missing(self, error: CallTimeout) -> None:
+        warnings.warn(
+            f"{error} (tools.environment_timeout): that sample has no {self.__name__} reward", stacklevel=2
+        )
+        return None
+
+
+def _user_code_error(what: str, error: CallFailed | CallTimeout) -> RuntimeError:
+    """The one-line error of user code that failed: `what` it was (a class's method, a function) and why."""
+    if isinstance(error, CallTimeout):
+        return RuntimeError(f"{error} (tools.environment_timeout): raise the bound or fix the environment")
+    return RuntimeError(f"{what} raised {error}")
+
+
+def _user_call(what: str, function: Callable[[], object], seconds: float) -> object:
+    """`function()` (an environment's constructor or `reset`), bounded by `seconds`; what goes wrong is one
+    `RuntimeError` line naming `what`."""
+    try:
+        return run_bounded(function, seconds, what)
+    except (CallTimeout, CallFailed) as error:
+        raise _user_code_error(what, error) from None
+
+
+def _uncallable(tool: object) -> str | None:
+    """Why the policy could never call `tool` through its schema (a JSON object of named arguments), or
+    None: a class, a lambda (no name to call it by), `*args` or `**kwargs`, positional-only arguments, a
+    method taken from its class (its `self` would be missing)."""
+    if inspect.isclass(tool):
+        return "is a class, not a function (an environment class goes to environment_factory)"
+    if getattr(tool, "__name__", None) == "<lambda>":
+        return "is a lambda, which has no name for the model to call it by: define it with def"
+    try:
+        parameters = inspect.signature(tool).parameters
+    except (TypeError, ValueError):
+        return "has no signature to read its arguments from"
+    for parameter in parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            stars = "*" if parameter.kind == parameter.VAR_POSITIONAL else "**"
+            return (
+                f"takes {stars}{parameter.name}, which a call cannot fill (it passes a JSON object of named "
+                "arguments): name and type each argument"
+            )
+        if parameter.kind == parameter.POSITIONAL_ONLY:
+            return f"takes {parameter.name} positional-only, which a call cannot fill: drop the /"
+    first = next(iter(parameters), None)
+    if first in ("self", "cls") and not inspect.ismethod(tool) and "." in getattr(tool, "__qualname__", ""):
+        return (
+            f"is the method {tool.__qualname__} taken from its class, so its {first} would be missing: give "
+            "the class as environment_factory (its methods become each sample's tools), or a bound method"
+        )
+    return None
+
+
+def _checked_tools(tools: Sequence[Tool], names: Sequence[str]) -> None:
+    """Refuse, in one line naming it, a tool the policy could never call (`_uncallable`), one without a JSON
+    schema (a type hint or its docstring's `Args:` line missing), and two tools of one name; `names` say
+    where each comes from (`tools[0]`, `environment_factory Shop's method buy`)."""
+    for tool, name in zip(tools, names, strict=True):
+        problem = _uncallable(tool)
+        if problem is not None:
+            raise ValueError(f"{name} ({tool_name(tool)!r}) {problem}")
+        try:
+            tool_schema(tool)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
+    called = [tool_name(tool) for tool in tools]
+    for twice in sorted({name for name in called if called.count(name) > 1}):
+        where = [name for name, each in zip(names, called, strict=True) if each == twice]
+        raise ValueError(
+            f"two tools are named {twice!r} ({', '.join(where)}): the model could not tell them apart"
+        )
 
 
 def _resolved(value: object, option: str) -> object:
@@ -136,6 +245,7 @@ class ToolSampling:
         self.options = options or ToolOptions()
         self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
         self.rollout_func = None if rollout_func is None else _resolved(rollout_func, "rollout_func")
+        _checked_tools(self.tools, [f"tools[{i}]" for i in range(len(self.tools))])
         self.multi_environment = isinstance(environment_factory, Mapping)
         if environment_factory is None:
             factories = {}
@@ -149,15 +259,24 @@ class ToolSampling:
         self.factories: dict[str | None, Callable] = factories
         self.pool: dict[str | None, list] = {}  # instances reused across batches, as TRL's pool
         self.rewards: list[EnvironmentReward] = []
-        for name, factory in factories.items():
-            probe = factory()
+        for name in factories:
+            probe = self._built(name)
             if not callable(getattr(probe, "reset", None)):
                 shown = f"environment_factory[{name!r}]" if name is not None else "environment_factory"
                 raise ValueError(f"{shown}: an environment must have a reset(**row) method")
             self.pool[name] = [probe]
+            methods = environment_tools(probe)
+            where = f"environment_factory {type(probe).__qualname__}'s method"
+            _checked_tools(
+                [*self.tools, *methods],
+                [
+                    *(f"tools[{i}]" for i in range(len(self.tools))),
+                    *(f"{where} {tool_name(m)}" for m in methods),
+                ],
+            )
             has_reward = callable(getattr(type(probe), "get_reward", None))
             if has_reward and all(reward.cls is not type(probe) for reward in self.rewards):
-                self.rewards.append(EnvironmentReward(type(probe)))
+                self.rewards.append(EnvironmentReward(type(probe), self.options.environment_timeout))
         self._owner = None if owner is None else weakref.ref(owner)
 
     @classmethod
@@ -190,6 +309,13 @@ class ToolSampling:
         """The module's reward functions and weights with each environment class's `get_reward`, weight 1."""
         return funcs + list(self.rewards), weights + [1.0] * len(self.rewards)
 
+    def _built(self, name: str | None) -> object:
+        """A new environment of `environment_factory` (`name`'s, with a dict), bounded by
+        `environment_timeout`, its failure one line naming its class."""
+        factory = self.factories[name]
+        what = f"environment_factory {getattr(factory, '__qualname__', repr(factory))}()"
+        return _user_call(what, factory, self.options.environment_timeout)
+
     def _environments(self, batch: dict[str, list], G: int) -> tuple[list, list[str | None]]:
         """One environment per sample (G per row), reused from the pool, and each one's name."""
         rows = len(batch["prompt"])
@@ -211,7 +337,7 @@ class ToolSampling:
                 )
             pool, index = self.pool[name], handed.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(self._built(name))
             handed[name] = index + 1
             environments.append(pool[index])
         return environments, names
@@ -235,7 +361,11 @@ class ToolSampling:
                 row = {key: batch[key][i // G] for key in columns}
                 if self.multi_environment:
                     row.pop(ENVIRONMENT_COLUMN)  # which environment it is, not what to reset it to
-                observation = environment.reset(**row)
+                observation = _user_call(
+                    f"{type(environment).__qualname__}.reset(**row)",
+                    lambda environment=environment, row=row: environment.reset(**row),
+                    self.options.environment_timeout,
+                )
                 if observation is not None:
                     last = row_prompts[i][-1]
                     row_prompts[i] = [
@@ -280,7 +410,11 @@ class ToolSampling:
         """The rollout a `rollout_func` returns, checked and padded into a `Rollout`."""
         row_prompts = [prompt for prompt in batch["prompt"] for _ in range(G)]
         owner = self._owner() if self._owner is not None else None
-        output = self.rollout_func(row_prompts, owner)
+        try:
+            output = self.rollout_func(row_prompts, owner)
+        except Exception as error:  # the user's code: named, in one line
+            name = getattr(self.rollout_func, "__qualname__", repr(self.rollout_func))
+            raise RuntimeError(f"rollout_func {name} raised {describe(error)}") from error
         if not isinstance(output, Mapping):
             raise ValueError(f"rollout_func must return a dict, got a {type(output).__name__}")
         missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
@@ -298,6 +432,7 @@ class ToolSampling:
             rows=len(row_prompts),
             pad_token_id=rollouts.tokenizer.pad_token_id,
             eos_token_ids=eos,
+            vocab_size=rollouts.policy.get_input_embeddings().num_embeddings,
             device=device,
         )
         completions = rollouts.encoder.decode(rollout)
@@ -315,6 +450,64 @@ def _padded(rows: Sequence[Sequence], value: float, left: bool, dtype: torch.dty
     return values, mask
 
 
+def _checked_values(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]] | None,
+    env_mask: Sequence[Sequence[int]] | None,
+    vocab_size: int | None,
+) -> None:
+    """Refuse, in one line naming `rollout_func`, the field and the sample, what would crash deep in the
+    log-prob pass or train on the wrong tokens in silence: an id that is not an integer (a float would be
+    truncated), negative or past the vocabulary; a log-prob that is not a finite number; an `env_mask` value
+    other than 0 and 1 (2 would count a token twice, -1 negate its loss)."""
+    fields = {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "logprobs": logprobs,
+        "env_mask": env_mask,
+    }
+    for name, rows in fields.items():
+        for i, row in enumerate(rows or []):
+            if not len(row):
+                continue
+            try:
+                values = torch.as_tensor(row if isinstance(row, Tensor) else list(row))
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(
+                    f"rollout_func's {name}[{i}] is not a list of numbers: {row!r:.80}"
+                ) from None
+            where = f"rollout_func's {name}[{i}]"
+            if name == "logprobs":
+                if (
+                    values.dtype == torch.bool
+                    or values.is_complex()
+                    or not torch.isfinite(values.double()).all()
+                ):
+                    raise ValueError(f"{where} holds a value that is not a finite number: {row!r:.80}")
+                continue
+            if values.dtype == torch.bool:
+                values = values.long()
+            if values.is_floating_point() or values.is_complex():
+                raise ValueError(f"{where} holds {values.dtype} values, not integers: {row!r:.80}")
+            if name == "env_mask":
+                bad = values[(values != 0) & (values != 1)]
+                if len(bad):
+                    raise ValueError(
+                        f"{where} holds {int(bad[0])}: env_mask is 1 on the policy's tokens and 0 on the "
+                        "others, nothing else"
+                    )
+                continue
+            low, high = int(values.min()), int(values.max())
+            if low < 0:
+                raise ValueError(f"{where} holds the id {low}: token ids are not negative")
+            if vocab_size is not None and high >= vocab_size:
+                raise ValueError(
+                    f"{where} holds the id {high}, past the model's vocabulary ({vocab_size} ids: 0 to "
+                    f"{vocab_size - 1})"
+                )
+
+
 def rollout_of_lists(
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
@@ -324,12 +517,14 @@ def rollout_of_lists(
     rows: int,
     pad_token_id: int,
     eos_token_ids: Sequence[int],
+    vocab_size: int | None = None,
     device: torch.device | str = "cpu",
 ) -> Rollout:
     """A `Rollout` of per-sample id lists (a `rollout_func`'s): prompts left-padded, completions
     right-padded; `env_mask` as the `tool_mask` (0: not the policy's token); a completion is truncated when
     it does not end with an end-of-sequence id. Each list must have `rows` entries, each sample's
-    `logprobs` and `env_mask` as many as its completion ids."""
+    `logprobs` and `env_mask` as many as its completion ids; ids must be integers in `[0, vocab_size)`,
+    log-probs finite numbers, `env_mask` values 0 or 1 (`_checked_values`), else one line says which."""
     named = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
     for name, values in {**named, "env_mask": env_mask}.items():
         if values is not None and len(values) != rows:
@@ -340,6 +535,7 @@ def rollout_of_lists(
                 raise ValueError(
                     f"rollout_func's {name}[{i}] has {len(per_token)} values for {len(ids)} completion ids"
                 )
+    _checked_values(prompt_ids, completion_ids, logprobs, env_mask, vocab_size)
     prompt, prompt_mask = _padded(prompt_ids, pad_token_id, left=True, dtype=torch.long)  # [B, P]
     completion, completion_mask = _padded(
         completion_ids, pad_token_id, left=False, dtype=torch.long

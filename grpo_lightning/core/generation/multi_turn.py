@@ -11,7 +11,13 @@ included: a tool turn that would pass it, or would fill the context (the least o
 where it has one, vLLM's `max_model_len`, and the model's `config.max_position_embeddings`, as TRL checks),
 is not appended and its sample ends there; a turn is cut to what is left, and a tool turn that leaves
 nothing ends its sample, cut, after the results.
-`ToolOptions.max_calling_iterations` bounds the rounds.
+`ToolOptions.max_calling_iterations` bounds the rounds (`ToolRunner.may_call`).
+
+Reading a turn's calls, running them, turning their results into text and rendering the tool turn are one
+guarded unit: whatever the model wrote and whatever the tools returned, the sample goes on with an error
+result (`ToolRunner.parse`, `ToolRunner.__call__`), and a tool turn the chat template cannot render is
+rendered again with each result replaced by an error naming its tool; only a template that cannot render
+even that ends the sample after the model's turn.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -30,7 +36,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.tools.calls import ToolCallCounts, ToolRunner, assistant_message, parse_tool_calls
+from grpo_lightning.core.tools.calls import (
+    ERROR_PREFIX,
+    ToolCallCounts,
+    ToolRunner,
+    assistant_message,
+    describe,
+    error_text,
+)
 from grpo_lightning.core.tools.schemas import template_renders_tools
 from grpo_lightning.core.tools.turns import check_prefix_preserving, tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
@@ -131,20 +144,20 @@ class ToolRollouts:
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
         context_limit = _context_limit(self.engine, model)
-        limit = self.runner.options.max_calling_iterations
-        while live and (limit is None or rounds < limit):
-            calls = {i: parse_tool_calls(self._text(samples[i].last_turn)) for i in live}
+        while live and self.runner.may_call(rounds):
+            calls = {i: self.runner.parse(self._text(samples[i].last_turn)) for i in live}
             live = [i for i in live if calls[i]]
             if not live:
                 break
             results = self.runner([calls[i] for i in live], rows=live)
             going = []
             for i, row_results in zip(live, results, strict=True):
-                turn = tool_messages(row_results, self.template_has_tools)
-                suffix = tool_suffix_ids(self.tokenizer, turn, self.prompt_options)
-                length = len(samples[i].ids) + len(suffix)
-                if length > s.max_new_tokens or (
-                    context_limit is not None and len(samples[i].context) + length >= context_limit
+                row_results, suffix = self._tool_turn(row_results)
+                length = len(samples[i].ids) + len(suffix) if suffix is not None else None
+                if (
+                    length is None
+                    or length > s.max_new_tokens
+                    or (context_limit is not None and len(samples[i].context) + length >= context_limit)
                 ):
                     continue  # the tool turn would not fit: the sample ends with the model's turn
                 samples[i].ids += suffix
@@ -179,6 +192,27 @@ class ToolRollouts:
         )
         turns = ToolTurns(counts, [sample.messages for sample in samples])
         return self._rollout(first, samples, sampled, s.pad_token_id), turns
+
+    def _tool_turn(self, results: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[int] | None]:
+        """The results of one row's calls and the ids of their tool turn; where the chat template raises on
+        them, each result replaced by an error naming its tool, and None for the ids where it raises on those
+        too (the sample ends with the model's turn)."""
+        try:
+            turn = tool_messages(results, self.template_has_tools)
+            return results, tool_suffix_ids(self.tokenizer, turn, self.prompt_options)
+        except Exception as error:  # a template's raise_exception, or an error on what a result holds
+            why = describe(error)
+        self.runner.counts.failures += sum(not text.startswith(ERROR_PREFIX) for _, text in results)
+        results = [
+            (name, error_text(f"the chat template cannot render the result of {name}: {why}"))
+            for name, _ in results
+        ]
+        try:
+            return results, tool_suffix_ids(
+                self.tokenizer, tool_messages(results, self.template_has_tools), self.prompt_options
+            )
+        except Exception:  # the template refuses any tool turn here
+            return results, None
 
     def _text(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
