@@ -223,7 +223,7 @@ def test_broken_json_is_a_plain_turn_without_calls():
 def test_a_call_nested_3000_deep_is_a_plain_turn_not_an_exception(family):
     deep = "[" * 3000 + "]" * 3000
     text = {
-        "hermes": f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {deep}}}}}\n</tool_call><|im_end|>',
+        "hermes": f'<tool_call>{{"name": "multiply", "arguments": {{"a": {deep}}}}}</tool_call><|im_end|>',
         "llama3_json": f'{{"name": "multiply", "parameters": {{"a": {deep}}}}}<|eot_id|>',
         "gpt_oss": f'to=functions.multiply<|channel|>commentary json<|message|>{{"a": {deep}}}<|call|>',
         "gemma4": f"<|tool_call>call:multiply{{a:{deep}}}<tool_call|>",

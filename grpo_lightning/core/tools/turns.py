@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.core.chat_template import PromptOptions, render_chat
+from grpo_lightning.core.tools.templates import trl_chat_templates, trl_template_name, trl_training_template
 
 
 def tool_messages(results: Sequence[tuple[str, str]], template_has_tools: bool) -> list[dict]:
@@ -66,27 +67,78 @@ def tool_suffix_ids(
     before = _cut_after_end_of_turn(calling, tokenizer.eos_token_id)
     after = _render(tokenizer, _calling_turn(name) + messages, True, options)
     if after[: len(before)] != before:
-        raise ValueError(_NOT_PREFIX)
+        raise ValueError(_not_prefix(tokenizer, before, after))
     return after[len(before) :]
 
 
-_NOT_PREFIX = (
-    "the chat template does not render a conversation as the start of the conversation that follows it "
-    "(an earlier turn changes when a tool turn is added), so tool turns cannot be appended token by token: "
-    "set tokenizer.chat_template to a prefix-preserving template (TRL's "
-    "`trl.chat_template_utils.get_training_chat_template(tokenizer)` gives one for known models)"
-)
+def _not_prefix(tokenizer: PreTrainedTokenizerBase, before: list[int], after: list[int]) -> str:
+    """One line: the template is not prefix-preserving, where the two renders part, and the fix."""
+    shorter = min(len(before), len(after))
+    at = next((i for i in range(shorter) if before[i] != after[i]), shorter)
+    was, becomes = tokenizer.decode(before[at : at + 8]), tokenizer.decode(after[at : at + 8])
+    return (
+        "the chat template does not render a conversation as the start of the conversation that follows it "
+        f"(once a tool's result follows an assistant turn, the turn's token {at} changes: {was!r} becomes "
+        f"{becomes!r}), so tool turns cannot be appended token by token: set tokenizer.chat_template to a "
+        "prefix-preserving template (TRL's `trl.chat_template_utils.get_training_chat_template(tokenizer)` "
+        "gives one for the models it ships templates of)"
+    )
+
+
+def _preserves_prefix(
+    tokenizer: PreTrainedTokenizerBase, template_has_tools: bool, options: PromptOptions
+) -> tuple[bool, list[int], list[int]]:
+    """TRL's test (`trl.chat_template_utils.is_chat_template_prefix_preserving`): the conversation up to an
+    assistant turn calling a tool renders as the start of the same conversation with the tool's result and
+    the next assistant header. With the renders it compared."""
+    calling = _render(tokenizer, _calling_turn("tool"), False, options)
+    answered = _render(
+        tokenizer, _calling_turn("tool") + tool_messages([("tool", "z")], template_has_tools), True, options
+    )
+    return answered[: len(calling)] == calling, calling, answered
 
 
 def check_prefix_preserving(
     tokenizer: PreTrainedTokenizerBase, template_has_tools: bool, options: PromptOptions = PromptOptions()
 ) -> None:
-    """Refuse, in one line naming the fix, a chat template under which a conversation's ids are not the start
-    of the next one's: the prompt of the generation prompt within the prompt with an assistant turn, and
-    that (cut after its end-of-turn token) within the conversation with tool results and the next header."""
-    prompt = [{"role": "user", "content": "x"}]
-    answered = [*prompt, {"role": "assistant", "content": "y"}]
-    first = _render(tokenizer, prompt, True, options)
-    if _render(tokenizer, answered, False, options)[: len(first)] != first:
-        raise ValueError(_NOT_PREFIX)
+    """Refuse, in one line naming where the renders part and the fix, a chat template under which the
+    conversation up to a tool call is not the start of the conversation with its result (TRL's test)."""
+    preserved, calling, answered = _preserves_prefix(tokenizer, template_has_tools, options)
+    if not preserved:
+        raise ValueError(_not_prefix(tokenizer, calling, answered))
     tool_suffix_ids(tokenizer, tool_messages([("tool", "z")], template_has_tools), options)
+
+
+def training_template(
+    tokenizer: PreTrainedTokenizerBase, template_has_tools: bool, options: PromptOptions = PromptOptions()
+) -> str | None:
+    """The chat template a run with tools trains with, as TRL chooses it: None where the tokenizer's own
+    passes `check_prefix_preserving`; else TRL's training copy of it (`trl/chat_templates/<name>_training
+    .jinja`, loaded from the installed `trl` package: Qwen3's shipped template, for one), checked in turn.
+    A template that neither passes nor has a training copy that passes is refused, naming where its
+    renders part (and TRL, where it is not installed)."""
+    preserved, calling, answered = _preserves_prefix(tokenizer, template_has_tools, options)
+    if preserved:
+        check_prefix_preserving(tokenizer, template_has_tools, options)
+        return None
+    training = trl_training_template(tokenizer.chat_template)
+    if training is None:
+        problem = _not_prefix(tokenizer, calling, answered)
+        if not trl_chat_templates():
+            problem += " (TRL is not installed: `pip install trl` ships training copies of known templates)"
+        raise ValueError(problem)
+    shipped = tokenizer.chat_template
+    tokenizer.chat_template = training
+    try:
+        check_prefix_preserving(tokenizer, template_has_tools, options)
+    finally:
+        tokenizer.chat_template = shipped
+    return training
+
+
+def training_template_note(chat_template: str | dict | None) -> str:
+    """The one line a run says when it trains with TRL's training copy of `chat_template`."""
+    return (
+        f"the chat template ({trl_template_name(chat_template)}) rewrites an earlier turn when a tool's "
+        "result follows: training with TRL's prefix-preserving training copy of it, as TRL does"
+    )
