@@ -286,3 +286,23 @@ def test_the_prompt_with_typed_tools_has_trls_ids_return_entry_included(base_tok
     )
     assert ours == list(theirs)
     assert all("return" in tool_schema(t)["function"] for t in tools)
+
+
+def test_values_are_typed_as_the_schema_says_and_json_dialects_read():
+    from grpo_lightning.core.tools.turn_parser import UnreadableTurn, read_json, schema_types, typed_value
+
+    assert typed_value("6", ("integer",)) == 6 and typed_value("3.0", ("integer",)) == 3
+    assert typed_value("3.5", ("integer",)) == "3.5"  # not a whole number: the text stays
+    assert typed_value("2.5", ("number",)) == 2.5 and typed_value("nan", ("number",)) == "nan"
+    assert typed_value("true", ("boolean",)) is True and typed_value("None", ("null",)) is None
+    assert typed_value("[1, 2]", ("array",)) == [1, 2] and typed_value("[1]", ("object",)) == "[1]"
+    assert typed_value("6", ("string",)) == "6" and typed_value("6", ("string", "integer")) == 6  # as TRL
+    assert schema_types({"anyOf": [{"type": "integer"}], "nullable": True}) == ("integer", "null")
+    assert read_json('{a:6,b:<|"|>x, y<|"|>}', string_quotes=[('<|"|>', '<|"|>')], bare_keys=True) == {
+        "a": 6,
+        "b": "x, y",
+    }
+    assert read_json("'Paris'", string_quotes=[("'", "'")]) == "Paris"
+    assert read_json(" not json ", or_text=True) == "not json"
+    with pytest.raises(UnreadableTurn, match="nested more than 200 levels"):
+        read_json("[" * 3000 + "]" * 3000, or_text=True)
