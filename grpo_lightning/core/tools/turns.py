@@ -44,9 +44,10 @@ def _render(
 
 def _calling_turn(name: str) -> list[dict]:
     """A stand-in conversation ending with an assistant turn that calls the tool `name` (some templates
-    derive the tool turn's header from the call's name)."""
+    derive the tool turn's header from the call's name). TRL's words: where the end-of-sequence token also
+    opens a user turn, the suffix starts after that earlier one and holds the user's words."""
     call = {"type": "function", "function": {"name": name, "arguments": {}}}
-    return [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
 
 
 def _cut_after_end_of_turn(ids: list[int], end_of_turn: int | None) -> list[int]:
