@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from grpo_lightning.core.options import Choices
 from grpo_lightning.core.tools.templates import TRAINING_SUFFIX, template_text, trl_template_name
@@ -353,6 +353,8 @@ FORMATS: list[ToolCallFormat] = [
 
 TOOL_CALL_FORMATS: Choices[ToolCallFormat] = Choices("tools.call_format", {f.name: f for f in FORMATS})
 """The tool-call formats by name, in the order their markers are tried (the most specific first)."""
+
+ToolCallFormatName = Literal[tuple(TOOL_CALL_FORMATS)]  # the type of the option that names one
 
 
 def choose_format(
