@@ -99,3 +99,14 @@ def test_qwen3s_shipped_template_trains_with_trls_copy_and_a_rewriting_one_is_re
     ) as error:
         training_template(tok, True)
     assert "\n" not in str(error.value)
+
+
+def test_a_template_that_takes_arguments_only_as_a_string_gets_its_tool_turn(tokenizer_with):
+    """DeepSeek-V3's template adds the call's arguments to a string: the stand-in call gives them as JSON
+    text, as TRL falls back; its tools are taught in the system prompt and the results come as a user turn."""
+    pytest.importorskip("trl")
+    tok = tokenizer_with("deepseekv3")
+    assert not template_renders_tools(tok, [tool_schema(multiply)])
+    assert training_template(tok, False) is None
+    suffix = tok.decode(tool_suffix_ids(tok, tool_messages([("multiply", "42")], False)))
+    assert "<tool_response>\n42\n</tool_response>" in suffix

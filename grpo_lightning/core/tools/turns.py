@@ -42,12 +42,31 @@ def _render(
     return render_chat(tokenizer, messages, options, tokenize=True, add_generation_prompt=generation_prompt)
 
 
-def _calling_turn(name: str) -> list[dict]:
+def _calling_turn(name: str, arguments: dict | str) -> list[dict]:
     """A stand-in conversation ending with an assistant turn that calls the tool `name` (some templates
     derive the tool turn's header from the call's name). TRL's words: where the end-of-sequence token also
     opens a user turn, the suffix starts after that earlier one and holds the user's words."""
-    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
     return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+def _render_call(
+    tokenizer: PreTrainedTokenizerBase, name: str, following: list[dict], options: PromptOptions
+) -> tuple[list[int], list[int]]:
+    """The ids of the stand-in conversation calling `name`, and of it with the `following` messages and the
+    generation prompt; the call's arguments as a JSON string where the template cannot take a mapping (it
+    adds them to a string: DeepSeek-V3's), as TRL falls back."""
+
+    def both(arguments: dict | str) -> tuple[list[int], list[int]]:
+        conversation = _calling_turn(name, arguments)
+        return _render(tokenizer, conversation, False, options), _render(
+            tokenizer, conversation + following, True, options
+        )
+
+    try:
+        return both({})
+    except TypeError:
+        return both("{}")
 
 
 def _cut_after_end_of_turn(ids: list[int], end_of_turn: int | None) -> list[int]:
@@ -63,10 +82,8 @@ def tool_suffix_ids(
     """The ids that follow an assistant turn's end-of-turn token for the tool result `messages`
     (`tool_messages`): the separator after the turn, the results, the next assistant header, rendered with
     `options` (the run's `GRPOConfig.prompts`)."""
-    name = messages[0].get("name", "tool")
-    calling = _render(tokenizer, _calling_turn(name), False, options)
+    calling, after = _render_call(tokenizer, messages[0].get("name", "tool"), messages, options)
     before = _cut_after_end_of_turn(calling, tokenizer.eos_token_id)
-    after = _render(tokenizer, _calling_turn(name) + messages, True, options)
     if after[: len(before)] != before:
         raise ValueError(_not_prefix(tokenizer, before, after))
     return after[len(before) :]
@@ -92,10 +109,8 @@ def _preserves_prefix(
     """TRL's test (`trl.chat_template_utils.is_chat_template_prefix_preserving`): the conversation up to an
     assistant turn calling a tool renders as the start of the same conversation with the tool's result and
     the next assistant header. With the renders it compared."""
-    calling = _render(tokenizer, _calling_turn("tool"), False, options)
-    answered = _render(
-        tokenizer, _calling_turn("tool") + tool_messages([("tool", "z")], template_has_tools), True, options
-    )
+    result = tool_messages([("tool", "z")], template_has_tools)
+    calling, answered = _render_call(tokenizer, "tool", result, options)
     return answered[: len(calling)] == calling, calling, answered
 
 
