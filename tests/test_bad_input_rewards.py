@@ -277,6 +277,28 @@ def test_prompt_over_the_limit_is_cut_from_the_left_or_refused(tiny_model_dir, m
     torch.testing.assert_close(ids, full_ids[:, -6:])  # the ends, where the generation prompt is, survive
 
 
+def test_prompts_are_whole_by_default_and_a_system_turn_or_tools_are_never_cut(tiny_model_dir):
+    from grpo_lightning.core.tools.calculator import calculator
+    from grpo_lightning.core.tools.schemas import tool_schema
+
+    assert GRPOConfig().max_prompt_length is None  # TRL 1.x has no prompt cut
+    module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2, max_prompt_length=6))
+    question = {"role": "user", "content": "What is 12 + 30 + 7?"}
+    system = [{"role": "system", "content": "Answer with a number."}, question]
+    full = GRPOModule(tiny_model_dir, grpo=GRPOConfig(num_generations=2)).rollouts.encoder
+    length = int(full.encode([system], "cpu")[1].sum())
+    with pytest.raises(
+        ValueError, match=f"^a prompt that opens with a system turn has {length} tokens, over "
+    ):
+        module.rollouts.encoder.encode([system], "cpu")
+    shown = [[tool_schema(calculator)]]
+    length = int(full.encode([[question]], "cpu", tools=shown)[1].sum())
+    with pytest.raises(
+        ValueError, match=f"^a prompt that shows tools has {length} tokens, over max_prompt_le"
+    ):
+        module.rollouts.encoder.encode([[question]], "cpu", tools=shown)
+
+
 # ------------------------------------------------------------------------------------------ reward types
 def tensor_reward(completions, **kwargs):
     return torch.zeros(len(completions))

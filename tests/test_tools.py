@@ -78,6 +78,7 @@ def test_schema_is_the_one_the_chat_template_takes():
                 },
                 "required": ["a", "b"],
             },
+            "return": {"type": "number"},  # as TRL renders a typed tool
         },
     }
     assert tool_schema(lookup)["function"]["name"] == "lookup"  # async functions too
@@ -114,8 +115,11 @@ def test_hermes_prompt_where_the_template_shows_no_tools():
     schemas = [tool_schema(multiply)]
     plain = Template(CHATML_TEMPLATE).tok
     assert not template_renders_tools(plain, schemas)
-    showing = Template(CHATML_TEMPLATE.replace("{% for", "{{ tools | tojson }}{% for", 1)).tok
-    assert template_renders_tools(showing, schemas)
+    showing = CHATML_TEMPLATE.replace("{% for", "{{ tools | tojson }}{% for", 1)
+    assert not template_renders_tools(Template(showing).tok, schemas)  # the calls are dropped: TRL refuses it
+    calls = "{{ message['tool_calls'] | tojson if message['tool_calls'] is defined else '' }}"
+    whole = showing.replace("{{ message['content'] }}", "{{ message['content'] }}" + calls)
+    assert template_renders_tools(Template(whole).tok, schemas)
     text = hermes_system_prompt(schemas)
     assert json.dumps(schemas[0]) in text and "<tool_call>" in text
     messages = [{"role": "user", "content": "hi"}]

@@ -77,7 +77,9 @@ def two_steps_of(path: str, model_dir: str, tmp_path, **grpo) -> tuple[GRPOModul
     options = model_cfg.get("model_options", {})
     lora = model_cfg.get("lora")
     config = GRPOConfig(**model_cfg.get("grpo", {}))  # the config's sections
-    for name, value in (SMALL | grpo).items():  # by flat name: each replaces its section's value
+    # A prompt that shows tools is never cut (the Hermes system prompt, for a template without tools): whole.
+    small = SMALL | ({"max_prompt_length": None} if model_cfg.get("tools") else {})
+    for name, value in (small | grpo).items():  # by flat name: each replaces its section's value
         setattr(config, name, value)
     L.seed_everything(0)
     module = GRPOModule(

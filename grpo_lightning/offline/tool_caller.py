@@ -17,11 +17,16 @@ from grpo_lightning.core.tools.schemas import tool_schema
 from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.offline.tiny import CHATML_TEMPLATE
 
-# A ChatML template that shows the tools (name and description) in a short system turn.
+# A ChatML template that shows the tools (name and description) in a short system turn and an assistant
+# turn's calls as Hermes blocks: a whole tool exchange, as TRL requires of a template it runs tools with.
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% for t in tools %}"
     "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    + CHATML_TEMPLATE
+    + CHATML_TEMPLATE.replace(
+        "{{ message['content'] }}",
+        "{{ message['content'] }}{% if message.tool_calls is defined %}{% for call in message.tool_calls %}"
+        "<tool_call>\n{{ call.function | tojson }}\n</tool_call>{% endfor %}{% endif %}",
+    )
 )
 QUESTION = [{"role": "user", "content": "What is 6 times 7?"}]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'

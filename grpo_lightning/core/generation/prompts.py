@@ -58,7 +58,8 @@ class PromptEncoder:
     Args:
         tokenizer: applies the chat template, tokenizes and decodes.
         max_prompt_length: prompt tokens kept; None keeps all.
-        truncate_prompts: "left" cuts a longer prompt's start (with a warning), "error" refuses it.
+        truncate_prompts: "left" cuts a longer prompt's start (with a warning), "error" refuses it; a chat
+            prompt that opens with a system turn or shows tools is refused, never cut.
         options: how chat prompts are rendered (`GRPOConfig.prompts`: the chat template's keyword
             arguments).
     """
@@ -97,6 +98,14 @@ class PromptEncoder:
             longest = int(mask.sum(1).max())
             if self.truncate_prompts == "error":
                 raise ValueError(f"a prompt has {longest} tokens, over max_prompt_length={limit}")
+            lengths = mask.sum(1).tolist()  # [N]
+            for prompt, schemas, length in zip(prompts, shown, lengths, strict=True):
+                if length > limit and conversational and (schemas or prompt[0].get("role") == "system"):
+                    what = "shows tools" if schemas else "opens with a system turn"
+                    raise ValueError(
+                        f"a prompt that {what} has {length} tokens, over max_prompt_length={limit}: a cut "
+                        "from the left would drop it first; raise max_prompt_length or set it to None"
+                    )
             warnings.warn(
                 f"prompt of {longest} tokens cut from the left to max_prompt_length={limit}", stacklevel=2
             )

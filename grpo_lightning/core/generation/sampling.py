@@ -88,10 +88,14 @@ class SamplingOptions:
     without EOS while the loss scores them under the raw policy, so the importance ratio there is
     off-policy by the EOS probability: keep 0 for training runs.
     """
-    max_prompt_length: PositiveInt | None = 512
-    """Prompt tokens kept; longer prompts are cut from the left. None keeps all."""
+    max_prompt_length: PositiveInt | None = None
+    """Prompt tokens kept; longer prompts are cut as `truncate_prompts` says. Default None: every prompt
+    whole, as TRL 1.x (which has no prompt cut; TRL up to 0.27: 512, cut from the left).
+    """
     truncate_prompts: Literal["left", "error"] = "left"
     """What to do with a prompt over `max_prompt_length`: "left" (cut its start, with a warning) or "error".
+    A chat prompt that opens with a system turn, or that shows tools, is never cut: it is refused naming
+    its length (a left cut would drop the instructions or the tools' descriptions first).
     """
     temperature: PositiveFloat = 1.0
     """Sampling temperature, > 0. The same temperature scales the logits of the log-probs, as the sampler saw

@@ -11,6 +11,7 @@ import inspect
 import json
 from collections.abc import Callable, Sequence
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
@@ -25,8 +26,10 @@ def tool_name(tool: Tool) -> str:
 
 
 def tool_schema(tool: Tool) -> dict:
-    """`tool`'s JSON schema (`{"type": "function", "function": {"name", "description", "parameters"}}`), read
-    from its type hints and Google-style docstring; a function without them is refused, naming it."""
+    """`tool`'s JSON schema (`{"type": "function", "function": {"name", "description", "parameters"}}`, and
+    `"return"` where the function annotates what it returns), read from its type hints and Google-style
+    docstring, as TRL renders a tool (`apply_chat_template(tools=[function])`); a function without them is
+    refused, naming it."""
     if not callable(tool):
         raise TypeError(f"a tool must be a function, got {tool!r}")
     try:
@@ -36,7 +39,6 @@ def tool_schema(tool: Tool) -> dict:
             f"tool {tool_name(tool)!r} has no JSON schema ({error}): give every argument a type hint and "
             "the function a Google-style docstring with an `Args:` line per argument"
         ) from None
-    schema["function"].pop("return", None)  # the template shows what to call, not what comes back
     return schema
 
 
@@ -60,8 +62,10 @@ def template_renders_tools(
     tokenizer: PreTrainedTokenizerBase, schemas: Sequence[dict], options: PromptOptions = PromptOptions()
 ) -> bool:
     """Whether `tokenizer`'s chat template, rendered with `options` (the run's `GRPOConfig.prompts`), shows
-    the tools it is given (`apply_chat_template(tools=...)`): the first tool's name and description appear
-    in a rendered conversation."""
+    the tools it is given (`apply_chat_template(tools=...)`: the first tool's name and description appear
+    in a rendered conversation) and renders a whole tool exchange: an assistant turn's call (its name and
+    arguments) and the tool's result, as TRL requires of a template it runs tools with
+    (`trl.chat_template_utils.supports_tool_calling`). A template that drops either is not shown tools."""
     if not schemas:
         return False
     function = schemas[0]["function"]
@@ -73,7 +77,34 @@ def template_renders_tools(
         add_generation_prompt=True,
         tools=schemas,
     )
-    return function["name"] in rendered and function.get("description", "") in rendered
+    shown = function["name"] in rendered and function.get("description", "") in rendered
+    return shown and _renders_tool_exchange(tokenizer, options)
+
+
+def _renders_tool_exchange(tokenizer: PreTrainedTokenizerBase, options: PromptOptions) -> bool:
+    """Whether a call's name, argument name and value, and the tool's result all appear in the render of a
+    user turn, an assistant turn calling a tool, and the tool's message (arguments given as a JSON string
+    where the template cannot take them as a mapping)."""
+    marks = ("call_name_5e1c", "argument_key_7a2d", "argument_value_3f9b", "result_text_8c4e")
+    name, key, value, result = marks
+    for arguments in ({key: value}, json.dumps({key: value})):
+        messages = [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+            },
+            {"role": "tool", "name": name, "content": result},
+        ]
+        try:
+            rendered = render_chat(tokenizer, messages, options, tokenize=False, add_generation_prompt=False)
+        except TypeError:
+            continue  # a template that adds the arguments to a string: try them as one
+        except TemplateError:
+            return False  # a template that refuses the roles
+        return all(mark in rendered for mark in marks)
+    return False
 
 
 def hermes_system_prompt(schemas: Sequence[dict]) -> str:
