@@ -263,10 +263,12 @@ def grpo_loss(
         logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
         advantages: ``[B]`` or ``[B, T]``.
         mask: ``[B, T]``, non-zero for real completion tokens, 0 for padding (bool, int or float).
-        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
         options: the loss variant, the ratio's level and clipping, the entropy bonus.
         kl: the KL term; its estimator also gives the ``kl`` statistic whenever ``ref_logprobs`` is given.
-        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
+        old_logprobs: ``[B, T]`` ``log pi_old``, the ratio's anchor: the completions' log-probabilities under
+            the policy the update started from (the one that sampled them, unless an older one did), detached.
+            ``None``: the current policy is that one, and ``logprobs.detach()`` stands in (``rho`` is 1 in
+            value, and its gradient is that of ``log pi``).
         ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when
             ``kl.loss_beta != 0``.
         max_completion_length: required for ``dr_grpo``.
