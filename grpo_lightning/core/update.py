@@ -143,6 +143,18 @@ def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
     return mask
 
 
+def sampler_correction(
+    cfg: UpdateSections, scorer: Tensor, sampler: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
+    (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
+    off."""
+    options = cfg.sampler_correction
+    if options is None:
+        return None
+    return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)
+
+
 def advantages_of(outcome: Tensor, cfg: UpdateSections, ranks: Ranks | None = None) -> Tensor:
     """Group-relative advantages `[B]` of this rank's outcome. With `ranks` (scale_rewards="batch" over
     several ranks) the std is that of the whole batch over all ranks, as TRL computes it."""
@@ -467,15 +479,3 @@ class RolloutUpdate:
         """Each micro-batch's loss of one optimizer step, for the caller's backward (`micro_batch_losses`)."""
         parts = self.micro_batches(mini_batch.rollout)
         return micro_batch_losses(self.score, policy, mini_batch, parts, self.cfg, *denominators, sums)
-
-
-def sampler_correction(
-    cfg: UpdateSections, scorer: Tensor, sampler: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor] | None:
-    """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
-    (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
-    off."""
-    options = cfg.sampler_correction
-    if options is None:
-        return None
-    return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)
