@@ -75,10 +75,15 @@ class LoRAPlane:
     at the first push, through the disk plane (whatever the servers held before)."""
 
     def __init__(
-        self, router: ServerRouter, folder: str, adapter: str, save_config: Callable[[str], None]
+        self,
+        router: ServerRouter,
+        folder: str,
+        adapter: str,
+        save_config: Callable[[str], None],
+        tied_head: bool = False,
     ) -> None:
         self.router, self.folder, self.adapter, self.save_config = router, folder, adapter, save_config
-        self.base = DiskPlane(router, folder)
+        self.base = DiskPlane(router, folder, tied_head)
         self.last: str | None = None
 
     def push(self, weights: Iterable[tuple[str, Tensor]], version: str) -> int:
