@@ -272,3 +272,55 @@ def test_the_serve_command_has_the_flags_the_pushes_need():
     assert "--enable-lora --max-lora-rank 16 --max-loras 1" in text, "rank 12 takes vLLM's slot of 16"
     assert command[-2:] == ["--dtype", "float32"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+FAKE_SERVER = """
+import argparse, http.server
+parser = argparse.ArgumentParser()
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.HTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+def test_vllm_serve_says_where_it_listens_and_stops_its_server_on_sigterm(tmp_path):
+    """`main` with a stand-in server module: it prints the URL once the server answers; SIGTERM stops both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "fake_vllm_server.py").write_text(FAKE_SERVER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys; import grpo_lightning.io.vllm_serve as v; v.SERVER_MODULE = 'fake_vllm_server'; "
+        f"sys.exit(v.main(['--model', 'm', '--port', '{port}', '--ready-timeout', '60']))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line.startswith(f"vLLM server for m listening on http://127.0.0.1:{port} (pid ")
+        server_pid = int(line.split("(pid ")[1].split(")")[0])
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(server_pid, 0)
+    finally:
+        launcher.kill()

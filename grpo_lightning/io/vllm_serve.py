@@ -119,6 +119,10 @@ def stop(process: subprocess.Popen, grace: float = 30.0) -> None:
         process.wait()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`cli.py vllm-serve`: start the server, print where it listens, wait for it; its exit code."""
     args, extra = parse_args(argv)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         extra=extra,
     )
     process = subprocess.Popen(command, env=env, start_new_session=True)
-    signal.signal(signal.SIGTERM, lambda *_: stop(process))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # out of `wait`, into `finally`: the server stops
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     try:
         wait_ready(url, process, args.ready_timeout)
