@@ -185,6 +185,54 @@ def test_servers_refused_before_training(urls, vllm_tied_dir):
         check_servers(options, config, 64, lora_rank=16)
 
 
+def test_a_fit_trains_against_the_servers_exactly(urls, vllm_tied_dir):
+    """2 optimizer steps of `GRPOModule` with TRL's `vllm_mode: server`: every rollout samples the weights of
+    its moment (the sampler's log-probs are the scorer's), one push per step."""
+    from grpo_lightning.core.config import GRPOConfig
+    from grpo_lightning.training.module import GRPOModule
+    from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
+
+    gaps = []
+
+    class Checked(GRPOModule):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            sample = self.rollouts.sample
+
+            def checked_sample(prompts, num_generations, do_sample=True):
+                rollout, completions = sample(prompts, num_generations, do_sample)
+                if do_sample:
+                    with torch.no_grad():
+                        logprobs, _ = self.rollouts.scorer(self.policy, rollout, slice(None))
+                    gaps.append(
+                        float(
+                            (rollout.sampler_logprobs - logprobs)[rollout.completion_mask.bool()].abs().max()
+                        )
+                    )
+                return rollout, completions
+
+            self.rollouts.sample = checked_sample
+
+    torch.manual_seed(0)
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        preflight=False,
+        log_completions_every=0,
+        vllm_mode="server",
+        vllm_server_base_url=urls,
+        vllm_server_timeout=30,
+    )
+    module = Checked(vllm_tied_dir, reward_funcs=[digit_reward], grpo=grpo)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
+    trainer.fit(module, arithmetic_data(8))
+    assert module.rollouts.backend == "vllm_server" and trainer.global_step == 2
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
+    assert module.rollouts.engine.refreshes == 2, "one push per optimizer step"
+
+
 def test_a_frozen_then_killed_server_ends_the_rollout_in_one_line(servers, vllm_tied_dir):
     """Last: it stops the module's servers."""
     model = tied_model(vllm_tied_dir)
