@@ -87,7 +87,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_servers(model_dir: str, count: int = 1, lora_rank: int | None = None) -> Iterator[list[Server]]:
+def running_servers(
+    model_dir: str, count: int = 1, lora_rank: int | None = None, max_model_len: int = 128
+) -> Iterator[list[Server]]:
     """`count` `vllm serve` processes of `model_dir` on 127.0.0.1 (float32, eager, 1 GB of KV cache, blocks of
     32 tokens, the smallest vLLM's CPU attention takes: a short prompt fills whole blocks), started
     together by `cli.py vllm-serve`'s command; each stopped (its process group) on exit."""
@@ -95,7 +97,8 @@ def running_servers(model_dir: str, count: int = 1, lora_rank: int | None = None
     try:
         for _ in range(count):
             port = free_port()
-            extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--block-size", "32"]
+            extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len)]
+            extra += ["--block-size", "32"]
             command, env = serve_command(
                 model_dir, port=port, lora_rank=lora_rank, kv_cache_gb=1, extra=extra
             )
