@@ -56,7 +56,8 @@ class DiskPlane:
         """Write `weights` (checkpoint names) and have every server load them; the bytes written."""
         from safetensors.torch import save_file
 
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
+        # Copies: under FSDP2 a unit's gathered tensors are freed once the source moves to the next unit.
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights}
         folder = os.path.join(self.folder, version)
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, os.path.join(folder, "model.safetensors"))
@@ -97,7 +98,7 @@ class LoRAPlane:
             for name, tensor in weights:
                 if "lora_" in name:
                     key = "base_model.model." + name.replace(f".{self.adapter}.", ".")
-                    adapter[key] = tensor.detach().to("cpu").contiguous()
+                    adapter[key] = tensor.detach().to("cpu", copy=True).contiguous()
                 else:
                     yield name, tensor
 
