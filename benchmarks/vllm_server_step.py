@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--server-flags", default="", help="more vllm serve flags, space-separated")
     return parser.parse_args()
 
 
@@ -87,6 +88,7 @@ def run_column(column: str, args: argparse.Namespace, settings: SamplingSettings
     process = None
     if column == "server":
         extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_len + 64)]
+        extra += args.server_flags.split()
         command, env = serve_command(args.model, port=SERVER_PORT, extra=extra)
         command = ["taskset", "-c", str(cores[-1]), *command] if len(cores) > 1 else command
         process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
