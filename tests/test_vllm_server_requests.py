@@ -136,6 +136,7 @@ def test_a_completion_body_carries_the_ids_and_every_setting():
     assert (body["max_tokens"], body["min_tokens"], body["stop_token_ids"]) == (6, 1, [2, 7])
     assert body["logprobs"] == 0 and body["return_token_ids"] is True
     assert "seed" not in body
+    assert (body["repetition_penalty"], body["min_p"], body["presence_penalty"]) == (1.0, 0.0, 0.0)
     greedy = completion_body("tiny", [5], SETTINGS, 4, do_sample=False)
     assert greedy["n"] == 1 and greedy["temperature"] == 0.0 and "top_p" not in greedy
 
@@ -269,6 +270,7 @@ def test_the_serve_command_has_the_flags_the_pushes_need():
     assert '--weight-transfer-config {"backend": "nccl"}' in text
     assert "--logprobs-mode processed_logprobs --max-logprobs -1" in text
     assert "--worker-extension-cls grpo_lightning.io.vllm_worker.PushExtension" in text
+    assert "--generation-config vllm" in text, "the checkpoint's sampling defaults stay out"
     assert "--enable-lora --max-lora-rank 16 --max-loras 1" in text, "rank 12 takes vLLM's slot of 16"
     assert command[-2:] == ["--dtype", "float32"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"

@@ -5,7 +5,8 @@ flag]`).
 It runs vLLM's own server module (`vllm.entrypoints.openai.api_server`: the `vllm` console script of the CPU
 build fails on its distribution's name) with what the engine's pushes and log-probs need: the NCCL weight
 transfer configured, the log-probs of the distribution each token was drawn from (`processed_logprobs`), any
-number of log-probs, the development routes (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`,
+number of log-probs, vLLM's own sampling defaults rather than the checkpoint's generation config (the
+engine sends every setting), the development routes (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`,
 `/reset_prefix_cache`), the workers' extension that repacks a tied LM head after a push on CPU
 (`io.vllm_worker`) and, with `--lora-rank`, LoRA adapters loaded at run time. On a machine without CUDA it
 also preloads Intel OpenMP where the environment has it and sizes the KV pool (`--kv-cache-gb`). Any other
@@ -69,6 +70,7 @@ def serve_command(
         "--weight-transfer-config", '{"backend": "nccl"}',
         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--generation-config", "vllm",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     # The workers import the extension from this package's folder, installed or not.

@@ -137,7 +137,9 @@ def completion_body(
 ) -> dict:
     """The `/v1/completions` body of one prompt's `n` completions: its ids, `settings` one to one, each drawn
     id's log-prob (`logprobs: 0`: the drawn one alone) and the ids back (`return_token_ids`); greedy draws
-    once at temperature 0. No seed: per-request seeds break vLLM's CPU prefill; the server's seed holds."""
+    once at temperature 0. The penalties and min-p are sent neutral, so that no default of the server's (a
+    checkpoint's generation config) changes the distribution the scorer is compared with. No seed:
+    per-request seeds break vLLM's CPU prefill; the server's seed holds."""
     s = settings
     sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
     return {
@@ -151,6 +153,11 @@ def completion_body(
         "skip_special_tokens": False,
         "logprobs": 0,
         "return_token_ids": True,
+        # Neutral, not the server's defaults: a checkpoint's generation config would otherwise set them.
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         **(sampled if do_sample else {"temperature": 0.0}),
     }
 
