@@ -309,16 +309,29 @@ class VLLMServerEngine(RolloutEngine):
             return
         start = time.perf_counter()
         version = f"policy-{self.run_id}-{self.refreshes + 1}"  # unique on servers that outlive runs
+        failure: ServerError | None = None
         with torch.no_grad():
             weights = self._weights(model)
             if self.plane is None:
                 for _ in weights:  # another rank: in step with rank 0's gathers
                     pass
             else:
-                self.push_bytes = self.plane.push(weights, version)
-                stamp_version(self.router, version)
+                try:  # every plane reads all the weights before its first call to a server
+                    self.push_bytes = self.plane.push(weights, version)
+                    stamp_version(self.router, version)
+                except ServerError as err:
+                    failure = err
         if dist.is_initialized():
-            dist.barrier()  # the other ranks sample only once rank 0's push is in
+            # In place of a barrier: the other ranks sample only once rank 0's push is in, and end with it
+            # when it failed, rather than wait for it at their next collective.
+            failed = torch.tensor([float(failure is not None)], device=device)
+            dist.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise ServerError(
+                    "rank 0's push of the weights to the vLLM servers failed (its error says why)"
+                )
+        if failure is not None:
+            raise failure
         self.push_seconds = time.perf_counter() - start
         self.refreshes += 1
         self.stale = False
