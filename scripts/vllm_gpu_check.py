@@ -225,7 +225,9 @@ def _served(model, folder: str):
     port = 18000 + os.getpid() % 1000
     memory = ["--gpu-memory-utilization", "0.3"] if CUDA else ["--enforce-eager"]
     extra = ["--dtype", str(next(model.parameters()).dtype).removeprefix("torch."), "--max-model-len", "128"]
-    command, env = serve_command(folder, port=port, extra=extra + memory + ["--load-format", "dummy"])
+    command, env = serve_command(
+        folder, port=port, extra=extra + memory
+    )  # the disk plane cannot reload dummy
     process = subprocess.Popen(command, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, process, PART_TIMEOUT_S)

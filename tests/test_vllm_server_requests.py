@@ -58,6 +58,7 @@ class StandIn:
         self.calls: list[tuple[str, dict]] = []
         self.vocab, self.max_model_len, self.delay = vocab, max_model_len, delay
         self.version = "default"
+        self.load_format = "auto"
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,7 +77,10 @@ class StandIn:
                 stand_in.calls.append((self.path, {}))
                 if self.path.startswith("/server_info"):
                     model = {"served_model_name": "tiny", "max_model_len": stand_in.max_model_len}
-                    self._answer({"vllm_config": {"model_config": model, "lora_config": None}})
+                    load = {"load_format": stand_in.load_format}
+                    self._answer(
+                        {"vllm_config": {"model_config": model, "lora_config": None, "load_config": load}}
+                    )
                 elif self.path == "/weight_info":
                     self._answer({"weight_version": stand_in.version})
                 else:
@@ -218,6 +222,14 @@ def test_a_push_reloads_then_resets_the_cache_then_stamps_the_version(stand_ins,
     assert engine.refreshes == 1, "no push without a weight change"
     engine.close()
     assert not list(tmp_path.iterdir()), "the pushed files are removed"
+    stand_ins[1].load_format = "dummy"  # random weights at the start: reload_weights cannot read files
+    engine = VLLMServerEngine(
+        SETTINGS, VLLMServerOptions(base_url=[s.url for s in stand_ins], timeout=5), max_len=64
+    )
+    with pytest.raises(
+        ServerError, match=rf"^vLLM server {stand_ins[1].url} was started with --load-format dummy"
+    ):
+        engine.refresh(model, torch.device("cpu"))
 
 
 def test_servers_refused_in_one_line_each(stand_ins):

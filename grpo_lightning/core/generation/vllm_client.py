@@ -103,8 +103,8 @@ def wait_until_up(servers: Sequence[VLLMServer], timeout: float, poll: float = 1
 class ServedModel:
     """What a server serves, as the pre-flight compares it with the policy: the served name (a request's
     `model`), its architecture and vocabulary (from its worker's module tree), the longest prompt +
-    completion it takes, the largest LoRA rank it serves (None: LoRA off), its device type and its workers'
-    extension class (`--worker-extension-cls`)."""
+    completion it takes, the largest LoRA rank it serves (None: LoRA off), its device type, its workers'
+    extension class (`--worker-extension-cls`) and the format it loaded its weights in (`--load-format`)."""
 
     name: str
     architecture: str
@@ -113,6 +113,7 @@ class ServedModel:
     max_lora_rank: int | None
     device: str = "cuda"
     worker_extension: str = ""
+    load_format: str = "auto"
 
 
 def served_model(server: VLLMServer) -> ServedModel:
@@ -129,6 +130,7 @@ def served_model(server: VLLMServer) -> ServedModel:
         max_lora_rank=int(lora["max_lora_rank"]) if lora else None,
         device=str(config.get("device_config", {}).get("device", "cuda")),
         worker_extension=str(config.get("parallel_config", {}).get("worker_extension_cls", "")),
+        load_format=str(config.get("load_config", {}).get("load_format", "auto")),
     )
 
 

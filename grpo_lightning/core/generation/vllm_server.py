@@ -286,6 +286,12 @@ class VLLMServerEngine(RolloutEngine):
             raise option_error(self.options, "weight_plane", plane, why)
         if plane == "nccl" and device.type != "cuda":
             raise option_error(self.options, "weight_plane", plane, "NCCL needs the trainer on CUDA")
+        dummy = [url for url, m in zip(self.options.urls, servers, strict=True) if m.load_format == "dummy"]
+        if plane in ("disk", "lora") and dummy:
+            raise ServerError(
+                f"vLLM server {dummy[0]} was started with --load-format dummy: the {plane} plane's reload "
+                "reads files in the server's load format, which dummy cannot (restart it without it)"
+            )
         if not self._pusher():
             return
         if plane in ("disk", "lora"):
