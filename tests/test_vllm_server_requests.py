@@ -181,10 +181,11 @@ def test_the_nccl_bodies_rank_every_servers_workers_after_the_trainer():
 def test_the_router_takes_the_least_loaded_server_and_keeps_a_continuation(stand_ins):
     for s in stand_ins:
         s.delay = 0.2
-    router = ServerRouter([VLLMServer(s.url, 5) for s in stand_ins], "tiny", max_in_flight=4)
+    router = ServerRouter([VLLMServer(s.url, 5, "tiny") for s in stand_ins], max_in_flight=4)
     futures = [router.submit([3, i], SETTINGS, 2, True) for i in range(4)]
     rows = [f.result() for f in futures]
     counts = [s.routes().count("/v1/completions") for s in stand_ins]
+    assert {b["model"] for s in stand_ins for r, b in s.calls if r == "/v1/completions"} == {"tiny"}
     assert counts == [2, 2], "four requests in flight at once, two on each server"
     continuation = [3, 0, *rows[0][0][0], 99]  # prompt 0, its first completion, a tool turn
     picked = router._pick(continuation)

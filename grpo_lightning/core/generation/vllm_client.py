@@ -38,9 +38,10 @@ class VLLMServer:
     """One `vllm serve` process at `url` (`http://host:port`); every call times out after `timeout` seconds
     without a byte from the server."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, served_name: str = "") -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.served_name = served_name  # what a request's `model` names on this server (`ServedModel.name`)
         self.in_flight = 0  # requests sent and not answered (the router's load)
 
     def call(self, method: str, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
@@ -175,19 +176,19 @@ class ServerRouter:
     continues a sequence one of them generated (a multi-turn sample's next turn), which goes back to that
     server, whose prefix cache holds it. At most `max_in_flight` requests run at once, the others queue.
 
-    `submit` returns a future of the completion rows; `map` waits for a batch. `model` is the name requests
-    ask for (the served base, or the LoRA adapter loaded last: `serve`)."""
+    `submit` returns a future of the completion rows. Requests ask each server for the model it serves (its
+    `served_name`), or for the LoRA adapter loaded last on all of them (`serve`)."""
 
-    def __init__(self, servers: Sequence[VLLMServer], model: str, max_in_flight: int) -> None:
+    def __init__(self, servers: Sequence[VLLMServer], max_in_flight: int) -> None:
         self.servers = list(servers)
-        self.model = model
+        self.model: str | None = None  # the adapter every server serves, once one is loaded
         self.pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-request")
         self.lock = threading.Lock()
         self.sticky: OrderedDict[tuple[int, ...], VLLMServer] = OrderedDict()
         self.lengths: dict[int, int] = {}  # remembered sequences by length (which prefixes to look up)
 
     def serve(self, model: str) -> None:
-        """Requests from now on ask for `model`."""
+        """Requests from now on ask every server for `model` (a LoRA adapter loaded on all of them)."""
         self.model = model
 
     def forget(self) -> None:
@@ -222,9 +223,8 @@ class ServerRouter:
     def _run(self, prompt: list[int], settings: SamplingSettings, n: int, do_sample: bool):
         server = self._pick(prompt)
         try:
-            answer = server.post(
-                "/v1/completions", completion_body(self.model, prompt, settings, n, do_sample)
-            )
+            body = completion_body(self.model or server.served_name, prompt, settings, n, do_sample)
+            answer = server.post("/v1/completions", body)
         finally:
             with self.lock:
                 server.in_flight -= 1

@@ -273,11 +273,9 @@ class VLLMServerEngine(RolloutEngine):
         adapter = active_lora(model)
         lora_rank = adapter[1].r if adapter is not None else None
         servers = check_servers(self.options, hf_model(model).config, self.max_len, lora_rank)
-        self.router = ServerRouter(
-            [VLLMServer(url, self.options.request_timeout) for url in self.options.urls],
-            servers[0].name,
-            self.options.max_in_flight,
-        )
+        timeout, urls = self.options.request_timeout, self.options.urls
+        clients = [VLLMServer(url, timeout, m.name) for url, m in zip(urls, servers, strict=True)]
+        self.router = ServerRouter(clients, self.options.max_in_flight)
         plane = self.options.weight_plane
         if plane == "auto":
             plane = "lora" if adapter is not None else "nccl" if device.type == "cuda" else "disk"
@@ -286,7 +284,7 @@ class VLLMServerEngine(RolloutEngine):
             raise option_error(self.options, "weight_plane", plane, why)
         if plane == "nccl" and device.type != "cuda":
             raise option_error(self.options, "weight_plane", plane, "NCCL needs the trainer on CUDA")
-        dummy = [url for url, m in zip(self.options.urls, servers, strict=True) if m.load_format == "dummy"]
+        dummy = [url for url, m in zip(urls, servers, strict=True) if m.load_format == "dummy"]
         if plane in ("disk", "lora") and dummy:
             raise ServerError(
                 f"vLLM server {dummy[0]} was started with --load-format dummy: the {plane} plane's reload "
