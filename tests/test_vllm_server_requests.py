@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -223,6 +224,16 @@ def test_a_push_reloads_then_resets_the_cache_then_stamps_the_version(stand_ins,
     assert engine.refreshes == 1, "no push without a weight change"
     engine.close()
     assert not list(tmp_path.iterdir()), "the pushed files are removed"
+    unclosed = VLLMServerEngine(
+        SETTINGS,
+        VLLMServerOptions(base_url=stand_ins[0].url, timeout=5, weights_dir=str(tmp_path)),
+        max_len=64,
+    )
+    unclosed.refresh(model, torch.device("cpu"))
+    assert list(tmp_path.iterdir())
+    del unclosed
+    gc.collect()
+    assert not list(tmp_path.iterdir()), "an engine never closed takes its files with it"
     stand_ins[1].load_format = "dummy"  # random weights at the start: reload_weights cannot read files
     engine = VLLMServerEngine(
         SETTINGS, VLLMServerOptions(base_url=[s.url for s in stand_ins], timeout=5), max_len=64

@@ -24,8 +24,10 @@ No Lightning and no vLLM import here (the NCCL plane imports vLLM's communicator
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -294,6 +296,8 @@ class VLLMServerEngine(RolloutEngine):
             return
         if plane in ("disk", "lora"):
             self.folder = push_folder(self.options.weights_dir)
+            # Shared memory is RAM: the folder goes with the engine, or at exit, if `close` is never called.
+            self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, True)
         tied = bool(hf_model(model).config.get_text_config(decoder=True).tie_word_embeddings)
         if plane == "disk":
             self.plane = DiskPlane(self.router, self.folder, tied)
@@ -396,12 +400,10 @@ class VLLMServerEngine(RolloutEngine):
 
     def close(self) -> None:
         """Stop the request threads and delete the pushed files; the servers keep running."""
-        import shutil
-
         if self.router is not None:
             self.router.close()
         if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            self._remove_folder()
             self.folder = None
 
 
