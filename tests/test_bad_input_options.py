@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.cli import main as cli_main
 from grpo_lightning.cli.config_checks import SECTIONS, check_config_files, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.scoring import (
@@ -576,3 +577,45 @@ def test_own_optimizers_that_cannot_train_are_refused_in_one_line(tiny_model_dir
     with pytest.raises(ValueError, match=f"^configure_optimizers {re.escape(message)}") as refused:
         quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, arithmetic_data(4))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("r.yaml", "bf16: maybe\n", "r.yaml: bf16: 'maybe' is not true or false; correct it in the recipe"),
+        (
+            "r.yaml",
+            "max_steps: many\n",
+            "r.yaml: max_steps: 'many' is not an integer; correct it in the recipe",
+        ),
+        ("r.sh", "grpo.py --lora_r 8.5 --use_peft\n", "r.sh: lora_r: 8.5 is not an integer; correct it"),
+        ("r.sh", "grpo.py --use_peft yes\n", "r.sh: use_peft: 'yes' is not true or false; correct it"),
+        # A YAML recipe with a syntax error (and a `--` in a comment) is YAML's error, at its line.
+        ("r.yaml", "beta: 0\n# like --beta\nlearning_rate: [1e-6\nseed: 1\n", "r.yaml:4: not valid YAML"),
+        ("r.txt", "beta: 0\nlr: [1\n--x: 2\n", "r.txt:3: not valid YAML"),
+    ],
+)
+def test_a_from_trl_recipe_value_of_the_wrong_type_is_refused_naming_it(
+    name, content, message, tmp_path, capsys, monkeypatch
+):
+    """A recipe's value that TRL's type does not allow is refused in one line naming its key, never read
+    as something else (`bf16: maybe` was bf16-mixed, `max_steps: many` -1); a broken YAML is YAML's error."""
+    (tmp_path / name).write_text(content)
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(["from-trl", name, "--out", "config.yaml"], capsys)
+    assert one_error_line(err).startswith(f"error: {message}") and not (tmp_path / "config.yaml").exists()
+
+
+def test_a_quoted_from_trl_value_starting_with_dashes_is_a_value(tmp_path, capsys):
+    """In a command-line recipe a quoted `"--x"` is the value of the option before it, as a shell reads it;
+    unquoted, `--x` is an option."""
+    recipe = tmp_path / "cmd.sh"
+    recipe.write_text(
+        "accelerate launch grpo.py --dataset_name \"--odd name\" --output_dir='--out dir' --beta 0.1\n"
+    )
+    cli_main(["from-trl", str(recipe)])
+    out, err = capsys.readouterr()
+    config = yaml.safe_load(out)
+    assert config["data"]["init_args"]["source"] == "--odd name"
+    assert config["trainer"]["default_root_dir"] == "--out dir"
+    assert config["model"]["grpo"]["kl"]["beta"] == 0.1

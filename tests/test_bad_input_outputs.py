@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.cli import main as cli_main
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.demo.curves import write_curves
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
@@ -765,3 +766,25 @@ def test_the_demo_picture_draws_the_evaluations_it_ran_not_a_line_between_them(t
     assert columns.min() < 0.3 * width and columns.max() > 0.7 * width  # both evaluations drawn
     rows = red.any(axis=1).nonzero()[0]
     assert rows.max() - rows.min() > 0.2 * bottom.shape[0]  # 20% to 60% with their error bars
+
+
+def test_from_trl_never_writes_over_its_recipe_nor_shows_its_token(tmp_path, capsys, monkeypatch):
+    """`from-trl --out` naming the recipe itself, by its path, another spelling of it or a link to it, is
+    refused even with `--overwrite`, the recipe kept; a `hub_token` is neither printed in the table nor
+    written into the config's header."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: Qwen/Qwen2-0.5B\npush_to_hub: true\nhub_token: hf_SeCrEt42\n")
+    before = recipe.read_text()
+    (tmp_path / "link.yaml").symlink_to(recipe)
+    monkeypatch.chdir(tmp_path)
+    for out in (str(recipe), "./recipe.yaml", f"../{tmp_path.name}/recipe.yaml", "link.yaml"):
+        err = cli_error(["from-trl", "recipe.yaml", "--out", out, "--overwrite"], capsys)
+        assert one_error_line(err) == (
+            f"error: from-trl --out {out} is the recipe itself: give the converted config another file"
+        )
+        assert recipe.read_text() == before
+    cli_main(["from-trl", "recipe.yaml", "--out", "config.yaml"])
+    printed = capsys.readouterr()
+    written = (tmp_path / "config.yaml").read_text()
+    assert "hub_token" in printed.out and "hub_token" in written  # its row, its line in the header
+    assert "SeCrEt" not in printed.out + printed.err + written
