@@ -26,6 +26,7 @@ from grpo_lightning.cli import build_cli
 from grpo_lightning.cli import main as cli_main
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.demo.curves import write_curves
+from grpo_lightning.io import files as files_module
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
@@ -788,3 +789,49 @@ def test_from_trl_never_writes_over_its_recipe_nor_shows_its_token(tmp_path, cap
     written = (tmp_path / "config.yaml").read_text()
     assert "hub_token" in printed.out and "hub_token" in written  # its row, its line in the header
     assert "SeCrEt" not in printed.out + printed.err + written
+
+
+def bind_mounted(target: Path) -> bool:
+    """Mount an empty folder of its own at `target` (an empty folder), as a volume mounted for the output;
+    False where this process may not mount."""
+    source = target.parent / f"{target.name}-volume"
+    source.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("mount", ["renames refused (EBUSY)", "bind mount"])
+def test_an_export_into_an_empty_mount_point_fills_it_and_leaves_no_staging_folder(
+    tiny_model_dir, tmp_path, monkeypatch, mount
+):
+    """An export's folder that cannot be renamed over (an empty mount point: renaming it fails with EBUSY,
+    or EXDEV from another filesystem) is filled in place, each file whole; no staging folder is left beside
+    it, and a second export (with `overwrite`) replaces the first there."""
+    module = GRPOModule(tiny_model_dir)
+    clean = export_policy(module, str(tmp_path / "clean"))
+    out = tmp_path / "volume"
+    out.mkdir()
+    mounted = False
+    if mount == "bind mount":
+        mounted = bind_mounted(out)
+        if not mounted:
+            pytest.skip("this process may not mount (needs root and mount(8))")
+    else:
+        rename, moved = os.rename, str(out)
+
+        def refused(source, target, *args, **kwargs):
+            if moved in (os.fspath(source), os.fspath(target)):
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), source)
+            return rename(source, target, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", refused)
+        monkeypatch.setattr(files_module, "_exchange", lambda a, b: refused(a, b))
+    try:
+        for overwrite in (False, True):
+            export_policy(module, str(out), overwrite=overwrite)
+            assert files_of(str(out)) == files_of(clean)
+            assert sorted(os.listdir(tmp_path)) == sorted(["clean", "volume", *(["volume-volume"] * mounted)])
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(out)], check=True)
