@@ -619,3 +619,43 @@ def test_a_quoted_from_trl_value_starting_with_dashes_is_a_value(tmp_path, capsy
     assert config["data"]["init_args"]["source"] == "--odd name"
     assert config["trainer"]["default_root_dir"] == "--out dir"
     assert config["model"]["grpo"]["kl"]["beta"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # A flat name and its section's key on one command line: refused as in a config file, whichever
+        # comes first (the last won in silence).
+        (
+            ["--model.grpo.beta=0.1", "--model.grpo.kl.beta=0.2"],
+            "command line: model.grpo: beta and kl.beta are one option, given twice: give one",
+        ),
+        (
+            ["--model.grpo.kl.beta", "0.2", "--model.grpo.beta", "0.1"],
+            "command line: model.grpo: beta and kl.beta are one option, given twice: give one",
+        ),
+        (
+            ["--model.grpo.num_generations=4", "--model.grpo.sampling.num_generations=2"],
+            "model.grpo: num_generations and sampling.num_generations are one option, given twice",
+        ),
+        # transformers' warm-up share, by its flat name: pointed to warmup_ratio.
+        (
+            ["--model.grpo.warmup_steps", "0.5"],
+            "model.grpo.warmup_steps=0.5: a count of optimizer steps; for a share of the run, as "
+            "transformers reads warmup_steps below 1, give --model.grpo.warmup_ratio 0.5",
+        ),
+    ],
+)
+def test_an_option_given_under_two_names_on_the_command_line_is_one_line(
+    tiny_model_dir, tmp_path, capsys, no_weights, options, message
+):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *options), capsys)
+    line = one_error_line(err)
+    assert line.startswith(f"error: {message}") or line.startswith(f"error: command line: {message}")
+
+
+def test_a_flat_name_given_twice_on_the_command_line_is_its_last_value(tiny_model_dir, tmp_path):
+    """Only two names of one option are refused: one name given twice is the last, as any option."""
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--model.grpo.beta=0.1", "--model.grpo.beta=0.2")
+    cli = build_cli(args[1:], run=False)  # without the subcommand
+    assert cli.model.grpo.kl.beta == 0.2
