@@ -159,7 +159,8 @@ def _is(value: object, kind: type) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, kind)
+    # Text: a number too (`--run_name 2024`, which TRL's parser keeps as the text typed).
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
 
 
 def check_types(recipe: Recipe) -> None:
