@@ -659,3 +659,23 @@ def test_a_flat_name_given_twice_on_the_command_line_is_its_last_value(tiny_mode
     args = fit_args(tiny_model_dir, str(tmp_path), 1, "--model.grpo.beta=0.1", "--model.grpo.beta=0.2")
     cli = build_cli(args[1:], run=False)  # without the subcommand
     assert cli.model.grpo.kl.beta == 0.2
+
+
+def test_the_documented_prompt_template_is_taken_as_typed_on_the_command_line(tiny_model_dir, tmp_path):
+    """`--data.prompt_template "Solve: {question}"` (the docs' example), and a system prompt alike: text
+    that YAML would read as a mapping is the text typed, in both spellings of an option's value."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    args = [
+        f"--model.policy={tiny_model_dir}",
+        "--data=grpo_lightning.training.data.PromptDataModule",
+        f"--data.source={rows}",
+        "--data.prompt_template=Solve: {question}",
+        "--data.system_prompt",
+        "Be: {brief}, [short]",
+        "--trainer.logger=false",
+    ]
+    data = build_cli(args, run=False).datamodule.hparams
+    assert (data.prompt_template, data.system_prompt) == ("Solve: {question}", "Be: {brief}, [short]")
