@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.cli import main as cli_main
 from grpo_lightning.cli.config_checks import SECTIONS, check_config_files, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.rewards.scoring import (
@@ -576,3 +577,105 @@ def test_own_optimizers_that_cannot_train_are_refused_in_one_line(tiny_model_dir
     with pytest.raises(ValueError, match=f"^configure_optimizers {re.escape(message)}") as refused:
         quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, arithmetic_data(4))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("r.yaml", "bf16: maybe\n", "r.yaml: bf16: 'maybe' is not true or false; correct it in the recipe"),
+        (
+            "r.yaml",
+            "max_steps: many\n",
+            "r.yaml: max_steps: 'many' is not an integer; correct it in the recipe",
+        ),
+        ("r.sh", "grpo.py --lora_r 8.5 --use_peft\n", "r.sh: lora_r: 8.5 is not an integer; correct it"),
+        ("r.sh", "grpo.py --use_peft yes\n", "r.sh: use_peft: 'yes' is not true or false; correct it"),
+        # A YAML recipe with a syntax error (and a `--` in a comment) is YAML's error, at its line.
+        ("r.yaml", "beta: 0\n# like --beta\nlearning_rate: [1e-6\nseed: 1\n", "r.yaml:4: not valid YAML"),
+        ("r.txt", "beta: 0\nlr: [1\n--x: 2\n", "r.txt:3: not valid YAML"),
+    ],
+)
+def test_a_from_trl_recipe_value_of_the_wrong_type_is_refused_naming_it(
+    name, content, message, tmp_path, capsys, monkeypatch
+):
+    """A recipe's value that TRL's type does not allow is refused in one line naming its key, never read
+    as something else (`bf16: maybe` was bf16-mixed, `max_steps: many` -1); a broken YAML is YAML's error."""
+    (tmp_path / name).write_text(content)
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(["from-trl", name, "--out", "config.yaml"], capsys)
+    assert one_error_line(err).startswith(f"error: {message}") and not (tmp_path / "config.yaml").exists()
+
+
+def test_a_quoted_from_trl_value_starting_with_dashes_is_a_value(tmp_path, capsys):
+    """In a command-line recipe a quoted `"--x"` is the value of the option before it, as a shell reads it;
+    unquoted, `--x` is an option."""
+    recipe = tmp_path / "cmd.sh"
+    recipe.write_text(
+        "accelerate launch grpo.py --dataset_name \"--odd name\" --output_dir='--out dir' --beta 0.1\n"
+    )
+    cli_main(["from-trl", str(recipe)])
+    out, err = capsys.readouterr()
+    config = yaml.safe_load(out)
+    assert config["data"]["init_args"]["source"] == "--odd name"
+    assert config["trainer"]["default_root_dir"] == "--out dir"
+    assert config["model"]["grpo"]["kl"]["beta"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # A flat name and its section's key on one command line: refused as in a config file, whichever
+        # comes first (the last won in silence).
+        (
+            ["--model.grpo.beta=0.1", "--model.grpo.kl.beta=0.2"],
+            "command line: model.grpo: beta and kl.beta are one option, given twice: give one",
+        ),
+        (
+            ["--model.grpo.kl.beta", "0.2", "--model.grpo.beta", "0.1"],
+            "command line: model.grpo: beta and kl.beta are one option, given twice: give one",
+        ),
+        (
+            ["--model.grpo.num_generations=4", "--model.grpo.sampling.num_generations=2"],
+            "model.grpo: num_generations and sampling.num_generations are one option, given twice",
+        ),
+        # transformers' warm-up share, by its flat name: pointed to warmup_ratio.
+        (
+            ["--model.grpo.warmup_steps", "0.5"],
+            "model.grpo.warmup_steps=0.5: a count of optimizer steps; for a share of the run, as "
+            "transformers reads warmup_steps below 1, give --model.grpo.warmup_ratio 0.5",
+        ),
+    ],
+)
+def test_an_option_given_under_two_names_on_the_command_line_is_one_line(
+    tiny_model_dir, tmp_path, capsys, no_weights, options, message
+):
+    err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *options), capsys)
+    line = one_error_line(err)
+    assert line.startswith(f"error: {message}") or line.startswith(f"error: command line: {message}")
+
+
+def test_a_flat_name_given_twice_on_the_command_line_is_its_last_value(tiny_model_dir, tmp_path):
+    """Only two names of one option are refused: one name given twice is the last, as any option."""
+    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--model.grpo.beta=0.1", "--model.grpo.beta=0.2")
+    cli = build_cli(args[1:], run=False)  # without the subcommand
+    assert cli.model.grpo.kl.beta == 0.2
+
+
+def test_the_documented_prompt_template_is_taken_as_typed_on_the_command_line(tiny_model_dir, tmp_path):
+    """`--data.prompt_template "Solve: {question}"` (the docs' example), and a system prompt alike: text
+    that YAML would read as a mapping is the text typed, in both spellings of an option's value."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    args = [
+        f"--model.policy={tiny_model_dir}",
+        "--data=grpo_lightning.training.data.PromptDataModule",
+        f"--data.source={rows}",
+        "--data.prompt_template=Solve: {question}",
+        "--data.system_prompt",
+        "Be: {brief}, [short]",
+        "--trainer.logger=false",
+    ]
+    data = build_cli(args, run=False).datamodule.hparams
+    assert (data.prompt_template, data.system_prompt) == ("Solve: {question}", "Be: {brief}, [short]")

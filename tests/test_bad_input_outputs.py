@@ -23,8 +23,10 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.cli import main as cli_main
 from grpo_lightning.core.rewards.verifiable import reference_answer
 from grpo_lightning.demo.curves import write_curves
+from grpo_lightning.io import files as files_module
 from grpo_lightning.io.export import EXPORT_MARKER, check_export_folder, export_policy
 from grpo_lightning.io.files import OutputLock, remove_leftovers
 from grpo_lightning.io.models import LoraOptions
@@ -765,3 +767,71 @@ def test_the_demo_picture_draws_the_evaluations_it_ran_not_a_line_between_them(t
     assert columns.min() < 0.3 * width and columns.max() > 0.7 * width  # both evaluations drawn
     rows = red.any(axis=1).nonzero()[0]
     assert rows.max() - rows.min() > 0.2 * bottom.shape[0]  # 20% to 60% with their error bars
+
+
+def test_from_trl_never_writes_over_its_recipe_nor_shows_its_token(tmp_path, capsys, monkeypatch):
+    """`from-trl --out` naming the recipe itself, by its path, another spelling of it or a link to it, is
+    refused even with `--overwrite`, the recipe kept; a `hub_token` is neither printed in the table nor
+    written into the config's header."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: Qwen/Qwen2-0.5B\npush_to_hub: true\nhub_token: hf_SeCrEt42\n")
+    before = recipe.read_text()
+    (tmp_path / "link.yaml").symlink_to(recipe)
+    monkeypatch.chdir(tmp_path)
+    for out in (str(recipe), "./recipe.yaml", f"../{tmp_path.name}/recipe.yaml", "link.yaml"):
+        err = cli_error(["from-trl", "recipe.yaml", "--out", out, "--overwrite"], capsys)
+        assert one_error_line(err) == (
+            f"error: from-trl --out {out} is the recipe itself: give the converted config another file"
+        )
+        assert recipe.read_text() == before
+    cli_main(["from-trl", "recipe.yaml", "--out", "config.yaml"])
+    printed = capsys.readouterr()
+    written = (tmp_path / "config.yaml").read_text()
+    assert "hub_token" in printed.out and "hub_token" in written  # its row, its line in the header
+    assert "SeCrEt" not in printed.out + printed.err + written
+
+
+def bind_mounted(target: Path) -> bool:
+    """Mount an empty folder of its own at `target` (an empty folder), as a volume mounted for the output;
+    False where this process may not mount."""
+    source = target.parent / f"{target.name}-volume"
+    source.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("mount", ["renames refused (EBUSY)", "bind mount"])
+def test_an_export_into_an_empty_mount_point_fills_it_and_leaves_no_staging_folder(
+    tiny_model_dir, tmp_path, monkeypatch, mount
+):
+    """An export's folder that cannot be renamed over (an empty mount point: renaming it fails with EBUSY,
+    or EXDEV from another filesystem) is filled in place, each file whole; no staging folder is left beside
+    it, and a second export (with `overwrite`) replaces the first there."""
+    module = GRPOModule(tiny_model_dir)
+    clean = export_policy(module, str(tmp_path / "clean"))
+    out = tmp_path / "volume"
+    out.mkdir()
+    mounted = False
+    if mount == "bind mount":
+        mounted = bind_mounted(out)
+        if not mounted:
+            pytest.skip("this process may not mount (needs root and mount(8))")
+    else:
+        rename, moved = os.rename, str(out)
+
+        def refused(source, target, *args, **kwargs):
+            if moved in (os.fspath(source), os.fspath(target)):
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), source)
+            return rename(source, target, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", refused)
+        monkeypatch.setattr(files_module, "_exchange", lambda a, b: refused(a, b))
+    try:
+        for overwrite in (False, True):
+            export_policy(module, str(out), overwrite=overwrite)
+            assert files_of(str(out)) == files_of(clean)
+            assert sorted(os.listdir(tmp_path)) == sorted(["clean", "volume", *(["volume-volume"] * mounted)])
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(out)], check=True)

@@ -274,3 +274,22 @@ def test_typed_options_name_each_value_given_and_a_section_given_empty():
     assert typed == {"grpo.run.preflight", "grpo.dynamic_sampling", "lora"}
     assert is_typed("grpo.run", typed) and is_typed("grpo.dynamic_sampling", typed)
     assert not is_typed("grpo.kl", typed) and not is_typed("grpo.run.log_completions_every", typed)
+
+
+@pytest.mark.parametrize(
+    "functions",
+    [
+        "--model.tools=[grpo_lightning.core.tools.calculator.calculator]",
+        "--model.environment_factory=tests.test_tool_rollouts.Bank",
+    ],
+)
+def test_a_multi_turn_run_resumes_from_its_saved_config(tiny_model_dir, tmp_path, functions, recwarn):
+    """A run made with tools (or an environment class) resumes by the documented command, `fit --config
+    <run>/config.yaml --ckpt_path last`: the checkpoint stores each by its import path, the config parses
+    it to the function itself, and the two are compared as what they name."""
+    build_cli(fit_args(tiny_model_dir, str(tmp_path), 1, functions, "--trainer.logger.version=tools"))
+    saved = tmp_path / "lightning_logs" / "tools" / "config.yaml"
+    cli = build_cli(["fit", "--config", str(saved), "--ckpt_path=last", "--trainer.max_steps=2"])
+    assert cli.trainer.global_step == 2 and cli.model.rollouts.multi_turn is not None
+    said = [str(w.message) for w in recwarn]
+    assert not [m for m in said if "wins over the checkpoint" in m or "trained with other options" in m]

@@ -117,6 +117,7 @@ CORE_ORDER = (
     "grpo_lightning.core.flat_names",
     "grpo_lightning.core.ranks",
     "grpo_lightning.core.rng",
+    "grpo_lightning.core.stop_requests",
     "grpo_lightning.core.memory",
     "grpo_lightning.core.rewards",
     "grpo_lightning.core.metrics",

@@ -35,9 +35,11 @@ import re
 import signal
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import yaml
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -145,12 +147,15 @@ class GRPOCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         argv = sys.argv[1:] if args is None else args
         check_config_files(argv)  # a section of the wrong type, named
-        sectioned = sectioned_argv(argv)  # TRL's (flat) option names, by their sections' keys
+        sectioned = sectioned_argv(texts_as_typed(argv))  # TRL's (flat) names, by their sections' keys
         # What the user gave, for telling a typed option from a default (`typed_options`) on resume.
         self.given_args = args if isinstance(args, dict | Namespace) else sectioned
         with warnings.catch_warnings():  # the rewritten command line is passed as `args`, meant as it is
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
             super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
+        for key, value in self.config.items():  # the free-text values marked by `texts_as_typed`
+            if isinstance(value, str) and value.startswith(_TEXT_MARK):
+                self.config[key] = value.removeprefix(_TEXT_MARK)
         subcommand = self.config.get("subcommand")
         if subcommand:
             reset_preset_data_defaults(self.config[subcommand], self.typed_config(subcommand))
@@ -302,6 +307,35 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 # What bad input raises here (an option, a file, a data row, a reward function, a run that keeps going
 # non-finite): the message names the culprit, so the CLI prints it alone. GRPO_DEBUG=1 re-raises instead.
 INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError, MisconfigurationException)
+
+
+# Options whose value is free text (a prompt, a template). jsonargparse reads a command-line value as YAML,
+# so `Solve: {question}` would be a mapping and refused; a value YAML cannot read is taken as typed.
+TEXT_OPTIONS = ("prompt_template", "system_prompt", "chat_template")
+_TEXT_MARK = "!text "  # a YAML tag that no loader knows: the value after it is passed on as typed
+
+
+def texts_as_typed(argv: Sequence[str]) -> list[str]:
+    """`argv` with each free-text option's value (`TEXT_OPTIONS`) that YAML would read as something other
+    than text marked, so that jsonargparse takes it as typed (`parse_arguments` removes the mark)."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if not name.startswith("--") or name.rsplit(".", 1)[-1] not in TEXT_OPTIONS:
+            continue
+        if equals:
+            args[i] = f"{name}={_marked(value)}"
+        elif i + 1 < len(args):
+            args[i + 1] = _marked(args[i + 1])
+    return args
+
+
+def _marked(value: str) -> str:
+    try:
+        loaded = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value  # taken as typed already
+    return value if loaded is None or isinstance(loaded, str | int | float | bool) else _TEXT_MARK + value
 
 
 # `export --push-to-hub REPO`, as TRL spells its option and `from-trl` prints the command.

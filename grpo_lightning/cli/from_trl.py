@@ -67,6 +67,11 @@ def main(argv: list[str]) -> None:
     args = _parser().parse_args(argv)
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"from-trl --devices={args.devices}: must be >= 1")
+    if args.out and os.path.exists(args.out) and os.path.exists(args.recipe):
+        if os.path.samefile(args.out, args.recipe):  # also through a link or another spelling of the path
+            raise ValueError(
+                f"from-trl --out {args.out} is the recipe itself: give the converted config another file"
+            )
     if args.out and os.path.exists(args.out) and not args.overwrite:
         raise ValueError(f"from-trl --out {args.out}: the file exists; add --overwrite to replace it")
     recipe = read_recipe(args.recipe)

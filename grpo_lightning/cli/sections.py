@@ -6,8 +6,8 @@ jsonargparse reads them (`core.config.FLAT_NAMES`, derived from the sections' de
 spellings of its values (`--model.grpo.scale_rewards false` is "none": the option's `TRLValues`). A
 `--config` file whose `model.grpo` holds flat names (a TRL-style config, or a run's `config.yaml` written
 before the options had sections) is passed on as its YAML text with the names filed
-(`core.flat_names.sectioned`: a name given both ways is refused in one line). Everything else is passed on as
-it is.
+(`core.flat_names.sectioned`: a name given both ways is refused in one line, on the command line too).
+Everything else is passed on as it is.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def sectioned_argv(argv: Sequence[str]) -> list[str]:
     files = set(config_files(argv))
     result: list[str] = []
     args = list(argv)
+    spelled: dict[str, str] = {}  # each section key given, by the name it was given as
     i = 0
     while i < len(args):
         arg = args[i]
@@ -46,18 +47,58 @@ def sectioned_argv(argv: Sequence[str]) -> list[str]:
         name, equals, value = arg.removeprefix(PREFIX).partition("=")
         entry = FLAT_NAMES.get(name) if arg.startswith(PREFIX) else None
         if entry is None or (entry.path == (name,) and not entry.switch):
+            if arg.startswith(PREFIX) and name in _SECTION_KEYS:
+                _given_once(spelled, _SECTION_KEYS[name], name)
             result.append(arg)
             i += 1
             continue
+        _given_once(spelled, entry.key, name)
         if not equals:  # the value is the next word
             value = args[i + 1] if i + 1 < len(args) else ""
             i += 1
         i += 1
+        _check_share(name, value)
         if entry.switch and value in _TRUE + _FALSE:
             result.append(f"{PREFIX}{entry.key}={'{}' if value in _TRUE else 'null'}")
         else:
             result.append(f"{PREFIX}{entry.key}={_ours(entry, value)}")
     return result
+
+
+# Each option's section key ("kl.beta") by itself, so that one given under both names is found.
+_SECTION_KEYS = {entry.key: entry.key for entry in FLAT_NAMES.values()}
+
+
+def _given_once(spelled: dict[str, str], key: str, name: str) -> None:
+    """Note that the option `key` was given as `name`; refused, as in a config file, where it was given
+    under its other name too (a flat name and its section's key: the last would win in silence)."""
+    other = spelled.setdefault(key, name)
+    if other != name:
+        first, second = sorted((other, name), key=lambda n: n == key)  # the flat name first
+        raise ValueError(
+            f"command line: model.grpo: {first} and {second} are one option, given twice: give one"
+        )
+
+
+# Counts that transformers reads as a share of the run below 1, and the option that takes the share here.
+_SHARE_OPTIONS = {"warmup_steps": "warmup_ratio"}
+
+
+def _check_share(name: str, typed: str) -> None:
+    """Refuse a count given as a share of the run (`--model.grpo.warmup_steps 0.1`, transformers' way),
+    naming the option that takes it here."""
+    if name not in _SHARE_OPTIONS:
+        return
+    try:
+        value = yaml.safe_load(typed)
+    except yaml.YAMLError:
+        return
+    if isinstance(value, float) and 0 < value < 1:
+        ratio = _SHARE_OPTIONS[name]
+        raise ValueError(
+            f"{PREFIX.removeprefix('--')}{name}={value!r}: a count of optimizer steps; for a share of the "
+            f"run, as transformers reads {name} below 1, give --{PREFIX.removeprefix('--')}{ratio} {value!r}"
+        )
 
 
 def _ours(entry: FlatName, typed: str) -> str:

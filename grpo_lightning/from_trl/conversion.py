@@ -7,6 +7,7 @@ additions), `run_rules` and `output_rules` (TrainingArguments); `converter` runs
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,9 @@ from grpo_lightning.core.config import FLAT_NAMES
 from grpo_lightning.from_trl.versions import version_key
 
 KINDS = ("mapped", "converted", "unsupported")
+# Options holding credentials (`hub_token`, an API key): their value is never printed nor written.
+SECRET = re.compile(r"(^|_)(hub_token|token_secret|api_key|password|secret)$")
+HIDDEN = "<hidden>"
 
 
 def grpo_key(flat: str) -> str:
@@ -81,7 +85,8 @@ class Conversion:
         """The row of `key` (once; a key the recipe and the defaults lack gets none)."""
         if self.has(key) and key not in self.rows:
             source = self.defaults[key][1] if key not in self.recipe else None
-            self.rows[key] = Row(key, self.get(key), kind, ours, note, source)
+            value = HIDDEN if SECRET.search(key) and self.get(key) is not None else self.get(key)
+            self.rows[key] = Row(key, value, kind, ours, note, source)
 
 
 class Unsupported(Exception):

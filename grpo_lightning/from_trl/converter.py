@@ -14,6 +14,10 @@ config.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 import warnings
 
 import yaml
@@ -21,7 +25,7 @@ import yaml
 from grpo_lightning.core.config import FLAT_NAMES, GRPOConfig
 from grpo_lightning.core.flat_names import default_at, section_at
 from grpo_lightning.core.options import declared_rule, trl_value
-from grpo_lightning.from_trl.conversion import KINDS, Conversion, Row, Unsupported, grpo_key
+from grpo_lightning.from_trl.conversion import HIDDEN, KINDS, SECRET, Conversion, Row, Unsupported, grpo_key
 from grpo_lightning.from_trl.model_rules import MODEL_RULES
 from grpo_lightning.from_trl.output_rules import OUTPUT_RULES
 from grpo_lightning.from_trl.recipes import Recipe
@@ -111,6 +115,67 @@ NO_COUNTERPART = {
 # Every TRL option the converter knows beside GRPOConfig's flat names (docs/from_trl.md lists them).
 KNOWN = MODEL_RULES.keys | RUN_RULES.keys | OUTPUT_RULES.keys | set(ALWAYS) | set(NO_COUNTERPART)
 
+# The plain types of TRL's `ModelConfig` options (TRL is not a dependency); `TrainingArguments`' come from
+# transformers' own declarations (`plain_types`). A value of another type is the recipe's error.
+MODEL_CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "use_peft": (bool,),
+    "load_in_4bit": (bool,),
+    "load_in_8bit": (bool,),
+    "use_rslora": (bool,),
+    "use_dora": (bool,),
+    "use_bnb_nested_quant": (bool,),
+    "trust_remote_code": (bool,),
+    "lora_r": (int,),
+    "lora_alpha": (int,),
+    "lora_dropout": (float,),
+}
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def plain_types(annotation: object) -> tuple[type, ...] | None:
+    """The plain types (bool, int, float, str) a declared `annotation` allows, None aside; None where it
+    allows anything else (a list, a dict: not checked here)."""
+    kinds = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    kinds = tuple(k for k in kinds if k is not type(None))
+    return kinds if kinds and all(k in TYPE_WORDS for k in kinds) else None
+
+
+@functools.cache
+def training_arguments_types() -> dict[str, tuple[type, ...]]:
+    from transformers import TrainingArguments
+
+    found = {f.name: plain_types(f.type) for f in dataclasses.fields(TrainingArguments)}
+    return {name: kinds for name, kinds in found.items() if kinds is not None}
+
+
+def _is(value: object, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    # Text: a number too (`--run_name 2024`, which TRL's parser keeps as the text typed).
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+def check_types(recipe: Recipe) -> None:
+    """Refuse a recipe value that TRL's declared type does not allow (`bf16: maybe`, `max_steps: many`),
+    naming its key, rather than read it as something else; `GRPOConfig`'s own options are checked by their
+    declared rules (`flat_option`), which also take TRL's spellings of our values."""
+    declared = {**training_arguments_types(), **MODEL_CONFIG_TYPES}
+    for key, value in recipe.keys.items():
+        kinds = declared.get(key)
+        if key in FLAT_NAMES or kinds is None or value is None or any(_is(value, k) for k in kinds):
+            continue
+        expected = " or ".join(TYPE_WORDS[k] for k in kinds)
+        shown = HIDDEN if SECRET.search(key) else repr(value)
+        raise ValueError(f"{recipe.path}: {key}: {shown} is not {expected}; correct it in the recipe")
+
 
 # --------------------------------------------------------------------------------------- GRPOConfig's
 def flat_option(c: Conversion, name: str) -> None:
@@ -150,6 +215,7 @@ UNKNOWN = "not an option of TRL's GRPOConfig, ModelConfig or ScriptArguments tha
 def convert(recipe: Recipe, version: str, devices: int | None = None) -> Conversion:
     """The recipe's config and rows under TRL `version`'s defaults; ValueError names an option whose value
     no option of ours takes where the recipe's intent is clear (a batch that no rank can split)."""
+    check_types(recipe)
     c = Conversion(recipe.keys, defaults_at(version, recipe.keys), version, devices)
     for keys, function in RULES:
         if any(c.has(key) for key in keys):

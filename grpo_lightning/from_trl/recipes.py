@@ -38,7 +38,12 @@ def read_recipe(path: str) -> Recipe:
     text = file.read_text(encoding="utf-8")
     try:
         loaded = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if _looks_like_yaml(file, text):
+            mark = getattr(err, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path}{at}: not valid YAML ({problem}); correct the recipe") from None
         loaded = None
     if isinstance(loaded, dict):
         bad = [k for k in loaded if not isinstance(k, str)]
@@ -52,12 +57,38 @@ def read_recipe(path: str) -> Recipe:
     )
 
 
+def _looks_like_yaml(file: Path, text: str) -> bool:
+    """Whether a file meant to be YAML: named so, or its first line that is not a comment is `key: ...`."""
+    if file.suffix.lower() in (".yaml", ".yml"):
+        return True
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return bool(lines) and _YAML_KEY.match(lines[0]) is not None
+
+
+# A shell word: unquoted characters and quoted spans, as many as run together (`--key="a b"` is one word).
+_SHELL_WORD = re.compile(r"""(?:[^\s'"\\]+|\\.|'[^']*'|"(?:\\.|[^"\\])*")+""")
+_YAML_KEY = re.compile(r"\s*[\w.-]+\s*:(\s|$)")
+
+
+def _shell_words(line: str, where: str) -> list[tuple[str, bool]]:
+    """The words of a command line as a shell reads them, each with whether it began with a quote (a quoted
+    `"--x"` is a value, never an option)."""
+    try:
+        shlex.split(line)  # its own error for an unclosed quote, which the words below would skip
+        return [
+            (shlex.split(raw)[0] if shlex.split(raw) else "", raw[0] in "'\"")
+            for raw in _SHELL_WORD.findall(line)
+        ]
+    except ValueError as err:  # an unclosed quote
+        raise ValueError(f"{where}: {err} in its command line") from None
+
+
 def command_line_keys(text: str, where: str) -> dict[str, object]:
     """The options of a TRL script's command line: the words after the last `*.py` (or all of them), shell
     quoting, comments and line continuations as a shell reads them."""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    words = shlex.split(" ".join(line.rstrip().removesuffix("\\") for line in lines))
-    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
+    words = _shell_words(" ".join(line.rstrip().removesuffix("\\") for line in lines), where)
+    scripts = [i for i, (word, _) in enumerate(words) if word.endswith(".py")]
     words = words[scripts[-1] + 1 :] if scripts else words
     keys: dict[str, object] = {}
     name: str | None = None
@@ -71,8 +102,8 @@ def command_line_keys(text: str, where: str) -> dict[str, object]:
         parsed = [_word(v) for v in values]
         keys[name] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
 
-    for word in words:
-        if word.startswith("--"):
+    for word, quoted in words:
+        if word.startswith("--") and not quoted:
             close()
             name, _, value = word[2:].partition("=")
             values = [value] if value else []

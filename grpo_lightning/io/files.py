@@ -6,7 +6,8 @@
   raises one `OSError` naming the file.
 - `replace_folder`: the same for a folder (an export): written whole beside it, then swapped into its place
   (`renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, the earlier folder kept beside it between
-  them), the earlier one removed only once the new one is in place.
+  them), the earlier one removed only once the new one is in place. A folder that cannot be renamed over
+  (a mount point) is filled in place instead, each file whole (`_fill_in_place`).
 - `OutputLock`: `<path>.lock`, made exclusively and naming its holder (process, host, command, the
   process's start), held while a run may write `path`: a second writer to the same place is refused in one
   line, never mixed with the first or written over it. A lock whose holder is gone is taken over, said in
@@ -90,6 +91,28 @@ def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "")
             where = f"{what} {out_dir}" if what else out_dir
             raise OSError(err.errno, f"could not write {where} ({err.strerror or err}); {kept}") from err
         raise
+    try:
+        _swap_in(staging, out_dir)
+    except OSError as err:
+        try:
+            if err.errno not in UNMOVABLE or not os.path.isdir(out_dir):
+                raise
+            _fill_in_place(staging, out_dir)  # a mount point: filled, as it cannot be replaced
+        except OSError as final:
+            kept = "the earlier folder is kept" if os.path.exists(out_dir) else "nothing left behind"
+            where = f"{what} {out_dir}" if what else out_dir
+            raise OSError(
+                final.errno, f"could not write {where} ({final.strerror or final}); {kept}"
+            ) from err
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# What renaming a folder that is a mount point (an empty volume mounted for the output) raises.
+UNMOVABLE = (errno.EBUSY, errno.EXDEV)
+
+
+def _swap_in(staging: str, out_dir: str) -> None:
     if not os.path.exists(out_dir):
         os.rename(staging, out_dir)
     elif _exchange(staging, out_dir):
@@ -97,8 +120,43 @@ def replace_folder(out_dir: str, write: Callable[[str], object], what: str = "")
     else:
         retired = staging + RETIRED  # the earlier folder, whole, until the new one is in place
         os.rename(out_dir, retired)
-        os.rename(staging, out_dir)
+        try:
+            os.rename(staging, out_dir)
+        except OSError:
+            os.rename(retired, out_dir)
+            raise
         shutil.rmtree(retired, ignore_errors=True)
+
+
+def _fill_in_place(staging: str, out_dir: str) -> None:
+    """Put `staging`'s entries in `out_dir`, a folder that cannot be renamed (a mount point): each copied
+    beside its place inside `out_dir` and renamed into it, so that every file is whole; the entries of an
+    earlier folder that the new one lacks are removed. Not one atomic step as a rename is: a kill part-way
+    leaves some files of each (`remove_leftovers` removes the copies in flight)."""
+    new = sorted(os.listdir(staging))
+    for entry in os.listdir(out_dir):
+        if entry not in new:
+            gone = os.path.join(out_dir, entry)
+            shutil.rmtree(gone) if os.path.isdir(gone) and not os.path.islink(gone) else os.remove(gone)
+    for entry in new:
+        source, target = os.path.join(staging, entry), os.path.join(out_dir, entry)
+        copy = os.path.join(out_dir, f".{entry}.{os.getpid()}{PARTIAL}")
+        try:
+            if os.path.isdir(source) and not os.path.islink(source):
+                shutil.copytree(source, copy, symlinks=True)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+            else:
+                shutil.copy2(source, copy, follow_symlinks=False)
+            os.replace(copy, target)
+        except BaseException:
+            shutil.rmtree(copy, ignore_errors=True) if os.path.isdir(copy) else _remove_quietly(copy)
+            raise
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 RETIRED = ".replaced"  # the earlier folder's name beside the new one, between `replace_folder`'s two renames

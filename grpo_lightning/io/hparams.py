@@ -256,19 +256,28 @@ def as_options(
 
 
 def comparable_hparams(hparams: MutableMapping) -> dict:
-    """`hparams` with reward functions and options in the plain form a checkpoint stores, for comparing a
-    checkpoint's options with a module's or a config's; a function without an import path as None, which
-    compares equal to any other such (neither side can say which function it is)."""
+    """`hparams` with its functions and classes (reward functions, tools, environment classes, rollout
+    function) and options in the plain form a checkpoint stores, for comparing a checkpoint's options with a
+    module's or a config's: a function as its import path whether given as itself or as that path; one
+    without an import path as None, which compares equal to any other such (neither side can say which
+    function it is)."""
 
     def comparable(fn: object) -> object:
         recipe = reward_recipe(fn)
         return None if isinstance(recipe, Mapping) and NOT_IMPORTABLE in recipe else recipe
 
     plain = sectioned_hparams(hparams)
-    if isinstance(plain.get("reward_funcs"), list):
-        plain["reward_funcs"] = [comparable(fn) for fn in plain["reward_funcs"]]
-    if "val_reward" in plain:
-        plain["val_reward"] = comparable(plain["val_reward"])
+    for key in FUNCTION_LISTS:
+        if isinstance(plain.get(key), list | tuple):
+            plain[key] = [comparable(fn) for fn in plain[key]]
+    for key in FUNCTIONS:
+        if key in plain:
+            plain[key] = comparable(plain[key])
+    factories = plain.get("environment_factory")
+    if isinstance(factories, Mapping) and not {"_target_", "class_path"} & set(factories):
+        plain["environment_factory"] = {name: comparable(cls) for name, cls in factories.items()}
+    elif factories is not None:
+        plain["environment_factory"] = comparable(factories)
     return plain
 
 

@@ -40,6 +40,7 @@ from grpo_lightning.core.options import (
     check_fields,
     option_error,
 )
+from grpo_lightning.core.stop_requests import StopCheck
 from grpo_lightning.core.types import Rollout
 
 
@@ -362,7 +363,10 @@ def generate_completions(
                         disable_compile=compile_config is None,
                     ),
                     logits_processor=sampling_processors(settings, drawn) if do_sample else None,
-                    stopping_criteria=StoppingCriteriaList([rows_ended] if rows_ended else []),
+                    # A stop request (SIGTERM) is answered between decoding steps (`core.stop_requests`).
+                    stopping_criteria=StoppingCriteriaList(
+                        [StopCheck(), *([rows_ended] if rows_ended else [])]
+                    ),
                     # transformers would otherwise step an FSDP-managed model in lockstep with every rank (one
                     # all-reduce per token, and a hang when ranks make different numbers of calls); our
                     # callers gather sharded weights first (`distributed.gathered_for_generation`).

@@ -4,6 +4,7 @@ on an error, written whole or not at all (`io.checkpoints.AtomicCheckpointIO`, w
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -13,6 +14,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
+from grpo_lightning.core.stop_requests import clear, enter_interruptible, leave_interruptible, request_stop
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
@@ -42,6 +45,8 @@ class InterruptCheckpoint(L.Callback):
         self.stopped_by: str | None = None
         self._ctrl_c = False
         self._previous_sigint = None
+        self._step_start: dict | None = None  # the step in progress's starting state (`_open_step`)
+        self._in_rollout = False  # in the step's interruptible part: before its first optimizer step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
@@ -67,6 +72,91 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
+        self._step_start, self._in_rollout = None, False
+        clear()
+
+    # ------------------------------------------------------------- SIGTERM answered within the step
+    # Lightning turns SIGTERM into a flag that it reads after each step: a rollout of minutes would outlive
+    # the scheduler's grace period. On one process, a SIGTERM also asks `core.stop_requests` to stop: the
+    # step's rollout (until its first optimizer step), a validation or a prediction batch are abandoned at
+    # once (or at the next decoding step), and the checkpoint is that of the last completed step, with the
+    # generators and dynamic sampling's waiting groups as that step left them: a resumed run redoes the
+    # abandoned step as the uninterrupted run did it. With several processes a rank cannot leave a step
+    # that the others go on with (they would wait for it in a collective): the step ends first, as in
+    # Lightning.
+    def _install_sigterm(self, trainer: L.Trainer) -> None:
+        if trainer.world_size != 1 or trainer.strategy.launcher is not None:
+            return
+        previous = signal.getsignal(signal.SIGTERM)  # Lightning's, which sets `trainer.received_sigterm`
+
+        def on_sigterm(signum, frame) -> None:
+            if callable(previous):
+                previous(signum, frame)
+            request_stop(SIGTERMException)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)  # Lightning puts its own back when the run ends
+        except ValueError:  # not the main thread: SIGTERM is answered after the step
+            pass
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        buffer = getattr(pl_module, "group_buffer", None)
+        self._step_start = {
+            "rng": capture_rng_states(),
+            "group_buffer": copy.deepcopy(vars(buffer)) if buffer is not None else None,
+        }
+        self._in_rollout = True
+        enter_interruptible()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
+        self._leave_rollout()
+        self._step_start = None  # the step's first update: from here it is finished, not abandoned
+
+    def _leave_rollout(self) -> None:
+        if self._in_rollout:
+            self._in_rollout = False
+            leave_interruptible()
+
+    def _back_to_step_start(self, pl_module) -> None:
+        """Put back the generators and waiting groups an abandoned step started with, for its checkpoint."""
+        if self._step_start is None:
+            return
+        restore_rng_states(self._step_start["rng"])
+        if self._step_start["group_buffer"] is not None:
+            vars(pl_module.group_buffer).update(self._step_start["group_buffer"])
+        self._step_start = None
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
+        enter_interruptible()
+
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        leave_interruptible()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            clear()
+            self._install_sigterm(trainer)
+
+    on_test_start = on_validation_start
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        clear()
+        self._install_sigterm(trainer)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
+        enter_interruptible()
+
+    def on_predict_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        leave_interruptible()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        clear()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Here, not in `on_fit_start`: Lightning notes every signal's handler after `on_fit_start` and puts
@@ -76,6 +166,7 @@ class InterruptCheckpoint(L.Callback):
         # Only outside another program's handler; one left behind by an earlier fit that never reached its
         # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
         stale = isinstance(getattr(current, "__self__", None), InterruptCheckpoint)
+        self._install_sigterm(trainer)
         if current is signal.default_int_handler or stale:
             try:
                 signal.signal(signal.SIGINT, self._on_sigint)
@@ -106,6 +197,8 @@ class InterruptCheckpoint(L.Callback):
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._leave_rollout()
+        self._step_start = None
         if self._ctrl_c:
             self.stopped_by = "Ctrl-C"
             self._save(trainer, "Ctrl-C")
@@ -113,8 +206,15 @@ class InterruptCheckpoint(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
         self._restore_sigint()
+        self._leave_rollout()
+        clear()  # writing the checkpoint is not to be cut short
+        if trainer.state.fn != TrainerFn.FITTING:
+            self.stopped_by = "SIGTERM" if isinstance(exception, SIGTERMException) else None
+            return
+        self._back_to_step_start(pl_module)  # a step left part-way is discarded: its start is saved
         if isinstance(exception, SIGTERMException):
-            # Lightning raises it once the step in progress (and any validation after it) is over.
+            # Raised by Lightning once the step in progress (and any validation after it) is over, or by
+            # `core.stop_requests` within it (on one process).
             self.stopped_by = "SIGTERM"
             self._save(trainer, "SIGTERM")
         elif (

@@ -14,7 +14,9 @@ from contextlib import nullcontext
 from functools import partial
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.core.rewards.verifiable import extract_answer, reference_answer
 from grpo_lightning.io.files import OutputLock, write_atomically
@@ -143,6 +145,18 @@ class ValidationResultsWriter(HoldsOutputLock):
         except ValueError:
             return {"answer": reference, "correct": None}
         return {"answer": answer, "correct": extracted == answer}
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        # Stopped by SIGTERM (`InterruptCheckpoint`) during `validate`, `test` or `predict`: the rows
+        # answered so far are written, whole, and the log says that they are not all.
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn == TrainerFn.FITTING:
+            return
+        if self.path is None or not self._records:
+            return
+        self.on_validation_epoch_end(trainer, pl_module)
+        rank_zero_info(f"stopped by SIGTERM: {self._rank_path(trainer)} holds the rows answered before it")
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.on_validation_epoch_end(trainer, pl_module)
