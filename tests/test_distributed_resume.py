@@ -55,7 +55,7 @@ class RecordingModule(GRPOModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         record, rollout = self.batches[-1], self.last_rollout
-        record.update(questions=batch["question"], waiting=self.group_buffer.rounds > 0)
+        record.update(questions=batch["question"], waiting=self.group_source.buffer.rounds > 0)
         if rollout is not None and not record["waiting"]:
             record.update(rewards=rollout.rewards.tolist(), advantages=rollout.advantages.tolist())
 
@@ -68,7 +68,7 @@ class SaveAndStop(L.Callback):
         self.after, self.waiting, self.path = after, waiting, path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        waiting = pl_module.group_buffer.rounds > 0  # the same on every rank: they update together
+        waiting = pl_module.group_source.buffer.rounds > 0  # the same on every rank: they update together
         if len(pl_module.batches) >= self.after and waiting == self.waiting and not trainer.should_stop:
             trainer.save_checkpoint(self.path)
             trainer.should_stop = True

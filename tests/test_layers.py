@@ -107,8 +107,9 @@ def test_only_the_entry_points_import_the_module(module):
 # Core's units, bottom to top: the shared types and helpers; rewards (what a completion is worth), and the
 # accuracy metrics that read their answer extraction; the tools a policy calls; generation (sampling and
 # log-probs, the multi-turn loop over the tools); the algorithm's maths (advantages, loss, schedules); the
-# config, which composes the options of the units below (their registries, the sampling settings); and the
-# update of a rollout, the one core unit that reads the config.
+# group source, where an update's scored groups come from (sampling, rewards, dynamic sampling's buffer); the
+# update of a rollout; and the config, which composes the options of the units below (their registries, the
+# sampling settings).
 CORE_ORDER = (
     "grpo_lightning.core",
     "grpo_lightning.core.types",
@@ -123,6 +124,7 @@ CORE_ORDER = (
     "grpo_lightning.core.tools",
     "grpo_lightning.core.generation",
     "grpo_lightning.core.algorithm",
+    "grpo_lightning.core.group_source",
     "grpo_lightning.core.update",
     "grpo_lightning.core.config",
 )

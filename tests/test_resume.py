@@ -177,7 +177,7 @@ def test_adaptive_state_round_trips_through_a_weights_only_checkpoint(tiny_model
     prompts = [[{"role": "user", "content": "1 + 1?"}], [{"role": "user", "content": "2 + 2?"}]]
     rollout, completions = module.rollouts.sample(prompts, 2)
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])  # the first group informative, the second not
-    module.group_buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
+    module.group_source.buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
     module.optimization.step_guard.bad_steps = 2
     checkpoint = {"state_dict": {}}
     module.on_save_checkpoint(checkpoint)
@@ -186,14 +186,14 @@ def test_adaptive_state_round_trips_through_a_weights_only_checkpoint(tiny_model
     fresh = GRPOModule(tiny_model_dir, grpo=grpo)
     fresh.on_load_checkpoint(torch.load(tmp_path / "state.ckpt", weights_only=True))
     assert fresh.optimization.step_guard.bad_steps == 2
-    buffer = fresh.group_buffer
+    buffer = fresh.group_source.buffer
     assert (buffer.rounds, buffer.target, buffer.num_kept) == (1, 2, 1)
     assert buffer.kept[0].completions == completions[:2] and buffer.kept[0].prompts == prompts[:1]
     torch.testing.assert_close(buffer.kept[0].rollout.completion_ids, rollout.completion_ids[:2])
 
     # Lightning loads on the CPU; training starts on the module's device ("meta" stands in for a GPU here).
     fresh.to("meta").on_train_start()
-    kept = fresh.group_buffer.kept[0]
+    kept = fresh.group_source.buffer.kept[0]
     assert {t.device.type for t in (kept.rewards, kept.rewards_per_func, kept.rollout.completion_ids)} == {
         "meta"
     }

@@ -4,10 +4,11 @@ changes, the scorer's decisions (shared prompt, packed passes) made once with on
 import warnings
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.backends import BACKENDS, EngineOptions, resolve_backend
+from grpo_lightning.core.generation.backends import EngineOptions, resolve_backend
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.packing import PackedLogProbScorer
 from grpo_lightning.core.generation.static_engine import StaticEngine
@@ -66,9 +67,29 @@ def test_a_model_that_cannot_share_or_pack_is_decided_once_with_one_warning(tiny
     assert len(messages) == 1, messages  # one for every option the sliding window turns off
 
 
-def test_every_backend_choice_has_its_registry_entry():
-    choices = declared_rule(EngineOptions, "backend").choices
-    assert set(choices) == set(BACKENDS) | {"auto"}
+# The engine each choice that runs on a CPU must build, written out: a registry entry wired to another
+# engine, or "auto" picking another on CPU, fails here.
+ENGINE_OF_CHOICE = {
+    "auto": ("eager", EagerEngine),
+    "eager": ("eager", EagerEngine),
+    "static": ("static", StaticEngine),
+}
+
+
+@pytest.mark.parametrize("choice", ENGINE_OF_CHOICE)
+def test_each_choice_samples_with_its_own_engine_as_eager_decoding_does(tiny_model_dir, choice):
+    """A backend choice of the options builds its engine under its own name (the one the pre-flight reads
+    the memory of), and its greedy rollout is eager decoding's."""
+    assert choice in declared_rule(EngineOptions, "backend").choices
+    made = rollouts(tiny_model_dir, generation_backend=choice)
+    prompts = ["1 + 1 =", "12 * 3 - 4 ="]
+    rollout, _ = made.sample(prompts, 1, do_sample=False)
+    name, engine_class = ENGINE_OF_CHOICE[choice]
+    assert made.backend == name and type(made.engine) is engine_class
+    eager = rollouts(tiny_model_dir, made.policy, generation_backend="eager")
+    expected, _ = eager.sample(prompts, 1, do_sample=False)
+    assert torch.equal(rollout.completion_ids, expected.completion_ids)
+    assert torch.equal(rollout.completion_mask, expected.completion_mask)
 
 
 @pytest.mark.skipif(vllm_unavailable() is None, reason="vLLM imports here: tests/vllm_backend run the engine")

@@ -179,7 +179,7 @@ def test_a_python_checkpoint_reloads_and_reads_without_grpo_lightning(tiny_model
     prompts = [[{"role": "user", "content": "1 + 1?"}], [{"role": "user", "content": "2 + 2?"}]]
     rollout, completions = module.rollouts.sample(prompts, 2)
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
-    module.group_buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
+    module.group_source.buffer.add(ScoredGroups(prompts, rollout, completions, rewards[:, None], rewards, 2))
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     trainer.strategy.connect(module)
     trainer.save_checkpoint(tmp_path / "python.ckpt")
@@ -194,8 +194,8 @@ def test_a_python_checkpoint_reloads_and_reads_without_grpo_lightning(tiny_model
 
     loaded = GRPOModule.load_from_checkpoint(tmp_path / "python.ckpt")
     assert loaded.reward_funcs == [digit_reward] and loaded.grpo.dynamic_sampling
-    assert isinstance(loaded.group_buffer, GroupBuffer) and loaded.group_buffer.num_kept == 1
-    assert loaded.group_buffer.kept[0].completions == completions[:2]
+    assert isinstance(loaded.group_source.buffer, GroupBuffer) and loaded.group_source.buffer.num_kept == 1
+    assert loaded.group_source.buffer.kept[0].completions == completions[:2]
     assert not [w for w in recwarn if "trained with other options" in str(w.message)]
 
 

@@ -24,8 +24,9 @@ from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer, tiny_module
 
 ROOT = Path(__file__).resolve().parents[1]
-# The step walks 22: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
-# stepping of its schedulers (training/), the update (core/update.py), the rollout's model tokens
+# The step walks 23: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
+# stepping of its schedulers (training/), the group source that samples, checks and scores the update's
+# groups (core/group_source.py), the update (core/update.py), the rollout's model tokens
 # (core/types.py), the advantages, the loss, the KL section it reads (the weight of its KL term) and the
 # sampler/scorer gap (core/algorithm/: one concern a file), the other processes (core/ranks.py, `OneProcess`
 # in one process), the reward call and the default rewards (core/rewards/), and seven files of
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # attention, its cache keyword), decoding (with each group's prefill), the log-prob head and the packed
 # pass, and core/chat_template.py, the one chat-template render that the prompts and the tool turns share.
 # Decoding and the log-prob head are two concerns in two files: the step runs both.
-MAX_STEP_FILES = 22
+MAX_STEP_FILES = 23
 MAX_LOGPROB_HOPS = 3
 
 

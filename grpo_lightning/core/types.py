@@ -1,7 +1,8 @@
 """The types that flow from generation to the loss, in the order they are made.
 
 1. `Rollout`: G sampled completions per prompt (the generation engines, `core/generation/`).
-2. `ScoredGroups`: a rollout with its rewards (`core/rewards/scoring.py`); dynamic sampling stacks several.
+2. `ScoredGroups`: a rollout with its rewards and the policy version that sampled it (`core/group_source.py`);
+   dynamic sampling stacks several.
 3. `Trajectory`: a scored rollout with everything the loss reads (`core/update.py`).
 
 Pure torch: nothing here knows about Lightning.
@@ -114,6 +115,9 @@ class ScoredGroups:
     rewards_per_func: Tensor  # [N*G, F]
     rewards: Tensor  # [N*G] weighted total
     num_generations: int
+    # The policy that sampled them: the optimizer steps taken before. The update compares it with its own to
+    # know whether the policy it starts from is the one that sampled (`core/update.py`).
+    policy_version: int = 0
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -130,10 +134,13 @@ class ScoredGroups:
             rewards_per_func=self.rewards_per_func[rows],
             rewards=self.rewards[rows],
             num_generations=G,
+            policy_version=self.policy_version,
         )
 
     @staticmethod
     def cat(parts: list[ScoredGroups], pad_token_id: int) -> ScoredGroups:
+        """The groups of `parts`, in order; their policy version the oldest of theirs, so that an update
+        never takes groups of an older policy for the current one's."""
         parts = [p for p in parts if len(p)] or parts[:1]
         return ScoredGroups(
             prompts=[prompt for p in parts for prompt in p.prompts],
@@ -142,6 +149,7 @@ class ScoredGroups:
             rewards_per_func=torch.cat([p.rewards_per_func for p in parts]),
             rewards=torch.cat([p.rewards for p in parts]),
             num_generations=parts[0].num_generations,
+            policy_version=min(p.policy_version for p in parts),
         )
 
 
@@ -153,13 +161,14 @@ class Trajectory:
     rollout: Rollout  # prompt and completion ids and masks, [B, P] / [B, T]
     completions: list[str]  # B decoded completions
     loss_mask: Tensor  # [B, T] float: the completion tokens the loss counts
-    old_logprobs: Tensor | None  # [B, T] sampling policy's, when num_iterations > 1 or use_kl_in_reward
+    old_logprobs: Tensor | None  # [B, T] the ratio's anchor, where the update needs one (`core/update.py`)
     ref_logprobs: Tensor | None  # [B, T] reference's, when beta > 0
     rewards_per_func: Tensor  # [B, F] what each reward function gave (NaN: no opinion)
     rewards: Tensor  # [B] weighted total of the reward functions
     advantages: Tensor  # [B] group-relative advantages of the outcome
     token_advantages: Tensor  # [B], or [B, T] with step credit
     num_generations: int
+    policy_version: int = 0  # the groups' (`ScoredGroups.policy_version`)
     stats: dict[str, Tensor] = field(default_factory=dict)  # logged with the loss's
 
     @property
@@ -198,5 +207,6 @@ class Trajectory:
             advantages=self.advantages[rows],
             token_advantages=cut(self.token_advantages),
             num_generations=G,
+            policy_version=self.policy_version,
             stats=self.stats,
         )

@@ -2,7 +2,9 @@
 
 1. The trajectory (`build_trajectory`): the loss mask, the KL charged to the reward (`use_kl_in_reward`), the
    group-relative advantages (DeepSeekMath arXiv:2402.03300 sec. 4.1.2) and step credit, after the frozen
-   passes (reference, sampling policy) over the rollout's micro-batches.
+   passes over the rollout's micro-batches: the reference's, and the ratio's anchor where a step of the update
+   runs on a policy other than the one that sampled the groups (`needs_old_logprobs`: the groups carry the
+   policy version that sampled them, the update is told the policy's now).
 2. Mini-batches (`steps_per_generation`; TRL's `steps_per_generation`, verl's `ppo_mini_batch_size`): the
    rollout's groups shuffled and cut into that many mini-batches of whole groups, one optimizer step each,
    each normalising its loss over its own mini-batch (`mini_batch_denominators`), as TRL and verl do.
@@ -141,6 +143,18 @@ def loss_mask(rollout: Rollout, mask_truncated_completions: bool) -> Tensor:
     if mask_truncated_completions:
         mask = mask * (~rollout.truncated).float()[:, None]
     return mask
+
+
+def sampler_correction(
+    cfg: UpdateSections, scorer: Tensor, sampler: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
+    (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
+    off."""
+    options = cfg.sampler_correction
+    if options is None:
+        return None
+    return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)
 
 
 def advantages_of(outcome: Tensor, cfg: UpdateSections, ranks: Ranks | None = None) -> Tensor:
@@ -390,6 +404,16 @@ class MicroBatchSums:
         return self.values["loss"]
 
 
+def needs_old_logprobs(groups_version: int, policy_version: int, cfg: UpdateSections) -> bool:
+    """Whether the update computes the ratio's anchor `old_logprobs` before its first optimizer step: some
+    step of it runs on a policy other than the one that sampled the groups (their version is not the policy's
+    now, or the update makes several steps: `num_iterations` x `steps_per_generation`), or the KL in the
+    reward needs the sampling policy's log-probs. Otherwise `grpo_loss` takes `logprobs.detach()` instead:
+    the policy's own log-probs, without a pass."""
+    several_steps = cfg.update.optimizer_steps_per_batch > 1
+    return groups_version != policy_version or several_steps or cfg.kl.in_reward
+
+
 class RolloutUpdate:
     """Steps 1-4 above for one policy under `cfg`: what the module's training step calls.
 
@@ -424,17 +448,17 @@ class RolloutUpdate:
         policy: PreTrainedModel,
         reference: PreTrainedModel | None,
         stats: dict[str, Tensor],
+        policy_version: int,
     ) -> Trajectory:
-        """The reference and sampling-policy passes over `scored`'s rollout, then `build_trajectory`. No
-        `reference` with beta > 0: the policy with its LoRA adapters off is the reference."""
+        """The reference pass over `scored`'s rollout, and the anchor's (`needs_old_logprobs`: the `policy`
+        as it is now, at version `policy_version`, the optimizer steps it has taken), then `build_trajectory`.
+        No `reference` with beta > 0: the policy with its LoRA adapters off is the reference."""
         cfg, rollout = self.cfg, scored.rollout
         ref_logprobs = old_logprobs = None
         if cfg.kl.beta > 0:
             with nullcontext() if reference is not None else policy.disable_adapter():
                 ref_logprobs = self.frozen_logprobs(rollout, reference or policy)  # [B, T]
-        # With one step per rollout the sampling policy is the current one: grpo_loss uses logprobs.detach().
-        # The KL in the reward needs the sampling policy's log-probs before any update all the same.
-        if cfg.update.num_iterations > 1 or cfg.update.steps_per_generation > 1 or cfg.kl.in_reward:
+        if needs_old_logprobs(scored.policy_version, policy_version, cfg):
             old_logprobs = self.frozen_logprobs(rollout, policy)  # [B, T]
         batch_std_over_ranks = cfg.advantages.scale_rewards == "batch" and self.ranks.world_size > 1
         return build_trajectory(
@@ -467,15 +491,3 @@ class RolloutUpdate:
         """Each micro-batch's loss of one optimizer step, for the caller's backward (`micro_batch_losses`)."""
         parts = self.micro_batches(mini_batch.rollout)
         return micro_batch_losses(self.score, policy, mini_batch, parts, self.cfg, *denominators, sums)
-
-
-def sampler_correction(
-    cfg: UpdateSections, scorer: Tensor, sampler: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor] | None:
-    """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
-    (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
-    off."""
-    options = cfg.sampler_correction
-    if options is None:
-        return None
-    return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)

@@ -1,8 +1,10 @@
 """GRPOModule: the Lightning glue around sampling, rewards and the GRPO update.
 
-A training step: the policy samples G completions per prompt (`self.rollouts`), the reward functions score
-them, dynamic sampling may wait for more groups, the update (`self.update`, `core/update.py`)
-builds the trajectory and hands over each micro-batch's loss, which this module backpropagates and steps.
+A training step: the group source (`self.group_source`, `core/group_source.py`) gives the scored groups of
+the update (the policy's samples, G per prompt, by `self.rollouts`, scored by the reward functions; none
+while dynamic sampling waits for more), the update (`self.update`, `core/update.py`) builds the trajectory
+and hands over each micro-batch's loss, which this module backpropagates and steps, and the step's metrics
+are logged.
 """
 
 from __future__ import annotations
@@ -21,16 +23,11 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
 
-from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOptions, GroupBuffer
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSync
 from grpo_lightning.core.algorithm.schedules import build_optimizer, build_scheduler
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards.scoring import (
-    checked_reward_functions,
-    score_completions,
-    trainer_state,
-    weighted_groups,
-)
+from grpo_lightning.core.group_source import group_source
+from grpo_lightning.core.rewards.scoring import checked_reward_functions, trainer_state
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import restore_rng_states
 from grpo_lightning.core.update import RolloutUpdate
@@ -135,12 +132,14 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         if multi_turn is not None:  # an environment's get_reward is a reward of its own
             self.reward_funcs, weights = multi_turn.with_rewards(self.reward_funcs, weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
-        self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         check_lora_choice(lora, model_options, (grpo.reference_sync is not None))
         self.policy_source, self.policy, self.tokenizer = policy_parts(policy, tokenizer, model_options)
         self.rollouts = PolicyRollouts(grpo, self.tokenizer)  # encoding, sampling, log-prob scoring
         self.rollouts.multi_turn = multi_turn
         self.register_load_state_dict_post_hook(PolicyRollouts.weights_loaded)
+        # Sampling, the rollout checks, the rewards, dynamic sampling's buffer: what each update learns from.
+        rewards = (self.reward_funcs, weights, self.reward_names)
+        self.group_source = group_source(grpo, self.rollouts, *rewards, self.tokenizer.pad_token_id)
         self.reference: PreTrainedModel | None = None
         self.update: RolloutUpdate | None = None  # the trajectory and the losses, built when `fit` starts
         if self.policy is not None:
@@ -151,9 +150,6 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         # Non-finite updates skipped, the run stopped after many.
         self.optimization = ManualOptimization(grpo.update.max_bad_steps)
         self.last_rollout: RolloutRecord | None = None  # the latest training step's rollout, for callbacks
-        dynamic = grpo.dynamic_sampling or DynamicSamplingOptions()  # off: its buffer is never filled
-        metric = dynamic.metric if grpo.dynamic_sampling else None
-        self.group_buffer = GroupBuffer.filtering_on(metric, self.reward_names, dynamic.max_rounds)
         self.rng_to_restore: dict | None = None  # RNG states of a checkpoint, applied when training starts
         self._epochs_from_steps = False  # max_epochs set from max_steps (`bound_epochs_by_steps`)
         self._planned_steps = (
@@ -254,6 +250,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         self.on_validation_start()
         ranks = ranks_of(self.trainer.strategy)
         self.update = RolloutUpdate(self.grpo, self.rollouts.scorer, ranks, self.tokenizer)
+        self.group_source.ranks = ranks
 
     def on_validation_start(self) -> None:  # also `trainer.validate` alone, before the first forward
         # ModelParallelStrategy moved every weight to the device after configure_model; no forward ran yet.
@@ -280,49 +277,31 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
             restore_rng_states(self.rng_to_restore)
             self.rng_to_restore = None
         # Lightning loads checkpoints on the CPU, and may do so before moving the module to its device.
-        vars(self.group_buffer).update(move_data_to_device(vars(self.group_buffer), self.device))
+        source = self.group_source
+        source.load_state_dict(move_data_to_device(source.state_dict(), self.device))
 
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
-        cfg = self.grpo
         start = time.perf_counter()
-        rollout, completions, turns = self.rollouts.sample_batch(batch, cfg.sampling.num_generations)
-        generate_seconds = time.perf_counter() - start
-        self.rollouts.check(rollout, completions)
-        inputs = self.rollouts.reward_inputs(
-            batch, rollout, completions, self._trainer_state(batch_idx), turns
-        )
-        scores = score_completions(self.reward_funcs, inputs)
-        rewards_per_func = scores.rewards.to(self.device)  # [B, F]
-        scored = weighted_groups(
-            batch["prompt"],
-            rollout,
-            completions,
-            rewards_per_func,
-            self.reward_weights,
-            cfg.sampling.num_generations,
-        )
-        logged_columns, stats = scores.extra, {}  # log_extra's columns, for the completions panel
-        if cfg.dynamic_sampling:
-            filled = self.group_buffer.fill(scored, self.update.ranks, self.tokenizer.pad_token_id)
-            if filled is None:
-                self.last_rollout = None  # no update on this batch: nothing new for the callbacks
-                return None
-            (scored, stats), logged_columns = filled, {}  # the columns belong to this round, not the update's
-
-        trajectory = self.update.trajectory(scored, self.policy, self.reference, stats)
+        scored = self.group_source.next(batch, self._trainer_state(batch_idx))
+        if scored is None:
+            self.last_rollout = None  # no update on this batch: nothing new for the callbacks
+            return None
+        sourced = self.group_source.report  # what sampling and scoring measured
+        models = (self.policy, self.reference)
+        trajectory = self.update.trajectory(scored, *models, sourced.stats, self.global_step)
         stats, updates = self.optimization.rollout_steps(self, trajectory)  # each optimizer step's metrics
-        extra = {**scores.metrics, **self.rollouts.engine_metrics()}  # rewards' metrics, the engine's speed
+        extra = {**sourced.reward_metrics, **self.rollouts.engine_metrics()}  # rewards', the engine's speed
         metrics = rollout_metrics(
             trajectory,
             {**trajectory.stats, **{name: torch.tensor(v) for name, v in extra.items()}},
             self.reward_names,
             skipped_steps=self.optimization.step_guard.bad_steps,
-            generate_seconds=generate_seconds,
+            generate_seconds=sourced.generate_seconds,
             step_seconds=time.perf_counter() - start,
         )
         log_training_step(self, metrics, updates, batch_size=trajectory.rewards.numel())
         self.last_rollout = RolloutRecord.of(
-            trajectory, self.reward_names, float(stats["entropy"]), logged_columns
+            trajectory, self.reward_names, float(stats["entropy"]), sourced.columns
         )
         return stats["loss"]
 

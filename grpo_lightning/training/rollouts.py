@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerState
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.backends import BACKENDS, build_engine, requested_backend
@@ -26,7 +26,6 @@ from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler,
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.rewards.scoring import RewardInputs
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -197,26 +196,13 @@ class PolicyRollouts:
         self, batch: dict[str, list], num_generations: int, do_sample: bool = True
     ) -> tuple[Rollout, list[str], SampledTurns | None]:
         """`sample` of `batch`'s prompts, or with tools, environments or a rollout function, their multi-turn
-        rollout (`multi_turn`) and what its reward functions read beyond the completions."""
+        rollout (`multi_turn`) and what its reward functions read beyond the completions (the group source,
+        `core.group_source`, hands it to them)."""
         if self.multi_turn is None:
             return (*self.sample(batch["prompt"], num_generations, do_sample), None)
         rollout, completions, turns = self.multi_turn.sample(self, batch, num_generations, do_sample)
         self.tool_metrics = turns.metrics
         return rollout, completions, turns
-
-    @staticmethod
-    def reward_inputs(
-        batch: dict[str, list],
-        rollout: Rollout,
-        completions: list[str],
-        state: TrainerState,
-        turns: SampledTurns | None,
-    ) -> RewardInputs:
-        """What the reward functions score of a `sample_batch`: `RewardInputs.of_rollout`, and what a
-        multi-turn rollout adds (`SampledTurns.reward_inputs`)."""
-        if turns is None:
-            return RewardInputs.of_rollout(batch, rollout, completions, state)
-        return turns.reward_inputs(batch, rollout, completions, state)
 
     @staticmethod
     def weights_loaded(module: object, incompatible_keys: object) -> None:

@@ -1,27 +1,27 @@
 """What a GRPO checkpoint holds beyond Lightning's own state, for an exact resume.
 
-The generators that sampling draws from, the count of consecutive non-finite steps and dynamic sampling's
-waiting groups (not its options); the data position is the data module's state. The generators and the
-waiting groups are each rank's own (each samples its own prompts): all ranks' go into the checkpoint, on the
-CPU. The frozen reference never changes: it is rebuilt from the policy's source, not stored a second time
+The generators that sampling draws from, the count of consecutive non-finite steps and the group source's
+state (`core.group_source`: dynamic sampling's waiting groups, not its options); the data position is the
+data module's state. The generators and the source's state are each rank's own (each samples its own
+prompts): all ranks' go into the checkpoint, on the CPU, the source's under its own keys (`group_buffer`).
+The frozen reference never changes: it is rebuilt from the policy's source, not stored a second time
 (sharded checkpoints keep it: the strategy loads them in place and checks every key).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import lightning as L
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from grpo_lightning.core.algorithm.dynamic_sampling import GroupBuffer
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.options import declared_annotation, option_differences, section_class
 from grpo_lightning.core.rng import capture_rng_states
-from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.core.types import ScoredGroups
 from grpo_lightning.io.checkpoints import check_fits, upgrade_scheduler_states
 from grpo_lightning.io.distributed import gather_per_rank, is_sharded
 from grpo_lightning.io.hparams import comparable_hparams
@@ -37,20 +37,20 @@ class RankState:
 
     bad_steps: int
     rng: dict
-    group_buffer: dict  # the buffer's state, without its options
+    group_source: dict  # the source's state (`GroupSource.state_dict`)
 
 
 def save_grpo_state(
     checkpoint: dict,
     bad_steps: int,
     rng: dict,
-    group_buffer: GroupBuffer,
+    group_source: dict,
     reference_syncs: int | None = None,
 ) -> None:
-    """Store the GRPO state of every rank (a collective under several processes: every rank calls it), and
-    the reference syncs done (`grpo.reference_sync`; None without)."""
-    buffer = {k: _plain(v) for k, v in vars(group_buffer).items() if k not in GroupBuffer.OPTIONS}
-    own = {"rng": rng, "group_buffer": move_data_to_device(buffer, "cpu")}
+    """Store the GRPO state of every rank, the group source's `state_dict` among it (a collective under
+    several processes: every rank calls it), and the reference syncs done (`grpo.reference_sync`; None
+    without)."""
+    own = {"rng": rng, **move_data_to_device(group_source, "cpu")}
     checkpoint[STATE_KEY] = {"bad_steps": bad_steps, "per_rank": gather_per_rank(own)}
     if reference_syncs is not None:
         checkpoint[STATE_KEY]["reference_syncs"] = reference_syncs
@@ -61,27 +61,25 @@ def load_grpo_state(checkpoint: dict, rank: int, world_size: int) -> RankState |
     if STATE_KEY not in checkpoint:
         return None
     state = checkpoint[STATE_KEY]
-    own = state_of_rank(state["per_rank"], rank, world_size)
-    buffer = {k: _scored_groups(v) for k, v in own["group_buffer"].items()}
-    return RankState(state["bad_steps"], own["rng"], buffer)
+    own = dict(state_of_rank(state["per_rank"], rank, world_size))
+    rng = own.pop("rng")
+    if "group_buffer" in own:  # the waiting groups of a checkpoint written before they carried a version
+        own["group_buffer"] = _versioned(own["group_buffer"], checkpoint.get("global_step", 0))
+    return RankState(state["bad_steps"], rng, own)
 
 
-# Dynamic sampling's waiting groups as dicts of tensors, which `torch.load(weights_only=True)` reads without
-# importing grpo-lightning; checkpoints that hold the dataclasses themselves still load (safe globals).
-def _plain(value: object) -> object:
+def _versioned(value: object, step: int) -> object:
+    """Dynamic sampling's waiting groups (plain dicts, or the dataclasses of older checkpoints), those without
+    a policy version stamped with the checkpoint's step: the buffer waits within one step, no update in
+    between, so its groups were all sampled by the policy of that step."""
     if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, ScoredGroups):
-        plain = {f.name: getattr(value, f.name) for f in fields(ScoredGroups)}
-        return {**plain, "rollout": dict(vars(value.rollout))}
-    return value
-
-
-def _scored_groups(value: object) -> object:
-    if isinstance(value, list):
-        return [_scored_groups(v) for v in value]
-    if isinstance(value, dict) and "rollout" in value:
-        return ScoredGroups(**{**value, "rollout": Rollout(**value["rollout"])})
+        return [_versioned(v, step) for v in value]
+    if isinstance(value, dict):
+        if "rollout" in value:
+            return {"policy_version": step, **value}
+        return {k: _versioned(v, step) for k, v in value.items()}
+    if isinstance(value, ScoredGroups) and "policy_version" not in vars(value):
+        return replace(value, policy_version=step)
     return value
 
 
@@ -192,12 +190,14 @@ def restore_reference(checkpoint: dict, reference: nn.Module) -> None:
 
 
 def save_module_state(module: L.LightningModule, checkpoint: dict) -> None:
-    """A `GRPOModule`'s `on_save_checkpoint`: its GRPO state (generators, bad steps, waiting groups, the
-    reference's syncs), and its frozen reference left out unless a sync changed it or the run is sharded."""
+    """A `GRPOModule`'s `on_save_checkpoint`: its GRPO state (generators, bad steps, the group source's
+    state, the reference's syncs), and its frozen reference left out unless a sync changed it or the run is
+    sharded."""
     # Interrupted during validation (SIGTERM), the generators are the training stream's, saved before it.
     rng = module.validation.training_rng or capture_rng_states()
     syncs = module.reference_sync.syncs_done if module.reference_sync is not None else None
-    save_grpo_state(checkpoint, module.optimization.step_guard.bad_steps, rng, module.group_buffer, syncs)
+    bad_steps, source = module.optimization.step_guard.bad_steps, module.group_source.state_dict()
+    save_grpo_state(checkpoint, bad_steps, rng, source, syncs)
     if not is_sharded(module.policy) and module.reference_sync is None:  # a synced reference is stored
         drop_reference(checkpoint)
 
@@ -222,6 +222,6 @@ def load_module_state(module: L.LightningModule, checkpoint: dict) -> None:
     if own is not None:
         module.optimization.step_guard.bad_steps = own.bad_steps
         module.rng_to_restore = own.rng
-        vars(module.group_buffer).update(own.group_buffer)
+        module.group_source.load_state_dict(own.group_source)
     if module.reference_sync is not None:
         module.reference_sync.syncs_done = reference_syncs_of(checkpoint, module.reference_sync.every)

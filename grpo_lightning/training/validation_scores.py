@@ -15,6 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from transformers import TrainerState
 
+from grpo_lightning.core.group_source import reward_inputs
 from grpo_lightning.core.metrics import GSM8KAccuracy, RewardAccuracy
 from grpo_lightning.core.rewards.scoring import call_reward
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
@@ -80,7 +81,7 @@ class ValidationScoring:
         if turns is not None and turns.messages is not None:
             judged["transcripts"] = turns.messages  # each sample's tool calls and results
         if scores.reward is not None:
-            inputs = rollouts.reward_inputs(batch, rollout, completions, state, turns)
+            inputs = reward_inputs(batch, rollout, completions, state, turns)
             rewards = call_reward(scores.reward, inputs)
             judged |= {"rewards": rewards, "correct": scores.update_rewards(counted, lengths, rewards)}
         else:

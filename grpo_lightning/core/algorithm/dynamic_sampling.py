@@ -10,7 +10,7 @@ Pure torch: nothing here knows about Lightning.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from grpo_lightning.core.options import Alias, NonNegativeInt, check_fields
 from grpo_lightning.core.ranks import Ranks
-from grpo_lightning.core.types import ScoredGroups
+from grpo_lightning.core.types import Rollout, ScoredGroups
 
 __all__ = ["GroupBuffer", "informative_groups"]
 
@@ -125,6 +125,33 @@ class GroupBuffer:
         stats = {"frac_dropped": self.dropped / self.generated, "extra_rounds": float(self.rounds - 1)}
         self._reset()
         return groups, stats
+
+    def state_dict(self) -> dict:
+        """The waiting groups and the rounds' counts (not the options), as plain dicts of tensors, which
+        `torch.load(weights_only=True)` reads without importing grpo-lightning."""
+        return {k: _plain(v) for k, v in vars(self).items() if k not in self.OPTIONS}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back a `state_dict`'s groups and counts; groups stored as the dataclasses themselves (older
+        checkpoints) load as they are."""
+        vars(self).update({k: _scored_groups(v) for k, v in state.items()})
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, ScoredGroups):
+        plain = {f.name: getattr(value, f.name) for f in fields(ScoredGroups)}
+        return {**plain, "rollout": dict(vars(value.rollout))}
+    return value
+
+
+def _scored_groups(value: object) -> object:
+    if isinstance(value, list):
+        return [_scored_groups(v) for v in value]
+    if isinstance(value, dict) and "rollout" in value:
+        return ScoredGroups(**{**value, "rollout": Rollout(**value["rollout"])})
+    return value
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,12 @@ def _stat_mean(values: Tensor, mask: Tensor) -> Tensor:
     return _masked_sum(values, mask) / mask.sum().clamp(min=1)
 
 
-# The per-token surrogates: (ratio, advantages, logprobs, epsilon, epsilon_high, delta) -> (per-token loss,
-# low-clipped, high-clipped), each [B, T] or [B, 1].
-def _clipped_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta):
+# The per-token surrogates: (ratio, advantages, logprobs, the loss's options) -> (per-token loss, low-clipped,
+# high-clipped), each [B, T] or [B, 1]. A variant with a knob of its own adds the knob to `PolicyLossOptions`,
+# its function here and its row in `LOSS_TYPES`.
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, logprobs: Tensor, options: "PolicyLossOptions"):
     """PPO's clipped surrogate (DeepSeekMath eq. 3) with DAPO's clip-higher and INTELLECT-2's delta cap."""
+    epsilon, epsilon_high, delta = options.epsilon, options.upper_clip, options.delta
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
     per_token_loss = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)  # [B, T|1]
@@ -62,10 +64,11 @@ def _clipped_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta
     return per_token_loss, is_low_clipped, is_high_clipped
 
 
-def _cispo_surrogate(ratio, advantages, logprobs, epsilon, epsilon_high, delta):
+def _cispo_surrogate(ratio: Tensor, advantages: Tensor, logprobs: Tensor, options: "PolicyLossOptions"):
     """CISPO (MiniMax-M1): the detached IS weight capped at epsilon_high times A log pi; no low clip."""
-    per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs  # [B, T]
-    is_high_clipped = (ratio > epsilon_high) & (advantages > 0)
+    cap = options.upper_clip
+    per_token_loss = -torch.clamp(ratio, max=cap).detach() * advantages * logprobs  # [B, T]
+    is_high_clipped = (ratio > cap) & (advantages > 0)
     return per_token_loss, torch.zeros_like(ratio, dtype=torch.bool), is_high_clipped
 
 
@@ -160,6 +163,13 @@ class PolicyLossOptions:
     token, the entropy bonus only these. 1.0 keeps every token. TRL's `top_entropy_quantile`: the threshold
     is the micro-batch's entropy quantile on each rank (TRL's gathers the ranks' tokens first)."""
 
+    @property
+    def upper_clip(self) -> float:
+        """`epsilon_high` as the surrogate applies it: unset, `epsilon`, or for cispo `CISPO_EPSILON_HIGH`."""
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return CISPO_EPSILON_HIGH if self.loss_type == "cispo" else self.epsilon
+
     def __post_init__(self) -> None:
         check_fields(self)
         # cispo's epsilon_high is a raw cap of the weight, not an offset from 1: no delta above it applies.
@@ -253,10 +263,12 @@ def grpo_loss(
         logprobs: ``[B, T]`` completion-token log-probabilities under the current policy (with grad).
         advantages: ``[B]`` or ``[B, T]``.
         mask: ``[B, T]``, non-zero for real completion tokens, 0 for padding (bool, int or float).
-        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
         options: the loss variant, the ratio's level and clipping, the entropy bonus.
         kl: the KL term; its estimator also gives the ``kl`` statistic whenever ``ref_logprobs`` is given.
-        old_logprobs: ``[B, T]`` log-probabilities under the sampling policy; ``None`` means on-policy.
+        old_logprobs: ``[B, T]`` ``log pi_old``, the ratio's anchor: the completions' log-probabilities under
+            the policy the update started from (the one that sampled them, unless an older one did), detached.
+            ``None``: the current policy is that one, and ``logprobs.detach()`` stands in (``rho`` is 1 in
+            value, and its gradient is that of ``log pi``).
         ref_logprobs: ``[B, T]`` log-probabilities under the reference model; required when
             ``kl.loss_beta != 0``.
         max_completion_length: required for ``dr_grpo``.
@@ -285,9 +297,6 @@ def grpo_loss(
     if options.loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("max_completion_length is required when loss_type='dr_grpo'.")
 
-    epsilon, epsilon_high = options.epsilon, options.epsilon_high
-    if epsilon_high is None:
-        epsilon_high = CISPO_EPSILON_HIGH if options.loss_type == "cispo" else epsilon
     mask = mask.bool()  # [B, T]
     token_counts = mask.sum(-1).clamp(min=1).to(logprobs.dtype)  # [B]
     if advantages.dim() == 1:
@@ -299,7 +308,7 @@ def grpo_loss(
     log_ratio = ratio_of_level(logprobs - old_logprobs, mask, token_counts)  # [B, T] or [B, 1]
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T] or [B, 1]
     per_token_loss, is_low_clipped, is_high_clipped = surrogate(
-        ratio, advantages, logprobs, epsilon, epsilon_high, options.delta
+        ratio, advantages, logprobs, options
     )  # [B, T] or [B, 1], and the clip masks
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights.detach()  # [B, T]

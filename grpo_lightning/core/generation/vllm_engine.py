@@ -67,7 +67,7 @@ from grpo_lightning.core.generation.inference_copy import (
     plain_class,
 )
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.generation.vllm_process import default_group_kept, local_rank, trainer_process_kept
+from grpo_lightning.core.generation.vllm_process import TrainerProcessGuard, default_group_kept, local_rank
 from grpo_lightning.core.generation.vllm_requests import rollout_of, sampling_params
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
 from grpo_lightning.core.types import Rollout
@@ -314,7 +314,7 @@ class VLLMEngine(RolloutEngine):
         dtype = serving_dtype(self.dtype or next(inner.parameters()).dtype, lora=bool(lora), cuda=cuda)
         if self.block_size is not None:
             memory["block_size"] = self.block_size
-        launch = trainer_process_kept(local_rank(device))
+        launch = TrainerProcessGuard(local_rank(device))
         self.joined_trainer_group = launch.grouped  # vLLM then runs in the trainer's process group
         if cuda:
             torch.cuda.set_device(device)  # vLLM's worker takes `cuda:LOCAL_RANK`, the current device too

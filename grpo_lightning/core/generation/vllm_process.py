@@ -1,6 +1,6 @@
 """The trainer's process around a colocated vLLM engine: this rank's local index (`local_rank`), vLLM's
 start-up with the trainer's threads, random generators, garbage collector and environment kept
-(`trainer_process_kept`), and its shutdown with the trainer's default process group kept
+(`TrainerProcessGuard`), and its shutdown with the trainer's default process group kept
 (`default_group_kept`).
 
 No Lightning here.
@@ -30,7 +30,7 @@ def local_rank(device: torch.device) -> int:
     return 0
 
 
-class trainer_process_kept:
+class TrainerProcessGuard:
     """Around vLLM's start-up in the trainer's process: its torch threads, `torch.set_num_threads`, random
     generators and garbage collector kept as they were, and the variables vLLM's `external_launcher` reads
     (rank, world size, local rank, rendezvous) set from the trainer's process group and `local_rank`, or for
