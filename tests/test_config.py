@@ -122,6 +122,17 @@ REFUSED = {
         "vllm_gpu_memory_utilization": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "vllm_enable_sleep_mode": NOT_A_FLAG,
         "vllm_enforce_eager": NOT_A_FLAG,
+        "vllm_mode": st.sampled_from(["Server", "colocated", "", True]),
+        "vllm_server_base_url": st.sampled_from([1, True, [], [""], ["http://a:1", 2]]),
+        "vllm_server_host": st.sampled_from([1, True, ["127.0.0.1"]]),
+        "vllm_server_port": st.sampled_from([0, -1, 65536, 8000.0, "8000", None]),
+        "vllm_server_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
+        "vllm_server_request_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
+        "vllm_group_port": st.sampled_from([0, 65536, "51216", None]),
+        "vllm_server_trainer_host": st.sampled_from([1, True, ["a"]]),
+        "vllm_server_weight_plane": st.sampled_from(["NCCL", "shm", "", None, True]),
+        "vllm_server_weights_dir": st.sampled_from([1, True, ["/dev/shm"]]),
+        "vllm_server_max_in_flight": ints_below(1) | NOT_A_NUMBER,
         "max_tool_calling_iterations": ints_below(1) | st.just(2.5) | st.just("3"),
         "max_tool_response_length": ints_below(1) | NOT_A_NUMBER,
         "tool_call_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
@@ -407,7 +418,16 @@ def test_every_option_is_documented_where_it_is_declared_and_shown_by_help(tiny_
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
 # String options that name something (a reward function, a file, a data set's column) rather than choose.
 # metric: dynamic_sampling.metric
-FREE_TEXT = {"metric", "gguf_file", "attn_implementation", "revision", "chat_template"}
+FREE_TEXT = {
+    "metric",
+    "gguf_file",
+    "attn_implementation",
+    "revision",
+    "chat_template",
+    "host",
+    "trainer_host",
+}
+FREE_TEXT |= {"weights_dir"}  # the server engine's: a host name, a folder
 DATA_FREE_TEXT = {"config_name", "system_prompt", "question_field", "answer_field"}
 
 
@@ -486,7 +506,7 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
                 f"model.grpo.{place}.",
                 shown,
                 FREE_TEXT,
-                [f.name for f in fields(section) if f.name != "vllm"],
+                [f.name for f in fields(section) if f.name not in ("vllm", "vllm_server")],
                 False,
             )
             for place, section in SECTIONS.items()

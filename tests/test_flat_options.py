@@ -33,6 +33,17 @@ ADDED_OPTIONS = {
     "top_entropy_quantile": 1.0,
     "logging_first_step": False,
     "chat_template_kwargs": None,
+    "vllm_mode": None,
+    "vllm_server_base_url": None,
+    "vllm_server_host": "127.0.0.1",
+    "vllm_server_port": 8000,
+    "vllm_server_timeout": 240.0,
+    "vllm_server_request_timeout": 600.0,
+    "vllm_group_port": 51216,
+    "vllm_server_trainer_host": None,
+    "vllm_server_weight_plane": "auto",
+    "vllm_server_weights_dir": None,
+    "vllm_server_max_in_flight": 64,
 }
 
 

@@ -1,7 +1,14 @@
-"""What the vLLM test files share: an engine on a model, and the gap between its sampled log-probs and the
-scorer's on the same tokens."""
+"""What the vLLM test files share: an engine on a model, the gap between its sampled log-probs and the
+scorer's on the same tokens, and `vllm serve` processes for the server engine."""
 
 from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -10,7 +17,9 @@ from transformers import PreTrainedModel
 from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions
+from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
 from grpo_lightning.core.types import Rollout
+from grpo_lightning.io.vllm_serve import serve_command, stop, wait_ready
 
 PROMPTS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])  # [2, 6] left-padded
 MASK = (PROMPTS != 0).long()  # [2, 6]
@@ -43,7 +52,7 @@ def scored(model: PreTrainedModel, rollout: Rollout, temperature: float = 1.0) -
 
 
 def sampled_gap(
-    engine: VLLMEngine,
+    engine: VLLMEngine | VLLMServerEngine,
     model: PreTrainedModel,
     G: int = 4,
     temperature: float = 1.0,
@@ -65,3 +74,59 @@ def adamw_steps(model: PreTrainedModel, steps: int = 3, lr: float = 1e-2) -> Non
         (-logprobs.mean()).backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------- vLLM servers
+SERVER_START_SECONDS = 400  # a server's start-up on 2 shared cores, tiny model, eager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_servers(
+    model_dir: str, count: int = 1, lora_rank: int | None = None, max_model_len: int = 128
+) -> Iterator[list[Server]]:
+    """`count` `vllm serve` processes of `model_dir` on 127.0.0.1 (float32, eager, 1 GB of KV cache, blocks of
+    32 tokens, the smallest vLLM's CPU attention takes: a short prompt fills whole blocks), started
+    together by `cli.py vllm-serve`'s command; each stopped (its process group) on exit."""
+    servers = []
+    try:
+        for _ in range(count):
+            port = free_port()
+            extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len)]
+            extra += ["--block-size", "32"]
+            command, env = serve_command(
+                model_dir, port=port, lora_rank=lora_rank, kv_cache_gb=1, extra=extra
+            )
+            log = tempfile.NamedTemporaryFile(prefix=f"vllm-server-{port}-", suffix=".log", delete=False)
+            process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=log)
+            servers.append(Server(f"http://127.0.0.1:{port}", process, log.name))
+        for server in servers:
+            try:
+                wait_ready(server.url, server.process, SERVER_START_SECONDS)
+            except (RuntimeError, TimeoutError) as err:
+                with open(server.log) as f:
+                    raise RuntimeError(f"{err}; its log ends:\n{f.read()[-3000:]}") from None
+        yield servers
+    finally:
+        for server in servers:
+            stop(server.process, grace=10)
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: str
+
+
+def server_engine(urls: list[str], **options) -> VLLMServerEngine:
+    """A server engine on `urls`: 8 new tokens, stop at id 2, pad 0; `options`: `VLLMServerOptions` fields."""
+    sampling = SamplingSettings(max_new_tokens=8, eos_token_ids=(2,), pad_token_id=0)
+    return VLLMServerEngine(
+        sampling, VLLMServerOptions(base_url=urls, **{"timeout": 30, **options}), max_len=64
+    )

@@ -17,14 +17,24 @@ from transformers import PreTrainedModel
 from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, RolloutEngine
 from grpo_lightning.core.generation.static_engine import STATIC_BACKEND
 from grpo_lightning.core.generation.vllm_engine import VLLM_BACKEND, VLLMOptions
+from grpo_lightning.core.generation.vllm_server import VLLM_SERVER_BACKEND, VLLMServerOptions
 from grpo_lightning.core.options import Alias, Choices, check_fields, option_error, warn_inert
 
-BACKENDS = Choices("backend", {"eager": EAGER_BACKEND, "static": STATIC_BACKEND, "vllm": VLLM_BACKEND})
+BACKENDS = Choices(
+    "backend",
+    {
+        "eager": EAGER_BACKEND,
+        "static": STATIC_BACKEND,
+        "vllm": VLLM_BACKEND,
+        "vllm_server": VLLM_SERVER_BACKEND,
+    },
+)
 AUTO = "auto"  # the engine picked for the device (`requested_backend`)
 # What "auto" takes on a device type: the first of these that imports; on any other device, and when none
 # does, eager decoding (on CPU compiling decodes no faster: BENCHMARKS.md, "Decoding").
 AUTO_PICKS = {"cuda": ("vllm", "static")}
 GenerationBackend = Literal[(AUTO, *BACKENDS)]
+VLLM_MODES = {"colocate": "vllm", "server": "vllm_server"}  # TRL's `vllm_mode`: the engine each names
 
 
 @dataclass(frozen=True)
@@ -33,31 +43,45 @@ class EngineOptions:
     engine's name (`GRPOConfig.engine`)."""
 
     backend: Annotated[GenerationBackend, Alias("generation_backend")] = AUTO
-    """How rollouts are decoded (`BACKENDS`, one entry per engine). "eager":
-    `generate` on the training policy with a dynamic KV cache
-    (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path). "static": `generate` with a
-    static KV cache on an inference copy of the policy that computes as the loss's scorer does (linear
-    weights in the compute dtype, LoRA adapters unmerged, under the trainer's autocast), refreshed in place
-    once before each rollout after the weights changed, its decoding step compiled once with CUDA graphs on
-    CUDA and run uncompiled on CPU (`grpo_lightning.core.generation.static_engine`); it costs the copy and
-    one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch shape. Both stop
-    decoding finished rows once at most half of a batch of more than 8 rows is live. "vllm": a colocated
-    vLLM engine on every rank, pushed the policy's weights before each rollout after they changed
-    (`grpo_lightning.core.generation.vllm_engine`; its options in `engine.vllm`). "auto" (the default): "vllm"
-    on CUDA where vLLM imports, else "static" on CUDA; "eager" elsewhere, since on CPU compiling decodes no
-    faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A model
-    the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA) falls
-    back to "eager" with one warning; a model with a sliding window (`sliding_window`, or `layer_types`:
+    """How rollouts are decoded (`BACKENDS`, one entry per engine). "eager": `generate` on the training policy
+    with a dynamic KV cache (`grpo_lightning.core.generation.engines.EagerEngine`, the reference path).
+    "static": `generate` with a static KV cache on an inference copy of the policy that computes as the loss's
+    scorer does (linear weights in the compute dtype, LoRA adapters unmerged, under the trainer's autocast),
+    refreshed in place once before each rollout after the weights changed, its decoding step compiled once
+    with CUDA graphs on CUDA and run uncompiled on CPU (`grpo_lightning.core.generation.static_engine`); it
+    costs the copy and one KV cache (both in the pre-flight's memory estimate) and a compile warm-up per batch
+    shape. Both stop decoding finished rows once at most half of a batch of more than 8 rows is live. "vllm":
+    a colocated vLLM engine on every rank, pushed the policy's weights before each rollout after they changed
+    (`grpo_lightning.core.generation.vllm_engine`; its options in `engine.vllm`). "vllm_server": running `vllm
+    serve` processes (`python cli.py vllm-serve`), pushed the policy's weights after each update
+    (`grpo_lightning.core.generation.vllm_server`; its options in `engine.vllm_server`). "auto" (the default):
+    "vllm" on CUDA where vLLM imports, else "static" on CUDA; "eager" elsewhere, since on CPU compiling
+    decodes no faster and the uncompiled copy is within a few percent of eager (BENCHMARKS.md, "Decoding"). A
+    model the static path cannot serve (sliding-window or linear-attention layers, a quantized base, DoRA)
+    falls back to "eager" with one warning; a model with a sliding window (`sliding_window`, or `layer_types`:
     `model_abilities.not_full_attention`) gets one warning for the three options it turns off.
     """
+    vllm_mode: Annotated[Literal["colocate", "server"] | None, Alias("vllm_mode")] = None
+    """TRL's choice between its two vLLM engines: "colocate" is `backend: vllm`, "server" `backend:
+    vllm_server`; None: `backend` alone decides. Given with a `backend` other than "auto" or the one it names,
+    the run is refused."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's options (`core.generation.vllm_engine.VLLMOptions`)."""
+    vllm_server: VLLMServerOptions = field(default_factory=VLLMServerOptions)
+    """The server engine's options (`core.generation.vllm_server.VLLMServerOptions`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.vllm_mode is not None:
+            named = VLLM_MODES[self.vllm_mode]
+            if self.backend not in (AUTO, named):
+                raise option_error(
+                    self, "vllm_mode", self.vllm_mode, f"it is backend {named!r}, not {self.backend!r}"
+                )
+            object.__setattr__(self, "backend", named)
         for engine in fields(self):
             own = getattr(self, engine.name)
-            if engine.name != "backend" and self.backend not in (AUTO, engine.name):
+            if engine.name not in ("backend", "vllm_mode") and self.backend not in (AUTO, engine.name):
                 for option in fields(own):
                     warn_inert(own, option.name, f"engine.backend: {engine.name} (or {AUTO})")
 

@@ -1,0 +1,431 @@
+"""Rollouts from stock `vllm serve` processes beside the trainer (`generation_backend: vllm_server`, TRL's
+`vllm_mode: server`): N servers started apart (`python cli.py vllm-serve`, or any `vllm serve` with the flags
+it adds), on other GPUs or another node, each serving the policy's checkpoint.
+
+- **What it samples.** Each prompt's ids go to `/v1/completions` as ids, its G completions one request
+  (`n=G`: the prompt prefilled once), every `SamplingSettings` field in the request
+  (`vllm_client.completion_body`); each drawn id comes back with its log-prob under the distribution it was
+  drawn from (the servers' `processed_logprobs`): `Rollout.sampler_logprobs`, as from the colocated engine.
+  Requests run concurrently (at most `max_in_flight`), each server taking the least-loaded share, a
+  multi-turn sample's later turns going to the server holding its earlier ones (`vllm_client.ServerRouter`).
+  `submit` sends a batch and returns at once; its `result()` waits: requests can run while the trainer works.
+- **Weights** (`refresh`, before the first rollout after they changed): pushed over the data plane of
+  `weight_plane` (`vllm_push`: `disk`, `lora`, `nccl`), then every server's prefix cache reset and its weight
+  version set to `policy-K` and read back. Under DDP or FSDP2 every rank reads the weights in lock-step (a
+  collective under FSDP2), rank 0 alone pushes, and the others wait at a barrier until it has.
+- **Never a hang, never a wrong model.** Every HTTP call times out (`request_timeout`); a server that stops
+  answering ends the run with one `ServerError` naming the server and the call. Before the first push
+  (`check_servers`), servers that do not answer within `timeout`, or serve another architecture or vocabulary,
+  a `max_model_len` below prompt + completion, or no LoRA (or too small a rank) for a LoRA policy, are refused
+  in one line each.
+
+No Lightning and no vLLM import here (the NCCL plane imports vLLM's communicator on first use).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import PretrainedConfig, PreTrainedModel
+
+from grpo_lightning.core.generation.engines import (
+    Backend,
+    EngineMemory,
+    EngineRequest,
+    MemoryRequest,
+    RolloutEngine,
+    rollout_speed,
+)
+from grpo_lightning.core.generation.inference_copy import WeightSource, active_lora, hf_model, own_weights
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.generation.vllm_client import (
+    ServedModel,
+    ServerError,
+    ServerRouter,
+    VLLMServer,
+    served_model,
+    wait_until_up,
+)
+from grpo_lightning.core.generation.vllm_engine import _adapter_weights, vllm_unsupported
+from grpo_lightning.core.generation.vllm_push import (
+    DiskPlane,
+    LoRAPlane,
+    NCCLPlane,
+    checkpoint_weights,
+    push_folder,
+    stamp_version,
+)
+from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields, option_error
+from grpo_lightning.core.types import Rollout
+
+WeightPlane = Literal["auto", "nccl", "disk", "lora"]
+WORKER_EXTENSION = "grpo_lightning.io.vllm_worker.PushExtension"  # `cli.py vllm-serve` starts servers with it
+
+
+@dataclass(frozen=True)
+class VLLMServerOptions:
+    """The server engine's options (`GRPOConfig.engine.vllm_server`), read with `engine.backend: vllm_server`
+    (or TRL's `vllm_mode: server`)."""
+
+    base_url: Annotated[str | list[str] | None, Alias("vllm_server_base_url")] = None
+    """The servers' URLs (`http://host:port`), one or a list (several servers share the requests); None: the
+    one server at `vllm_server_host`:`vllm_server_port`. TRL: `vllm_server_base_url` (one URL)."""
+    host: Annotated[str, Alias("vllm_server_host")] = "127.0.0.1"
+    """The server's host when `vllm_server_base_url` is None. TRL: `vllm_server_host`."""
+    port: Annotated[int, Range("> 0, < 65536"), Alias("vllm_server_port")] = 8000
+    """The server's port when `vllm_server_base_url` is None. TRL: `vllm_server_port`."""
+    timeout: Annotated[PositiveFloat, Alias("vllm_server_timeout")] = 240.0
+    """Seconds to wait for every server to answer at the start (a server still loading its model); then the
+    run is refused naming those that did not. TRL: `vllm_server_timeout`."""
+    request_timeout: Annotated[PositiveFloat, Alias("vllm_server_request_timeout")] = 600.0
+    """Seconds any one call to a server may go without an answer (a rollout's request, a push's step) before
+    the run ends with one error naming the server and the call. TRL: none."""
+    group_port: Annotated[int, Range("> 0, < 65536"), Alias("vllm_group_port")] = 51216
+    """The port of the NCCL group's rendezvous on the trainer's rank 0 (`weight_plane: nccl`); the servers'
+    workers connect to it at the trainer's address as they see it (`vllm_server_trainer_host`). TRL:
+    `vllm_group_port`."""
+    trainer_host: Annotated[str | None, Alias("vllm_server_trainer_host")] = None
+    """The trainer's rank-0 address as the servers reach it (`weight_plane: nccl`); None: the servers' own
+    host when it is this machine (`127.0.0.1`), else this machine's host name. TRL: none."""
+    weight_plane: Annotated[WeightPlane, Alias("vllm_server_weight_plane")] = "auto"
+    """How the weights reach the servers after each update (`vllm_push`): "nccl" (vLLM's NCCL weight
+    transfer from the trainer's rank 0; GPUs only), "disk" (safetensors in `vllm_server_weights_dir`, loaded
+    by `reload_weights`: the servers must read that folder), "lora" (the adapter alone, loaded under a new
+    name per push; a LoRA policy, servers started with `--enable-lora`). "auto": "lora" for a LoRA policy,
+    else "nccl" when the trainer is on CUDA, else "disk". TRL: none (NCCL always)."""
+    weights_dir: Annotated[str | None, Alias("vllm_server_weights_dir")] = None
+    """Where the disk and LoRA planes write each push, a folder the servers read; None: shared memory
+    (`/dev/shm`) where present, else the temporary folder: right for servers on the trainer's machine. TRL:
+    none."""
+    max_in_flight: Annotated[PositiveInt, Alias("vllm_server_max_in_flight")] = 64
+    """Requests (one per prompt, its G completions) in flight at once over all servers; the rest queue in the
+    trainer. TRL: none."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server's base URL."""
+        if self.base_url is None:
+            return [f"http://{self.host}:{self.port}"]
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+
+
+def check_servers(
+    options: VLLMServerOptions, config: PretrainedConfig, max_len: int, lora_rank: int | None
+) -> list[ServedModel]:
+    """Before any weights load: wait up to `options.timeout` for every server, then refuse, in one line each,
+    one that serves another architecture or vocabulary than `config`'s, takes fewer than `max_len` tokens per
+    request, or (a LoRA policy of rank `lora_rank`) serves no LoRA or a smaller rank. What each serves."""
+    servers = [VLLMServer(url, options.request_timeout) for url in options.urls]
+    wait_until_up(servers, options.timeout)
+    architecture = (config.architectures or ["?"])[0]
+    vocab = config.get_text_config(decoder=True).vocab_size
+    served = []
+    for server in servers:
+        model = served_model(server)
+        where = f"vLLM server {server.url} serves {model.name}"
+        if model.architecture != architecture:
+            raise ServerError(f"{where}, a {model.architecture}: the policy is a {architecture}")
+        if model.vocab_size != vocab:
+            raise ServerError(f"{where} with {model.vocab_size} tokens: the policy's vocabulary has {vocab}")
+        if model.max_model_len < max_len:
+            raise ServerError(
+                f"{where} with max_model_len={model.max_model_len}: prompt + completion need {max_len} "
+                "(restart it with --max-model-len)"
+            )
+        if lora_rank is not None and (model.max_lora_rank or 0) < lora_rank:
+            got = (
+                "without LoRA"
+                if model.max_lora_rank is None
+                else f"with --max-lora-rank {model.max_lora_rank}"
+            )
+            raise ServerError(
+                f"{where} {got}: the policy's adapter has rank {lora_rank} (start it with `python cli.py "
+                f"vllm-serve --lora-rank {lora_rank}`)"
+            )
+        tied = config.get_text_config(decoder=True).tie_word_embeddings
+        if tied and model.device == "cpu" and model.worker_extension != WORKER_EXTENSION:
+            raise ServerError(
+                f"{where} on CPU without --worker-extension-cls {WORKER_EXTENSION}: the policy's LM "
+                "head is tied and vLLM's CPU build keeps a packed copy of it that a push must repack (start "
+                "the server with `python cli.py vllm-serve`)"
+            )
+        served.append(model)
+    return served
+
+
+@dataclass
+class PendingRollout:
+    """A batch's requests in flight (`VLLMServerEngine.submit`); `result()` waits for them and builds the
+    `Rollout`."""
+
+    engine: VLLMServerEngine
+    futures: list[Future]
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P]
+    num_generations: int
+    settings: SamplingSettings
+    do_sample: bool
+    start: float
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> Rollout:
+        G, s = self.num_generations, self.settings
+        rows = [row for f in self.futures for row in f.result()]
+        if not self.do_sample:  # one greedy completion per prompt, repeated to the group
+            rows = [row for row in rows for _ in range(G)]
+        rollout = rollout_of_rows(rows, self.prompt_ids, self.prompt_mask, G, s, self.do_sample)
+        seconds = time.perf_counter() - self.start
+        self.engine.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), seconds)
+        return rollout
+
+
+def rollout_of_rows(
+    rows: list[tuple[list[int], list[float]]],
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    G: int,
+    settings: SamplingSettings,
+    do_sample: bool,
+) -> Rollout:
+    """The `Rollout` of N*G completions (ids and each one's log-prob) of `prompt_ids` `[N, P]`: right-padded
+    with the pad id, log-probs 0 after the end (None greedy), a row that ended without a stop id truncated."""
+    T = max(1, max(len(ids) for ids, _ in rows))
+    ids = torch.full((len(rows), T), settings.pad_token_id, dtype=torch.long)  # [N*G, T]
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # [N*G, T]
+    logprobs = torch.zeros((len(rows), T), dtype=torch.float32)  # [N*G, T]
+    eos = set(settings.eos_token_ids)
+    truncated = torch.ones(len(rows), dtype=torch.bool)  # [N*G]
+    for i, (tokens, token_logprobs) in enumerate(rows):
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, : len(tokens)] = 1
+        truncated[i] = not (tokens and tokens[-1] in eos)
+        logprobs[i, : len(tokens)] = torch.tensor(token_logprobs, dtype=torch.float32)
+    device = prompt_ids.device
+    return Rollout(
+        prompt_ids.repeat_interleave(G, dim=0),  # [N*G, P]
+        prompt_mask.repeat_interleave(G, dim=0),
+        ids.to(device),
+        mask.to(device),
+        truncated.to(device),
+        logprobs.to(device) if do_sample else None,
+    )
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Rollouts from running vLLM servers, pushed the policy's weights before the first rollout after they
+    changed (see the module docstring).
+
+    Args:
+        settings: what every sampled token obeys (a call may pass its own).
+        options: the engine's options (`VLLMServerOptions`, each documented there).
+        max_len: the longest prompt + completion a request may hold (the pre-flight checks the servers'
+            `max_model_len`).
+        weights: where the pushed weights come from (`WeightSource`; default the policy's own tensors).
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        options: VLLMServerOptions,
+        *,
+        max_len: int,
+        weights: WeightSource = own_weights,
+    ) -> None:
+        self.settings, self.options, self.max_len, self.weights = settings, options, max_len, weights
+        self.router: ServerRouter | None = None  # opened by the first `refresh`, after the pre-flight
+        self.plane = None
+        self.stale = True
+        self.run_id = uuid.uuid4().hex[:8]
+        self.refreshes = 0
+        self.push_seconds = 0.0
+        self.push_bytes = 0
+        self.last_speed: dict[str, float] = {}
+        self.folder: str | None = None
+
+    @property
+    def reads_live_weights(self) -> bool:
+        """Never: the servers hold their own copy, which `refresh` fills."""
+        return False
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed: they are pushed before the next rollout."""
+        self.stale = True
+
+    @staticmethod
+    def _pusher() -> bool:
+        """Whether this process talks to the servers: rank 0, or a single process."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def _start(self, model: PreTrainedModel, device: torch.device) -> None:
+        adapter = active_lora(model)
+        lora_rank = adapter[1].r if adapter is not None else None
+        servers = check_servers(self.options, hf_model(model).config, self.max_len, lora_rank)
+        self.router = ServerRouter(
+            [VLLMServer(url, self.options.request_timeout) for url in self.options.urls],
+            servers[0].name,
+            self.options.max_in_flight,
+        )
+        plane = self.options.weight_plane
+        if plane == "auto":
+            plane = "lora" if adapter is not None else "nccl" if device.type == "cuda" else "disk"
+        if (plane == "lora") != (adapter is not None):
+            why = "a LoRA policy pushes its adapter alone" if adapter else "the policy has no LoRA adapter"
+            raise option_error(self.options, "weight_plane", plane, why)
+        if plane == "nccl" and device.type != "cuda":
+            raise option_error(self.options, "weight_plane", plane, "NCCL needs the trainer on CUDA")
+        dummy = [url for url, m in zip(self.options.urls, servers, strict=True) if m.load_format == "dummy"]
+        if plane in ("disk", "lora") and dummy:
+            raise ServerError(
+                f"vLLM server {dummy[0]} was started with --load-format dummy: the {plane} plane's reload "
+                "reads files in the server's load format, which dummy cannot (restart it without it)"
+            )
+        if not self._pusher():
+            return
+        if plane in ("disk", "lora"):
+            self.folder = push_folder(self.options.weights_dir)
+        tied = bool(hf_model(model).config.get_text_config(decoder=True).tie_word_embeddings)
+        if plane == "disk":
+            self.plane = DiskPlane(self.router, self.folder, tied)
+        elif plane == "lora":
+            config = model.peft_config[adapter[0]]
+            self.plane = LoRAPlane(self.router, self.folder, adapter[0], config.save_pretrained, tied)
+        else:
+            host = self.options.trainer_host or _trainer_host(self.options.urls)
+            self.plane = NCCLPlane(self.router, host, self.options.group_port, self.options.request_timeout)
+
+    def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
+        """Check the servers on the first call, then push the policy's weights if they changed since the last
+        push (every rank at the same point: rank 0 pushes, the others read the weights with it and wait)."""
+        if self.router is None:
+            self._start(model, torch.device(device))
+        if not self.stale:
+            return
+        start = time.perf_counter()
+        version = f"policy-{self.run_id}-{self.refreshes + 1}"  # unique on servers that outlive runs
+        failure: ServerError | None = None
+        with torch.no_grad():
+            weights = self._weights(model)
+            if self.plane is None:
+                for _ in weights:  # another rank: in step with rank 0's gathers
+                    pass
+            else:
+                try:  # every plane reads all the weights before its first call to a server
+                    self.push_bytes = self.plane.push(weights, version)
+                    stamp_version(self.router, version)
+                except ServerError as err:
+                    failure = err
+        if dist.is_initialized():
+            # In place of a barrier: the other ranks sample only once rank 0's push is in, and end with it
+            # when it failed, rather than wait for it at their next collective.
+            failed = torch.tensor([float(failure is not None)], device=device)
+            dist.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise ServerError(
+                    "rank 0's push of the weights to the vLLM servers failed (its error says why)"
+                )
+        if failure is not None:
+            raise failure
+        self.push_seconds = time.perf_counter() - start
+        self.refreshes += 1
+        self.stale = False
+
+    def _weights(self, model: PreTrainedModel) -> Iterable[tuple[str, Tensor]]:
+        """What this push reads (the same on every rank: gathers under FSDP2): a LoRA policy's adapter alone
+        once its base is in, else every weight, in checkpoint names except a LoRA policy's (its plane splits
+        them)."""
+        if active_lora(model) is None:
+            return checkpoint_weights(iter(self.weights(model)))
+        return _adapter_weights(model) if self.refreshes else self.weights(model)
+
+    def submit(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+        settings: SamplingSettings | None = None,
+    ) -> PendingRollout:
+        """Send the requests of `num_generations` completions per prompt of `prompt_ids` `[N, P]`
+        (left-padded) and return at once; the result's `result()` waits for them (`generate`'s rollout)."""
+        self.refresh(model, prompt_ids.device)
+        s = settings or self.settings
+        kept = zip(prompt_ids, prompt_mask.bool(), strict=True)  # [P] each: the prompt without its padding
+        prompts = [row[keep].tolist() for row, keep in kept]
+        start = time.perf_counter()
+        futures = [self.router.submit(p, s, num_generations, do_sample) for p in prompts]
+        return PendingRollout(self, futures, prompt_ids, prompt_mask, num_generations, s, do_sample, start)
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        do_sample: bool = True,
+        settings: SamplingSettings | None = None,
+    ) -> Rollout:
+        """`num_generations` completions per prompt of `prompt_ids` `[N, P]` (left-padded): N*G rows."""
+        pending = self.submit(
+            model,
+            prompt_ids,
+            prompt_mask,
+            num_generations=num_generations,
+            do_sample=do_sample,
+            settings=settings,
+        )
+        return pending.result()
+
+    def metrics(self) -> dict[str, float]:
+        """The last call's speed, the pushes so far, the last one's seconds and bytes."""
+        pushes = {"weight_pushes": float(self.refreshes), "push_seconds": self.push_seconds}
+        return {**self.last_speed, **pushes, "push_bytes": float(self.push_bytes)}
+
+    def close(self) -> None:
+        """Stop the request threads and delete the pushed files; the servers keep running."""
+        import shutil
+
+        if self.router is not None:
+            self.router.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+
+def _trainer_host(urls: Iterable[str]) -> str:
+    """The trainer's address as servers at `urls` reach it: loopback when they all run here."""
+    import socket
+    from urllib.parse import urlparse
+
+    local = {"127.0.0.1", "localhost", "::1"}
+    return "127.0.0.1" if all(urlparse(u).hostname in local for u in urls) else socket.getfqdn()
+
+
+# -------------------------------------------------------------------------------------- registry entry
+def _vllm_server(request: EngineRequest, options: VLLMServerOptions) -> VLLMServerEngine:
+    sampling = request.sampling
+    max_len = (sampling.max_prompt_length or 0) + sampling.max_completion_length
+    return VLLMServerEngine(request.settings, options, max_len=max_len, weights=request.weights)
+
+
+def _server_memory(engine: VLLMServerEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:
+    # The servers hold the weights and KV cache on their own devices: nothing on the trainer's.
+    return EngineMemory(0, 0, 0, 0)
+
+
+VLLM_SERVER_BACKEND = Backend(_vllm_server, vllm_unsupported, _server_memory)

@@ -1,0 +1,340 @@
+"""The server engine's requests without vLLM (the real servers: `tests/vllm_backend/test_vllm_server.py`):
+
+- what goes to `/v1/completions` (token ids, every sampling setting, the drawn ids' log-probs asked for) and
+  how its answer becomes a `Rollout`; the NCCL plane's bodies (ranks of each server's workers, the update's
+  names, dtypes and shapes);
+- against a local stand-in of a server's routes: the router's least-loaded choice and its sticky
+  continuations, a push's order of calls (reload, prefix cache, version), and the one-line refusals: no
+  answer within the timeout, a refused connection, another model;
+- TRL's `vllm_mode: server` selecting the engine, and `cli.py vllm-serve`'s command.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.generation.vllm_client import (
+    ServerError,
+    ServerRouter,
+    VLLMServer,
+    completion_body,
+    completion_rows,
+)
+from grpo_lightning.core.generation.vllm_push import nccl_init_bodies, update_info
+from grpo_lightning.core.generation.vllm_server import (
+    VLLMServerEngine,
+    VLLMServerOptions,
+    check_servers,
+    rollout_of_rows,
+)
+from grpo_lightning.io.vllm_serve import serve_command
+
+SETTINGS = SamplingSettings(
+    max_new_tokens=6,
+    min_new_tokens=1,
+    eos_token_ids=(2, 7),
+    pad_token_id=0,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=5,
+)
+
+
+class StandIn:
+    """A local stand-in of a vLLM server's routes: completions answer ids 10, 11, ... then 2 (`n` of them),
+    log-prob -0.5 each; it records every call. `delay`: seconds before each completion's answer."""
+
+    def __init__(self, vocab: int = 400, max_model_len: int = 128, delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.vocab, self.max_model_len, self.delay = vocab, max_model_len, delay
+        self.version = "default"
+        self.load_format = "auto"
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                stand_in.calls.append((self.path, {}))
+                if self.path.startswith("/server_info"):
+                    model = {"served_model_name": "tiny", "max_model_len": stand_in.max_model_len}
+                    load = {"load_format": stand_in.load_format}
+                    self._answer(
+                        {"vllm_config": {"model_config": model, "lora_config": None, "load_config": load}}
+                    )
+                elif self.path == "/weight_info":
+                    self._answer({"weight_version": stand_in.version})
+                else:
+                    self._answer({"data": [{"id": "tiny"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                stand_in.calls.append((self.path, body))
+                if self.path == "/v1/completions":
+                    time.sleep(stand_in.delay)
+                    n = body["n"]
+                    ids = [10 + i for i in range(3)] + [2]
+                    choices = [
+                        {"index": i, "token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * 4}}
+                        for i in range(n)
+                    ]
+                    self._answer({"choices": choices})
+                elif self.path == "/collective_rpc" and body["method"] == "get_model_inspection":
+                    embedding = f"VocabParallelEmbedding(org_vocab_size={stand_in.vocab})"
+                    tree = f"LlamaForCausalLM()(\n  (embed_tokens): {embedding}"
+                    self._answer({"results": [tree]})
+                elif self.path == "/update_weight_version":
+                    stand_in.version = body["new_version"]
+                    self._answer({"success": True})
+                else:
+                    self._answer({"success": True})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def routes(self) -> list[str]:
+        return [route for route, _ in self.calls]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_ins():
+    servers = [StandIn(), StandIn()]
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    values = {"vocab_size": 400, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    return LlamaConfig(**{**values, **overrides}, architectures=["LlamaForCausalLM"])
+
+
+def test_a_completion_body_carries_the_ids_and_every_setting():
+    body = completion_body("tiny", [5, 6, 7], SETTINGS, 4, do_sample=True)
+    assert body["prompt"] == [5, 6, 7] and body["model"] == "tiny" and body["n"] == 4
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 5)
+    assert (body["max_tokens"], body["min_tokens"], body["stop_token_ids"]) == (6, 1, [2, 7])
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True
+    assert "seed" not in body
+    assert (body["repetition_penalty"], body["min_p"], body["presence_penalty"]) == (1.0, 0.0, 0.0)
+    greedy = completion_body("tiny", [5], SETTINGS, 4, do_sample=False)
+    assert greedy["n"] == 1 and greedy["temperature"] == 0.0 and "top_p" not in greedy
+
+
+def test_an_answer_becomes_a_rollout_in_order_right_padded():
+    answer = {
+        "choices": [
+            {"index": 1, "token_ids": [4, 5, 6], "logprobs": {"token_logprobs": [-1.0, -2.0, -3.0]}},
+            {"index": 0, "token_ids": [8, 2], "logprobs": {"token_logprobs": [-0.5, -0.25]}},
+        ]
+    }
+    rows = completion_rows(answer)
+    assert rows[0] == ([8, 2], [-0.5, -0.25])
+    prompts = torch.tensor([[0, 3, 4]])  # [1, 3]
+    rollout = rollout_of_rows(rows, prompts, (prompts != 0).long(), 2, SETTINGS, do_sample=True)
+    assert rollout.completion_ids.tolist() == [[8, 2, 0], [4, 5, 6]]
+    assert rollout.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert rollout.sampler_logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert rollout.truncated.tolist() == [False, True], "the row without a stop id ran out of tokens"
+    assert rollout.prompt_ids.shape == (2, 3)
+
+
+def test_the_nccl_bodies_rank_every_servers_workers_after_the_trainer():
+    bodies = nccl_init_bodies("10.0.0.1", 51216, [2, 1])
+    infos = [b["init_info"] for b in bodies]
+    assert [i["rank_offset"] for i in infos] == [1, 3] and {i["world_size"] for i in infos} == {4}
+    assert all(i["packed"] and i["master_address"] == "10.0.0.1" and i["master_port"] == 51216 for i in infos)
+    weights = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
+    assert update_info(weights) == {
+        "update_info": {
+            "names": ["a.weight", "b.bias"],
+            "dtype_names": ["bfloat16", "float32"],
+            "shapes": [[2, 3], [4]],
+        }
+    }
+
+
+def test_the_router_takes_the_least_loaded_server_and_keeps_a_continuation(stand_ins):
+    for s in stand_ins:
+        s.delay = 0.2
+    router = ServerRouter([VLLMServer(s.url, 5) for s in stand_ins], "tiny", max_in_flight=4)
+    futures = [router.submit([3, i], SETTINGS, 2, True) for i in range(4)]
+    rows = [f.result() for f in futures]
+    counts = [s.routes().count("/v1/completions") for s in stand_ins]
+    assert counts == [2, 2], "four requests in flight at once, two on each server"
+    continuation = [3, 0, *rows[0][0][0], 99]  # prompt 0, its first completion, a tool turn
+    picked = router._pick(continuation)
+    assert picked.url == router.sticky[tuple([3, 0, *rows[0][0][0]])].url
+    router.close()
+
+
+def test_a_push_reloads_then_resets_the_cache_then_stamps_the_version(stand_ins, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    engine = VLLMServerEngine(
+        SETTINGS,
+        VLLMServerOptions(base_url=[s.url for s in stand_ins], timeout=5, weights_dir=str(tmp_path)),
+        max_len=64,
+    )
+    prompts = torch.tensor([[0, 5, 6]])
+    rollout = engine.generate(model, prompts, (prompts != 0).long(), num_generations=3)
+    assert rollout.completion_ids.shape == (3, 4)
+    for s in stand_ins:
+        pushed = [
+            r for r in s.routes() if r in ("/collective_rpc", "/reset_prefix_cache", "/update_weight_version")
+        ]
+        assert pushed[-3:] == ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+        assert s.version == f"policy-{engine.run_id}-1"
+    reload = next(
+        b for r, b in stand_ins[0].calls if r == "/collective_rpc" and b["method"] == "reload_weights"
+    )
+    from safetensors.torch import load_file
+
+    written = load_file(reload["kwargs"]["weights_path"] + "/model.safetensors")
+    assert set(written) == {n for n, _ in model.named_parameters()}
+    engine.generate(model, prompts, (prompts != 0).long(), num_generations=3)
+    assert engine.refreshes == 1, "no push without a weight change"
+    engine.close()
+    assert not list(tmp_path.iterdir()), "the pushed files are removed"
+    stand_ins[1].load_format = "dummy"  # random weights at the start: reload_weights cannot read files
+    engine = VLLMServerEngine(
+        SETTINGS, VLLMServerOptions(base_url=[s.url for s in stand_ins], timeout=5), max_len=64
+    )
+    with pytest.raises(
+        ServerError, match=rf"^vLLM server {stand_ins[1].url} was started with --load-format dummy"
+    ):
+        engine.refresh(model, torch.device("cpu"))
+
+
+def test_servers_refused_in_one_line_each(stand_ins):
+    options = VLLMServerOptions(base_url=stand_ins[0].url, timeout=5)
+    assert check_servers(options, tiny_config(), 64, None)[0].vocab_size == 400
+    with pytest.raises(ServerError, match=r"serves tiny with 400 tokens: the policy's vocabulary has 512$"):
+        check_servers(options, tiny_config(vocab_size=512), 64, None)
+    with pytest.raises(ServerError, match=r"max_model_len=128: prompt \+ completion need 200"):
+        check_servers(options, tiny_config(), 200, None)
+    with pytest.raises(ServerError, match=r"without LoRA: the policy's adapter has rank 8"):
+        check_servers(options, tiny_config(), 64, 8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ServerError, match=rf"^vLLM server\(s\) http://127.0.0.1:{port} not reachable within"):
+        check_servers(
+            VLLMServerOptions(base_url=f"http://127.0.0.1:{port}", timeout=1), tiny_config(), 64, None
+        )
+    assert time.monotonic() - started < 8
+
+
+def test_a_server_that_stops_answering_times_out_in_one_line():
+    with socket.socket() as listening:  # accepts connections, never answers
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(4)
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(ServerError) as err:
+            VLLMServer(url, timeout=1).post("/v1/completions", {"prompt": [1]})
+        assert time.monotonic() - started < 5
+    assert str(err.value) == f"vLLM server {url}: POST /v1/completions failed: no answer within 1 s"
+
+
+def test_trls_vllm_mode_selects_the_engine():
+    config = GRPOConfig(vllm_mode="server", vllm_server_host="10.0.0.2", vllm_server_port=8001)
+    assert config.engine.backend == "vllm_server"
+    assert config.engine.vllm_server.urls == ["http://10.0.0.2:8001"]
+    assert GRPOConfig(vllm_mode="colocate").engine.backend == "vllm"
+    several = GRPOConfig(generation_backend="vllm_server", vllm_server_base_url=["http://a:1", "http://b:2"])
+    assert several.engine.vllm_server.urls == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match=r"vllm_mode='server'.*it is backend 'vllm_server', not 'static'"):
+        GRPOConfig(vllm_mode="server", generation_backend="static")
+
+
+def test_the_serve_command_has_the_flags_the_pushes_need():
+    command, env = serve_command("m", port=8123, lora_rank=12, extra=["--dtype", "float32"])
+    text = " ".join(command)
+    assert "-m vllm.entrypoints.openai.api_server --model m --host 127.0.0.1 --port 8123" in text
+    assert '--weight-transfer-config {"backend": "nccl"}' in text
+    assert "--logprobs-mode processed_logprobs --max-logprobs -1" in text
+    assert "--worker-extension-cls grpo_lightning.io.vllm_worker.PushExtension" in text
+    assert "--generation-config vllm" in text, "the checkpoint's sampling defaults stay out"
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in text, "rank 12 takes vLLM's slot of 16"
+    assert command[-2:] == ["--dtype", "float32"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+FAKE_SERVER = """
+import argparse, http.server
+parser = argparse.ArgumentParser()
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *a):
+        pass
+
+
+http.server.HTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+def test_vllm_serve_says_where_it_listens_and_stops_its_server_on_sigterm(tmp_path):
+    """`main` with a stand-in server module: it prints the URL once the server answers; SIGTERM stops both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "fake_vllm_server.py").write_text(FAKE_SERVER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys; import grpo_lightning.io.vllm_serve as v; v.SERVER_MODULE = 'fake_vllm_server'; "
+        f"sys.exit(v.main(['--model', 'm', '--port', '{port}', '--ready-timeout', '60']))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line.startswith(f"vLLM server for m listening on http://127.0.0.1:{port} (pid ")
+        server_pid = int(line.split("(pid ")[1].split(")")[0])
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(server_pid, 0)
+    finally:
+        launcher.kill()
