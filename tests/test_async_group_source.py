@@ -18,6 +18,7 @@ from grpo_lightning.core.group_source import SynchronousGroupSource, group_sourc
 from grpo_lightning.core.rewards.scoring import trainer_state
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.core.update import MicroBatchSums, build_trajectory, micro_batch_loss
+from grpo_lightning.training.training_state import load_grpo_state, save_grpo_state
 
 SERVER = dict(generation_backend="vllm_server", num_generations=2, max_completion_length=6)
 
@@ -229,16 +230,21 @@ def test_a_batch_older_than_max_staleness_never_reaches_the_loss_and_is_sampled_
 
 
 def test_the_batches_in_flight_are_saved_with_a_checkpoint_and_resume_goes_on_with_them(tmp_path):
-    """Stopped after 5 batches, the state saved through a weights-only checkpoint, a new source goes on:
+    """Stopped after 5 batches, the state saved through a weights-only checkpoint (the module's own calls),
+    a new source goes on:
     the two runs together train what one straight run trains, in the same order, with the same stamps."""
     _, sampler, straight = sources(2)
     expected, _ = run(straight, sampler, BATCHES)
 
     _, sampler, first = sources(2)
     before, version = run(first, sampler, BATCHES[:5])
-    torch.save(first.state_dict(), tmp_path / "source.pt")
+    checkpoint = {"global_step": version}
+    save_grpo_state(checkpoint, 0, {}, first.state_dict())
+    torch.save(checkpoint, tmp_path / "state.ckpt")
+    own = load_grpo_state(torch.load(tmp_path / "state.ckpt", weights_only=True), 0, 1)
     _, sampler, resumed = sources(2)
-    resumed.load_state_dict(torch.load(tmp_path / "source.pt", weights_only=True))
+    resumed.load_state_dict(own.group_source)
+    assert [e.scored.policy_version for e in resumed.in_flight] == [1, 2], "saved scored, with their stamps"
     after, _ = run(resumed, sampler, BATCHES[5:], start=version)
     assert before + after == expected
 
