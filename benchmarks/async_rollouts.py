@@ -106,6 +106,7 @@ def run(args: argparse.Namespace, staleness: int, seed: int) -> dict[str, float]
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[throughput],
     )
     trainer.fit(module, data)
@@ -153,8 +154,8 @@ def main() -> int:
         accuracy = [r["val_accuracy"] for r in rows if "val_accuracy" in r]
         acc = f"{statistics.mean(accuracy):.3f} over {len(accuracy)}" if accuracy else "-"
         speedup = f"{rate / base:.2f}x" if base else "-"
-        hidden = statistics.median(r["hidden"] for r in rows)
-        print(f"| {staleness} | {rate:.2f} | {speedup} | {hidden:.2f} | {acc} |")
+        hidden = f"{statistics.median(r['hidden'] for r in rows):.2f}" if staleness else "-"
+        print(f"| {staleness} | {rate:.2f} | {speedup} | {hidden} | {acc} |")
     return 0
 
 
