@@ -6,13 +6,18 @@ of the tiny model with its LM head tied): `GRPOModule` with `max_staleness: 2` o
   on them (the check can fail).
 - No group older than 2 optimizer steps reaches the loss, and the stale ones are corrected: the anchor is
   computed, and the importance weights are logged.
-- Every prompt the data loader handed is trained once or still in flight at the end, none twice.
+- Every prompt the data loader handed is trained once or still in flight at the end, none twice; also under
+  2 gloo DDP ranks (`max_staleness: 1`), each submitting its own prompts, rank 0 alone pushing, the ranks'
+  weights equal at the end.
 
 The source: `core.async_group_source`; the engine: `core.generation.vllm_server`."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import sys
 
 import lightning as L
 import pytest
@@ -21,8 +26,10 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.async_group_source import AsyncGroupSource
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
+from tests.test_distributed import launch, strategy_for
 from tests.vllm_backend.helpers import running_servers
 
 
@@ -102,3 +109,67 @@ def test_max_staleness_2_trains_each_prompt_once_on_groups_stamped_with_their_we
     assert sorted(trained + in_flight) == sorted(handed), "none lost: the rest wait in flight"
     assert sorted(weights) == [0, 1, 2, 3], "6 batches: 3 under the first weights, one after each update"
     assert module.rollouts.engine.refreshes == 4, "one push per version sampled under, the first included"
+
+
+def train_on_rank(cfg: dict) -> None:
+    """3 updates of `max_staleness: 1` on this rank; writes `rank<r>.json`: the prompts handed, trained and
+    in flight, each update's staleness, the pushes and the weights' sum."""
+    torch.manual_seed(0)
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        preflight=False,
+        log_completions_every=0,
+        generation_backend="vllm_server",
+        vllm_server_base_url=cfg["url"],
+        vllm_server_timeout=30,
+        max_staleness=1,
+    )
+    module = GRPOModule(cfg["model"], reward_funcs=[digit_reward], grpo=grpo)
+    handed, trained, staleness = [], [], []
+    source_next = module.group_source.next
+
+    def next_groups(batch, state):
+        handed.extend(map(str, batch["prompt"]))
+        groups = source_next(batch, state)
+        if groups is not None:
+            trained.extend(map(str, groups.prompts))
+            staleness.append(state.global_step - groups.policy_version)
+        return groups
+
+    module.group_source.next = next_groups
+    trainer = quiet_trainer(strategy=strategy_for(cfg), devices=2, max_steps=3, limit_val_batches=0)
+    trainer.fit(module, arithmetic_data(16))
+    engine = module.rollouts.engine
+    record = {
+        "handed": handed,
+        "trained": trained,
+        "in_flight": [str(p) for e in module.group_source.in_flight for p in e.batch["prompt"]],
+        "staleness": staleness,
+        "pushes": engine.refreshes,
+        "pushed": engine.plane is not None,
+        "weights": sum(float(p.double().sum()) for p in module.policy.parameters()),
+    }
+    close_process_group()
+    with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def test_two_ddp_ranks_train_every_prompt_once(url, vllm_tied_dir, tmp_path):
+    cfg = {"strategy": "ddp", "devices": 2, "model": vllm_tied_dir, "url": url, "out": str(tmp_path)}
+    launch(cfg, timeout=400, script=__file__)
+    records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for record in records:
+        assert record["staleness"] == [0, 1, 1], record["staleness"]
+        assert record["pushes"] == 3, "the first weights and one push after each of the first 2 updates"
+        assert len(record["trained"]) == len(set(record["trained"])) == 6
+        assert sorted(record["trained"] + record["in_flight"]) == sorted(record["handed"]), "none lost"
+    assert [r["pushed"] for r in records] == [True, False], "rank 0 alone talks to the server"
+    assert not set(records[0]["trained"]) & set(records[1]["trained"]), "each rank its own prompts"
+    assert records[0]["weights"] == records[1]["weights"], "the ranks hold the same weights"
+
+
+if __name__ == "__main__":
+    train_on_rank(json.loads(sys.argv[1]))
