@@ -6,6 +6,8 @@ of the tiny model with its LM head tied): `GRPOModule` with `max_staleness: 2` o
   on them (the check can fail).
 - No group older than 2 optimizer steps reaches the loss, and the stale ones are corrected: the anchor is
   computed, and the importance weights are logged.
+- A run checkpointed after 2 updates (its batch in flight waited for and saved) and resumed trains the
+  straight run's prompts in the same order with the same staleness, across an epoch's end.
 - Every prompt the data loader handed is trained once or still in flight at the end, none twice; also under
   2 gloo DDP ranks (`max_staleness: 1`), each submitting its own prompts, rank 0 alone pushing, the ranks'
   weights equal at the end.
@@ -22,11 +24,13 @@ import sys
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.async_group_source import AsyncGroupSource
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
 from tests.test_distributed import launch, strategy_for
@@ -109,6 +113,55 @@ def test_max_staleness_2_trains_each_prompt_once_on_groups_stamped_with_their_we
     assert sorted(trained + in_flight) == sorted(handed), "none lost: the rest wait in flight"
     assert sorted(weights) == [0, 1, 2, 3], "6 batches: 3 under the first weights, one after each update"
     assert module.rollouts.engine.refreshes == 4, "one push per version sampled under, the first included"
+
+
+def staleness_1_fit(vllm_tied_dir, url, max_steps, save_dir=None, ckpt_path=None) -> list[tuple]:
+    """`max_steps` updates at `max_staleness: 1` on 6 problems (3 batches an epoch); each update's (prompts,
+    staleness)."""
+    L.seed_everything(0)
+    grpo = GRPOConfig(
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        preflight=False,
+        log_completions_every=0,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_server_timeout=30,
+        max_staleness=1,
+    )
+    module = GRPOModule(vllm_tied_dir, reward_funcs=[digit_reward], grpo=grpo)
+    updates = []
+    source_next = module.group_source.next
+
+    def next_groups(batch, state):
+        groups = source_next(batch, state)
+        if groups is not None:
+            updates.append((list(map(str, groups.prompts)), state.global_step - groups.policy_version))
+        return groups
+
+    module.group_source.next = next_groups
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, arithmetic_size=20, batch_size=2, train_size=6, val_size=2
+    )
+    saving = [ModelCheckpoint(dirpath=save_dir, every_n_train_steps=max_steps)] if save_dir else []
+    trainer = quiet_trainer(
+        max_steps=max_steps, limit_val_batches=0, enable_checkpointing=bool(saving), callbacks=saving
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    assert trainer.global_step == max_steps
+    return updates
+
+
+def test_a_resumed_run_trains_the_straight_run_s_prompts_with_the_same_staleness(
+    url, vllm_tied_dir, tmp_path
+):
+    straight = staleness_1_fit(vllm_tied_dir, url, 4)
+    first = staleness_1_fit(vllm_tied_dir, url, 2, save_dir=str(tmp_path))
+    resumed = staleness_1_fit(vllm_tied_dir, url, 4, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert [u[1] for u in straight] == [0, 1, 1, 1]
+    assert first + resumed == straight, "the saved batch in flight is trained first, nothing twice"
 
 
 def train_on_rank(cfg: dict) -> None:
