@@ -36,6 +36,7 @@ from transformers import TrainerState
 
 from grpo_lightning.core.algorithm.dynamic_sampling import _plain, _scored_groups
 from grpo_lightning.core.options import Alias, NonNegativeInt, check_fields
+from grpo_lightning.core.ranks import Ranks
 from grpo_lightning.core.types import Rollout, ScoredGroups
 
 __all__ = ["AsyncGroupSource", "AsyncRolloutOptions", "OFF_POLICY_CORRECTIONS"]
@@ -113,8 +114,8 @@ class GroupScoring(Protocol):
     """The synchronous source's stages after sampling (`group_source.SynchronousGroupSource`): scoring and
     weighting (`scored_groups`), dynamic sampling's buffer (`buffered`), and what they measured."""
 
-    ranks: Any
-    report: Any
+    ranks: Ranks
+    report: Any  # its `group_source.SourceReport`
 
     def scored_groups(
         self, batch: dict[str, list], sampled: tuple, state: TrainerState, generate_seconds: float
@@ -134,7 +135,7 @@ class InFlight:
 
     batch: dict[str, list]
     version: int
-    state: TrainerState
+    state: TrainerState | None  # the reward functions' `trainer_state` at submission; None: a checkpoint's
     pending: PendingSample | None = None
     scored: ScoredGroups | None = None
     reward_metrics: dict[str, float] | None = None
@@ -171,11 +172,11 @@ class AsyncGroupSource:
 
     # The synchronous source's `ranks` and `report` are this source's.
     @property
-    def ranks(self) -> Any:
+    def ranks(self) -> Ranks:
         return self.scoring.ranks
 
     @ranks.setter
-    def ranks(self, ranks: Any) -> None:
+    def ranks(self, ranks: Ranks) -> None:
         self.scoring.ranks = ranks
 
     @property
