@@ -274,3 +274,28 @@ def test_max_staleness_counts_optimizer_steps_a_multiple_of_those_per_batch():
         GRPOConfig(**SERVER, max_staleness=1, steps_per_generation=2)
     _, sampler, source = sources(4, steps_per_generation=2)
     assert source.ahead == 2
+
+
+def half_informative(prompts, completions, **kwargs) -> list[float]:
+    """Rewards that differ within the groups of prompts ending in "a" only: dynamic sampling drops the
+    others."""
+    return [float(i % 2) if p.endswith("a") else 1.0 for i, p in enumerate(prompts)]
+
+
+def test_dynamic_sampling_waits_for_more_batches_without_aging_its_groups():
+    """Half of each batch's groups informative: dynamic sampling's buffer fills an update of 2 groups from
+    two batches, making no update on every other; since a step without an update moves no weights, the
+    groups it keeps grow no older, and no update's groups are older than max_staleness."""
+    cfg = GRPOConfig(**SERVER, max_staleness=1, dynamic_sampling=True, dynamic_sampling_metric=None)
+    sampler = VersionedSampler()
+    source = group_source(cfg, sampler, [half_informative], [1.0], ["half"], pad_token_id=0)
+    version, updates = 0, []
+    for batch in BATCHES:
+        groups = source.next(batch, trainer_state(version))
+        if groups is not None:
+            updates.append((groups.prompts, version - groups.policy_version))
+            version += 1
+            sampler.version = version
+    assert [len(prompts) for prompts, _ in updates] == [2, 2, 2]
+    assert all(p.endswith("a") for prompts, _ in updates for p in prompts), "only informative groups"
+    assert max(staleness for _, staleness in updates) <= 1
