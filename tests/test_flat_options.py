@@ -44,6 +44,9 @@ ADDED_OPTIONS = {
     "vllm_server_weight_plane": "auto",
     "vllm_server_weights_dir": None,
     "vllm_server_max_in_flight": 64,
+    "max_staleness": 0,
+    "stale_groups": "drop",
+    "off_policy_correction": "importance_sampling",
 }
 # The defaults changed since that layout, which an old config that leaves the option out now gets.
 CHANGED_DEFAULTS = {"max_prompt_length": None}  # 512 then; TRL 1.x has no prompt cut

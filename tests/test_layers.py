@@ -125,6 +125,7 @@ CORE_ORDER = (
     "grpo_lightning.core.tools",
     "grpo_lightning.core.generation",
     "grpo_lightning.core.algorithm",
+    "grpo_lightning.core.async_group_source",
     "grpo_lightning.core.group_source",
     "grpo_lightning.core.update",
     "grpo_lightning.core.config",

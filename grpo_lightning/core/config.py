@@ -26,6 +26,7 @@ from grpo_lightning.core.algorithm.loss import PolicyLossOptions
 from grpo_lightning.core.algorithm.reference_sync import ReferenceSyncOptions
 from grpo_lightning.core.algorithm.sampler_correction import SamplerCorrectionOptions
 from grpo_lightning.core.algorithm.schedules import OptimizerOptions
+from grpo_lightning.core.async_group_source import AsyncRolloutOptions
 from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.flat_names import build_section, default_at, flat_names, sectioned
 from grpo_lightning.core.generation.backends import EngineOptions
@@ -115,6 +116,10 @@ class GRPOConfig:
     ] = None
     """The correction for the sampler not being the scored policy (`algorithm.sampler_correction`); None:
     off. Flat: `importance_sampling_correction: true`."""
+    async_rollouts: AsyncRolloutOptions = field(default_factory=AsyncRolloutOptions)
+    """Sampling ahead of the trainer on the server engine, and the correction of stale batches
+    (`async_group_source.AsyncRolloutOptions`); `max_staleness: 0`, the default, samples each batch with the
+    policy it trains."""
     update: UpdateOptions = field(default_factory=UpdateOptions)
     """Passes, mini-batches and micro-batches of each rollout (`update.UpdateOptions`)."""
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
@@ -139,6 +144,23 @@ class GRPOConfig:
             raise ValueError(
                 "GRPOConfig.reference_sync (sync_ref_model: true): needs beta > 0 (with beta 0 there is no "
                 "reference to sync)"
+            )
+        staleness, steps = self.async_rollouts.max_staleness, self.update.optimizer_steps_per_batch
+        if staleness > 0 and self.engine.backend != "vllm_server":
+            raise option_error(
+                self.async_rollouts,
+                "max_staleness",
+                staleness,
+                f"sampling ahead needs engine.backend: vllm_server (the servers sample while the trainer "
+                f"trains), not {self.engine.backend!r}",
+            )
+        if staleness % steps:
+            raise option_error(
+                self.async_rollouts,
+                "max_staleness",
+                staleness,
+                f"must be a multiple of the optimizer steps per batch ({steps}: num_iterations x "
+                "steps_per_generation), each batch's staleness in optimizer steps",
             )
         budget = self.update.max_tokens_per_micro_batch
         if budget is not None and budget < self.sampling.max_completion_length:

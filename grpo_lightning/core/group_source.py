@@ -30,6 +30,7 @@ from torch import Tensor
 from transformers import TrainerState
 
 from grpo_lightning.core.algorithm.dynamic_sampling import DynamicSamplingOptions, GroupBuffer
+from grpo_lightning.core.async_group_source import AsyncGroupSource, AsyncRolloutOptions
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.ranks import OneProcess, Ranks
 from grpo_lightning.core.rewards.scoring import RewardInputs, score_completions, weighted_groups
@@ -84,6 +85,8 @@ class SourceSections(Protocol):
 
     sampling: SamplingOptions
     dynamic_sampling: DynamicSamplingOptions | None
+    async_rollouts: AsyncRolloutOptions
+    optimizer_steps_per_batch: int  # an update's optimizer steps
 
 
 @dataclass
@@ -149,9 +152,22 @@ class SynchronousGroupSource:
 
     def next(self, batch: dict[str, list], state: TrainerState) -> ScoredGroups | None:
         start = time.perf_counter()
-        rollout, completions, turns = self.sampler.sample_batch(batch, self.num_generations)
+        sampled = self.sampler.sample_batch(batch, self.num_generations)
         generate_seconds = time.perf_counter() - start
-        self.sampler.check(rollout, completions)
+        self.sampler.check(*sampled[:2])
+        scored = self.scored_groups(batch, sampled, state, generate_seconds)
+        scored.policy_version = state.global_step
+        return self.buffered(scored)
+
+    def scored_groups(
+        self,
+        batch: dict[str, list],
+        sampled: tuple[Rollout, list[str], Turns | None],
+        state: TrainerState,
+        generate_seconds: float,
+    ) -> ScoredGroups:
+        """`batch`'s sampled groups scored and weighted; the report holds what it measured."""
+        rollout, completions, turns = sampled
         inputs = reward_inputs(batch, rollout, completions, state, turns)
         scores = score_completions(self.reward_funcs, inputs)
         device = rollout.completion_ids.device
@@ -160,8 +176,11 @@ class SynchronousGroupSource:
         scored = weighted_groups(
             batch["prompt"], rollout, completions, rewards_per_func, weights, self.num_generations
         )
-        scored.policy_version = state.global_step
         self.report = SourceReport(generate_seconds, scores.metrics, scores.extra)
+        return scored
+
+    def buffered(self, scored: ScoredGroups) -> ScoredGroups | None:
+        """`scored` itself, or with dynamic sampling the groups of an update once its buffer has enough."""
         if not self.dynamic:
             return scored
         filled = self.buffer.fill(scored, self.ranks, self.pad_token_id)
@@ -186,5 +205,12 @@ def group_source(
     reward_names: list[str],
     pad_token_id: int,
 ) -> GroupSource:
-    """The source that `cfg` asks for, the one place that chooses: every run samples synchronously."""
-    return SynchronousGroupSource(cfg, sampler, reward_funcs, reward_weights, reward_names, pad_token_id)
+    """The source that `cfg` asks for, the one place that chooses: sampling ahead with
+    `async_rollouts.max_staleness` > 0 (`AsyncGroupSource`, over the synchronous source's scoring), else
+    synchronously."""
+    source = SynchronousGroupSource(cfg, sampler, reward_funcs, reward_weights, reward_names, pad_token_id)
+    options = cfg.async_rollouts
+    if options.max_staleness == 0:
+        return source
+    G, steps = cfg.sampling.num_generations, cfg.optimizer_steps_per_batch
+    return AsyncGroupSource(options, sampler, source, G, steps)

@@ -40,10 +40,12 @@ from grpo_lightning.core.algorithm.kl import KLOptions, kl_in_reward
 from grpo_lightning.core.algorithm.loss import PolicyLossOptions, grpo_loss
 from grpo_lightning.core.algorithm.sampler_correction import (
     SamplerCorrectionOptions,
+    decoupled_weights,
     importance_weights,
     logprob_gap_stats,
 )
 from grpo_lightning.core.algorithm.token_budget import token_budget_micro_batches
+from grpo_lightning.core.async_group_source import AsyncRolloutOptions
 from grpo_lightning.core.generation.sampling import SamplingOptions
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.options import AtLeastOne, check_fields, option_error
@@ -132,6 +134,7 @@ class UpdateSections(Protocol):
     loss: PolicyLossOptions
     kl: KLOptions
     sampler_correction: SamplerCorrectionOptions | None
+    async_rollouts: AsyncRolloutOptions
     update: UpdateOptions
 
 
@@ -150,8 +153,15 @@ def sampler_correction(
 ) -> tuple[Tensor, Tensor] | None:
     """The weights `[B, T]` of `cfg`'s sampler correction and where its bounds changed them
     (`sampler_correction.importance_weights` in its mode, bounded by its floor and cap), None when it is
-    off."""
+    off. Sampling ahead (`async_rollouts.max_staleness` > 0), its `off_policy_correction`: the section's
+    weights (its defaults where it is off), AReaL's unbounded decoupled weights, or none."""
     options = cfg.sampler_correction
+    asynchronous = cfg.async_rollouts
+    if asynchronous.max_staleness > 0:
+        if asynchronous.off_policy_correction == "decoupled":
+            return decoupled_weights(scorer, sampler, mask)
+        if asynchronous.off_policy_correction == "importance_sampling":
+            options = options or SamplerCorrectionOptions()
     if options is None:
         return None
     return importance_weights(scorer, sampler, mask, options.mode, options.cap, options.floor)
@@ -379,12 +389,13 @@ class MicroBatchSums:
     """An update's loss and statistics over its micro-batches.
 
     The micro-batch losses are shares of the rollout's (whole-rollout denominators): they add up, as does
-    `policy_loss`. Maxima take the largest; the other statistics are micro-batch means, weighted by the
-    micro-batch's token share.
+    `policy_loss`. Maxima take the largest, minima the smallest; the other statistics are micro-batch means,
+    weighted by the micro-batch's token share.
     """
 
     ADDED = ("policy_loss",)
-    MAXED = ("rollout/logp_gap_max",)
+    MAXED = ("rollout/logp_gap_max", "rollout/is_weight_max")
+    MINNED = ("rollout/is_weight_min",)
 
     def __init__(self) -> None:
         self.values: dict[str, Tensor] = {}
@@ -394,6 +405,8 @@ class MicroBatchSums:
         for key, value in stats.items():
             if key in self.MAXED:
                 self.values[key] = torch.maximum(self.values[key], value) if key in self.values else value
+            elif key in self.MINNED:
+                self.values[key] = torch.minimum(self.values[key], value) if key in self.values else value
             else:
                 self.values[key] = self.values.get(key, 0.0) + (
                     value if key in self.ADDED else value * token_share

@@ -10,8 +10,11 @@ trainer it runs under (`place`).
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -26,6 +29,7 @@ from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler,
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
+from grpo_lightning.core.generation.vllm_server import PendingRollout
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -34,6 +38,33 @@ from grpo_lightning.io.distributed import (
     is_sharded,
 )
 from grpo_lightning.training.tool_rollouts import SampledTurns, ToolSampling
+
+
+class SubmittedBatch:
+    """A batch's requests in flight on the server engine (`vllm_server.PendingRollout`), decoded when they
+    are in; when the last of them arrived, for the share of sampling time the trainer did not wait for."""
+
+    def __init__(self, pending: PendingRollout, rollouts: PolicyRollouts) -> None:
+        self.pending, self.rollouts = pending, rollouts
+        self.finished = pending.start
+        for future in pending.futures:
+            future.add_done_callback(self._arrived)
+
+    def _arrived(self, future: Future) -> None:
+        self.finished = max(self.finished, time.perf_counter())
+
+    def wait(self) -> None:
+        """Until every request is in (a push must not land in the middle of a batch)."""
+        futures.wait(self.pending.futures)
+
+    def result(self) -> tuple[Rollout, list[str], None]:
+        rollout = self.pending.result()
+        return rollout, self.rollouts.encoder.decode(rollout), None
+
+    @property
+    def sampled_seconds(self) -> float:
+        """From submission to the last request's answer."""
+        return self.finished - self.pending.start
 
 
 class PolicyRollouts:
@@ -203,6 +234,21 @@ class PolicyRollouts:
         rollout, completions, turns = self.multi_turn.sample(self, batch, num_generations, do_sample)
         self.tool_metrics = turns.metrics
         return rollout, completions, turns
+
+    def submit_batch(self, batch: dict[str, list], num_generations: int) -> SubmittedBatch:
+        """`batch`'s prompts sent to the server engine under the weights as they are now (pushed first if
+        they changed), returning at once: the asynchronous group source samples ahead with it
+        (`core.async_group_source`)."""
+        if self.multi_turn is not None:
+            raise ValueError(
+                "async_rollouts.max_staleness > 0: multi-turn rollouts (tools, environments, rollout_func) "
+                "sample each turn after the last; set max_staleness: 0"
+            )
+        with self.ready_engine() as (engine, device):
+            ids, mask = self.encoder.encode(batch["prompt"], device)  # [N, P] each
+            return SubmittedBatch(
+                engine.submit(self.policy, ids, mask, num_generations=num_generations), self
+            )
 
     @staticmethod
     def weights_loaded(module: object, incompatible_keys: object) -> None:

@@ -109,6 +109,20 @@ def importance_weights(
     return bound(log_ratio, floor, cap), outside_bounds(log_ratio, floor, cap)
 
 
+def decoupled_weights(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """AReaL's decoupled PPO weights (Fu et al. 2025, arXiv:2505.24298 eq. 5): each token's policy term,
+    clipped around the proximal policy pi_prox (the weights the update starts from, `old_logprobs`), is
+    weighted by pi_prox / pi_behaviour (the policy that sampled it), unbounded (up to `MAX_LOG_RATIO` in log
+    space, against overflow), detached; 0 outside `mask`. With nothing bounded."""
+    log_ratio = (proximal_logprobs.detach() - behaviour_logprobs).clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO
+    )  # [B, T]
+    weights = torch.where(mask.bool(), log_ratio.exp(), torch.zeros((), device=log_ratio.device))  # [B, T]
+    return weights, torch.zeros_like(weights, dtype=torch.bool)
+
+
 def logprob_gap_stats(
     scorer_logprobs: Tensor,
     sampler_logprobs: Tensor,
@@ -119,7 +133,7 @@ def logprob_gap_stats(
     and `_max` of |scorer - sampler|, `rollout/logp_gap_frac_above` (the share above
     `LOGP_GAP_THRESHOLD`), and with the correction's `(weights, bounded)` (`importance_weights`) the
     weights' mean and the share the bounds changed (truncated at the cap, or masked to 0), judged before
-    bounding."""
+    bounding, and their min and max."""
     mask = mask.bool()  # [B, T]
     gap = (scorer_logprobs.detach() - sampler_logprobs).abs().float()  # [B, T]
     gap = torch.where(mask, gap, torch.zeros((), device=gap.device))  # padding counts nowhere, even NaN
@@ -132,6 +146,8 @@ def logprob_gap_stats(
     if correction is not None:
         weights, bounded = correction  # [B, T] each
         stats["rollout/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens
+        counted = weights[mask] if mask.any() else weights.new_ones(1)  # [N]
+        stats["rollout/is_weight_min"], stats["rollout/is_weight_max"] = counted.min(), counted.max()
         stats["rollout/is_weight_frac_capped"] = (bounded & mask).sum() / tokens
     return stats
 

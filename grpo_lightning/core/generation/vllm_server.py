@@ -8,7 +8,8 @@ it adds), on other GPUs or another node, each serving the policy's checkpoint.
   drawn from (the servers' `processed_logprobs`): `Rollout.sampler_logprobs`, as from the colocated engine.
   Requests run concurrently (at most `max_in_flight`), each server taking the least-loaded share, a
   multi-turn sample's later turns going to the server holding its earlier ones (`vllm_client.ServerRouter`).
-  `submit` sends a batch and returns at once; its `result()` waits: requests can run while the trainer works.
+  `submit` sends a batch and returns at once; its `result()` waits: requests can run while the trainer works
+  (a push waits for them first: each batch is sampled under one weight version).
 - **Weights** (`refresh`, before the first rollout after they changed): pushed over the data plane of
   `weight_plane` (`vllm_push`: `disk`, `lora`, `nccl`), then every server's prefix cache reset and its weight
   version set to `policy-K` and read back. Under DDP or FSDP2 every rank reads the weights in lock-step (a
@@ -29,7 +30,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -256,6 +257,7 @@ class VLLMServerEngine(RolloutEngine):
         self.push_bytes = 0
         self.last_speed: dict[str, float] = {}
         self.folder: str | None = None
+        self.in_flight: list[Future] = []  # requests submitted and perhaps not yet answered
 
     @property
     def reads_live_weights(self) -> bool:
@@ -315,6 +317,12 @@ class VLLMServerEngine(RolloutEngine):
             self._start(model, torch.device(device))
         if not self.stale:
             return
+        # A push never lands in the middle of a batch sampled ahead (`core.async_group_source`): every rank's
+        # requests in flight are answered before rank 0 pushes.
+        wait(self.in_flight)
+        self.in_flight = []
+        if dist.is_initialized():
+            dist.barrier()
         start = time.perf_counter()
         version = f"policy-{self.run_id}-{self.refreshes + 1}"  # unique on servers that outlive runs
         failure: ServerError | None = None
@@ -370,6 +378,7 @@ class VLLMServerEngine(RolloutEngine):
         prompts = [row[keep].tolist() for row, keep in kept]
         start = time.perf_counter()
         futures = [self.router.submit(p, s, num_generations, do_sample) for p in prompts]
+        self.in_flight = [f for f in self.in_flight if not f.done()] + futures
         return PendingRollout(self, futures, prompt_ids, prompt_mask, num_generations, s, do_sample, start)
 
     def generate(
