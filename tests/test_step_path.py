@@ -24,7 +24,7 @@ from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer, tiny_module
 
 ROOT = Path(__file__).resolve().parents[1]
-# The step walks 23: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
+# The step walks 25: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
 # stepping of its schedulers (training/), the group source that samples, checks and scores the update's
 # groups (core/group_source.py), the update (core/update.py), the rollout's model tokens
 # (core/types.py), the advantages, the loss, the KL section it reads (the weight of its KL term) and the
@@ -33,8 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # core/generation/: the engine seam, the prompts around it, the training scorer, what the model can do (full
 # attention, its cache keyword), decoding (with each group's prefill), the log-prob head and the packed
 # pass, and core/chat_template.py, the one chat-template render that the prompts and the tool turns share.
-# Decoding and the log-prob head are two concerns in two files: the step runs both.
-MAX_STEP_FILES = 23
+# Decoding and the log-prob head are two concerns in two files: the step runs both. A stop request (SIGTERM)
+# is answered inside the step: core/stop_requests.py checks between decoding steps, and the interrupt
+# checkpoint (training/callbacks/) keeps the step's starting state to write if the step is abandoned.
+MAX_STEP_FILES = 25
 MAX_LOGPROB_HOPS = 3
 
 
