@@ -4,9 +4,11 @@
   chat template as `tools=` (or in a Hermes system prompt where the template cannot show tools), called by
   the policy in `<tool_call>` blocks (`core.generation.multi_turn.ToolRollouts`).
 - `environment_factory=Cls` or `{name: Cls}`: one instance per rollout sample, `reset(**row)` before the
-  sample is drawn (the text it returns, if any, is appended to the last user message), its public methods
+  sample is drawn (the text it returns, if any, is appended to the last user message; a row with only an
+  `environment` column starts from an empty user turn, so that text is the whole prompt), its public methods
   the sample's tools besides `tools`; a `get_reward()` method is a reward source of its own (weight 1, named
-  after the class). With a dict, each row's `environment` column picks the environment.
+  after the class), the only one where the module has no reward functions. With a dict, each row's
+  `environment` column picks the environment.
 - `rollout_func(prompts, module)`: the whole rollout in the user's hands. It gets one prompt per sample (each
   prompt repeated G times) and returns `prompt_ids`, `completion_ids` and `logprobs` (lists per sample),
   optionally `env_mask` (1 on the policy's tokens, 0 on tokens the loss must not count) and any other field,
@@ -54,8 +56,8 @@ from grpo_lightning.core.tools.schemas import (
 from grpo_lightning.core.tools.turns import rendering_with, training_template, training_template_note
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.hparams import import_object, resolve_callable
+from grpo_lightning.io.rows import ENVIRONMENT_COLUMN, ENVIRONMENT_PROMPT
 
-ENVIRONMENT_COLUMN = "environment"  # with a dict of environments: the row's column naming its own
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what a rollout_func must return
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that the policy does not call
 
@@ -376,6 +378,8 @@ class ToolSampling:
                 row = {key: batch[key][i // G] for key in columns}
                 if self.multi_environment:
                     row.pop(ENVIRONMENT_COLUMN)  # which environment it is, not what to reset it to
+                if row.get("prompt") == ENVIRONMENT_PROMPT:  # no prompt of its own: reset writes it, as TRL
+                    row.pop("prompt")
                 observation = _user_call(
                     f"{type(environment).__qualname__}.reset(**row)",
                     lambda environment=environment, row=row: environment.reset(**row),
