@@ -20,6 +20,7 @@ process alive at exit). A tool that must be stopped for good belongs in a proces
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -155,9 +156,10 @@ Content = str | list  # a tool message's content: text, or a list of content blo
 def result_content(result: object) -> Content:
     """A tool's result as TRL 1.16 hands it to the chat template and the reward functions: a list (content
     blocks) as it is, anything else as `str(result)`; characters UTF-8 cannot hold (a lone surrogate) become
-    `?`, as the tokenizer needs UTF-8. Raises what the conversion raises (a `__str__` that raises):
-    `ToolRunner` makes that the call's error."""
+    `?`, as the tokenizer needs UTF-8. Raises what the conversion raises (a `__str__` that raises, a list
+    that holds itself): `ToolRunner` makes that the call's error."""
     if isinstance(result, list):
+        json.dumps(result, default=str)  # a list a transcript cannot hold (one holding itself) is refused
         return result
     return str(result).encode("utf-8", errors="replace").decode("utf-8")
 
