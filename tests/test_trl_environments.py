@@ -12,6 +12,7 @@ from datasets import Dataset
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.tool_rollouts import EnvironmentReward
 from tests.helpers import quiet_trainer
 from tests.test_tool_rollouts import BuyingEngine, Metrics
 
@@ -64,6 +65,8 @@ def module_of(model_dir: str, reward_funcs, factory) -> tuple[GRPOModule, list]:
 def test_an_environments_get_reward_is_the_reward_without_reward_functions(tiny_model_dir, reward_funcs):
     module, _ = module_of(tiny_model_dir, reward_funcs, Counter)
     assert module.reward_names == ["Counter"]  # not the GSM8K defaults
+    [reward] = module.reward_funcs
+    assert isinstance(reward, EnvironmentReward) and reward.cls is Counter
 
 
 def test_a_data_set_of_environment_names_only_has_its_prompts_written_by_reset(tiny_model_dir):
