@@ -3,9 +3,9 @@ bounded in time, whatever a call does is its result (never an exception or an ex
 signal to the trainer is answered while a tool hangs, and what can never work is refused when the module is
 built, in one line naming the tool."""
 
+import ast
 import asyncio
 import copy
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +22,7 @@ from grpo_lightning.core.generation.prompts import PromptEncoder
 from grpo_lightning.core.tools import calculator as calculator_module
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
+from grpo_lightning.core.tools.formats import TOOL_CALL_FORMATS
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.tool_rollouts import ToolSampling
 from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
@@ -59,6 +60,11 @@ async def blocks_its_loop(text: str) -> str:
     return text
 
 
+def error_of(content: str) -> str:
+    """The message of TRL's error result, `str({"error": message})`."""
+    return ast.literal_eval(content)["error"]
+
+
 def results_of(runner: ToolRunner, *calls: ToolCall) -> list[tuple[str, str]]:
     return runner([list(calls)])[0]
 
@@ -74,7 +80,7 @@ def test_a_tool_that_never_returns_is_the_calls_error_after_call_timeout():
     )
     assert time.perf_counter() - start < 5  # 0.3 s for the sync call, 1.3 s at most for the async ones
     for name, text in results:
-        assert "did not return within 0.3 s" in json.loads(text)["error"], (name, text)
+        assert "did not return within 0.3 s" in error_of(text), (name, text)
     assert runner.counts.failures == 3
 
 
@@ -145,40 +151,42 @@ def test_whatever_a_call_does_is_its_result_naming_the_tool():
         named(raises(RecursionError("deep")), "recurses"),
         named(returns(looped), "self_referencing"),
         named(returns({(1, 2): 3}), "tuple_keys"),
-        named(returns([Unprintable()]), "unprintable"),
+        named(returns(Unprintable()), "unprintable"),
         named(returns("a\udc80b"), "surrogate"),
     ]
     runner = ToolRunner(tools)
     results = dict(results_of(runner, *(ToolCall(t.__name__, {"text": "x"}) for t in tools)))
-    assert json.loads(results["exits"])["error"] == "SystemExit: 0"
-    assert json.loads(results["interrupts"])["error"] == "KeyboardInterrupt"
-    assert json.loads(results["recurses"])["error"] == "RecursionError: deep"
-    for name, why in [
-        ("self_referencing", "Circular reference"),
-        ("tuple_keys", "keys must be str"),
-        ("unprintable", "RuntimeError: no text"),
-    ]:
-        error = json.loads(results[name])["error"]
-        assert error.startswith(f"the result of {name} cannot be turned into text") and why in error
+    assert error_of(results["exits"]) == "0"  # TRL's str(error)
+    assert error_of(results["interrupts"]) == ""
+    assert error_of(results["recurses"]) == "deep"
+    error = error_of(results["self_referencing"])  # a list is the list itself, but not one holding itself
+    assert error.startswith("the result of self_referencing cannot be turned into text: ValueError: Circular")
+    assert results["tuple_keys"] == "{(1, 2): 3}"
+    error = error_of(results["unprintable"])
+    assert error == "the result of unprintable cannot be turned into text: RuntimeError: no text"
     assert results["surrogate"] == "a?b"
     results["surrogate"].encode("utf-8")
 
 
-def test_a_call_nested_thousands_deep_is_a_failed_call():
+def test_a_call_nested_thousands_deep_is_no_call_or_a_failed_one():
     deep = "[" * 3000 + "]" * 3000
-    runner = ToolRunner([returns(1)])
+    runner = ToolRunner([named(returns(1), "tool")])
     for text in (
         f"<tool_call>{deep}</tool_call>",
         f'<tool_call>{{"name": "tool", "arguments": {{"a": {deep}}}}}</tool_call>',
-        f'<tool_call>{{"name": "tool", "arguments": "{{\\"a\\": {deep}}}"}}</tool_call>',
     ):
-        [call] = runner.parse(text)
-        assert call.error is not None
+        parsed = runner.parse(TOOL_CALL_FORMATS["hermes"], text, plain_text=text)
+        assert parsed.calls == [] and parsed.message["content"] == text  # TRL's plain turn
+    as_string = f'<tool_call>{{"name": "tool", "arguments": "{{\\"a\\": {deep}}}"}}</tool_call>'
+    [call] = runner.parse(TOOL_CALL_FORMATS["hermes"], as_string, plain_text=as_string).calls
+    assert isinstance(call.arguments, str)  # left as written: the call cannot take it
+    [[(_, result)]] = runner([[ToolCall(call.name, call.arguments)]])
+    assert "argument after ** must be a mapping, not str" in error_of(result)
 
 
 def test_a_tool_that_exits_and_a_deep_call_go_through_the_loop_as_results(tokenizer, monkeypatch):  # noqa: F811
-    """The whole unit on the scripted model: a `SystemExit(0)` from the tool and a call nested 3000 deep
-    are results the next turn follows, and the process is still here."""
+    """The whole unit on the scripted model: a `SystemExit(0)` from the tool is a result the next turn
+    follows, a call nested 3000 deep is a plain turn that ends its sample, and the process is still here."""
     deep = "[" * 3000 + "]" * 3000
     exiting = '<tool_call>{"name": "exits", "arguments": {"text": "x"}}</tool_call><|im_end|>'
     monkeypatch.setitem(SCRIPTS, "p0", [exiting, "after exit<|im_end|>"])
@@ -191,11 +199,10 @@ def test_a_tool_that_exits_and_a_deep_call_go_through_the_loop_as_results(tokeni
     ids, mask = PromptEncoder(tokenizer).encode(prompts, "cpu")
     rollout, turns = rollouts.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
     first, second, _ = turns.messages
-    assert first[1]["role"] == "tool" and json.loads(first[1]["content"])["error"] == "SystemExit: 0"
+    assert first[1]["role"] == "tool" and error_of(first[1]["content"]) == "0"
     assert first[2]["content"] == "after exit"
-    assert second[1]["role"] == "tool" and "nested too deeply" in second[1]["content"]
-    assert second[2]["content"] == "after deep"
-    assert turns.counts.calls == 2 and turns.counts.failures == 2
+    assert second == [{"role": "assistant", "content": f"<tool_call>{deep}</tool_call>"}]
+    assert turns.counts.calls == 1 and turns.counts.failures == 1
 
 
 class HangingShop(Shop):
@@ -475,6 +482,6 @@ def test_a_result_the_chat_template_refuses_is_rendered_as_an_error(tokenizer, m
     ids, mask = PromptEncoder(refusing).encode(prompts, "cpu")
     _, turns = rollouts.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
     first = turns.messages[0]
-    error = json.loads(first[1]["content"])["error"]
+    error = error_of(first[1]["content"])
     assert error == "the chat template cannot render the result of booms: TemplateError: refused"
     assert first[2]["content"] == "after" and turns.counts.failures == 1

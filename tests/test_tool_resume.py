@@ -1,7 +1,7 @@
 """Exact resume of a multi-turn run: a run with tools, resumed from its checkpoint after step 1, makes the
 same step 2 as the run straight through: the same prompts, the same turns (tool calls and results), the same
 rewards, loss and weights. The policy is the tiny model taught to call the calculator
-(`tests/test_tool_rollouts.py`), sampled at temperature 1 so that the RNG decides which samples call it."""
+(`tests/test_tool_rollouts.py`), sampled at temperature 0.8 so that the RNG decides which samples call it."""
 
 import copy
 
@@ -65,7 +65,7 @@ def fit(
     grpo = GRPOConfig(
         num_generations=4,
         max_completion_length=128,
-        temperature=1.0,
+        temperature=0.9,  # at 1.0 most calls are broken JSON, which calls nothing (TRL's reading)
         learning_rate=1e-3,
         generation_backend=backend,
         preflight=False,
@@ -100,8 +100,8 @@ def fit(
 @pytest.mark.parametrize("backend", ["eager", "static"])
 def test_a_multi_turn_run_resumed_after_step_1_makes_the_same_step_2(calling_model, tmp_path, backend):
     root = str(tmp_path)
-    straight, straight_steps = fit(calling_model, 2, seed=0, root=root, backend=backend)
-    fit(calling_model, 1, seed=0, root=root, save=True, backend=backend)
+    straight, straight_steps = fit(calling_model, 2, seed=2, root=root, backend=backend)
+    fit(calling_model, 1, seed=2, root=root, save=True, backend=backend)
     [ckpt] = list(tmp_path.glob("*step=1.ckpt"))
     # Another seed: only the checkpoint's RNG states can make the resumed run sample the same turns.
     resumed, resumed_steps = fit(calling_model, 2, seed=1234, root=root, ckpt_path=str(ckpt), backend=backend)

@@ -1,21 +1,25 @@
 """Whole multi-turn samples against TRL 1.16's own `GRPOTrainer._tool_call_loop`, on every chat template TRL
 runs tools with: the same scripted model writes its calls in the template's format (a number written as a
-string, two calls in a turn, a dict and a list result, a tool that raises, an unknown tool, broken JSON), and
-the pieces a multi-turn rollout is built from (the prompt with the tools' schemas, the training template,
-the format's reading of each turn, `result_message`, `tool_suffix_ids`) give TRL's prompt ids, completion
-ids, tool masks, messages (result texts included) and call and failure counts. The tool results are
-rendered as TRL renders them (`str` of the result, a list as it is)."""
+string, two calls in a turn, a typed return, a dict and a list result, a tool that raises, an unknown tool,
+broken JSON), and our rollout loop (`ToolRollouts` over a scripted `RolloutEngine`, the prompts encoded by
+`PromptEncoder` with the tools' schemas, under the training template a run chooses) gives TRL's prompt ids,
+completion ids, tool masks, messages (result texts included) and call and failure counts."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
-from grpo_lightning.core.chat_template import PromptOptions, render_chat
-from grpo_lightning.core.tools.formats import choose_format, result_message
+from grpo_lightning.core.generation.multi_turn import ToolRollouts
+from grpo_lightning.core.generation.prompts import PromptEncoder
+from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.tools.calls import ToolRunner
+from grpo_lightning.core.tools.formats import choose_format
 from grpo_lightning.core.tools.schemas import tool_schema
 from grpo_lightning.core.tools.templates import TRAINING_SUFFIX, trl_chat_templates
-from grpo_lightning.core.tools.turns import tool_suffix_ids, training_template
+from grpo_lightning.core.tools.turns import rendering_with, training_template
+from grpo_lightning.core.types import Rollout
 from tests.test_tool_formats import ADDED, END_OF_TURN, SPECIAL, call, written_turn
 
 SHIPPED = sorted(name for name in trl_chat_templates() if not name.endswith(TRAINING_SUFFIX))
@@ -112,51 +116,56 @@ class ScriptedModel:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
 
-def trl_result(name: str, arguments: object) -> object:
-    """A call's result as TRL's loop gives it to the template: the tool's return, `{"error": str(e)}` when it
-    raises or is unknown; `str` of it unless a list."""
-    try:
-        if name not in BY_NAME:
-            raise ValueError(f"Tool {name} not found.")
-        result = BY_NAME[name](**arguments)
-    except Exception as error:
-        result = {"error": str(error)}
-    return result if isinstance(result, list) else str(result)
+class ScriptedEngine:
+    """A `RolloutEngine` whose model is the `ScriptedModel`: each row's next turn after its context, a whole
+    turn (never cut by the budget), whichever token the family's calling turn stops at (GLM-4.5's writes
+    none: its model stops at `<|observation|>`, which the template leaves to the tool turn)."""
+
+    def __init__(self, model: ScriptedModel, settings: SamplingSettings) -> None:
+        self.model, self.settings = model, settings
+
+    def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
+        s = settings or self.settings
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, 0)
+        turns = [self.model(p[m.bool()].tolist()) for p, m in zip(prompt_ids, prompt_mask, strict=True)]
+        ids = torch.full((len(turns), max(map(len, turns))), s.pad_token_id)  # [B, T]
+        mask = torch.zeros_like(ids)
+        for row, turn in enumerate(turns):
+            ids[row, : len(turn)], mask[row, : len(turn)] = torch.tensor(turn), 1
+        truncated = torch.zeros(len(turns), dtype=torch.bool)
+        return Rollout(prompt_ids, prompt_mask, ids, mask, truncated, torch.zeros(ids.shape))
+
+    def weights_changed(self): ...
+    def refresh(self, model, device): ...
+    def metrics(self):
+        return {}
 
 
-def ours(tok, family: str, prompts: list[list[dict]]):
+def ours(tok, family: str, prompts: list[list[dict]], chat_template: str | None):
     """Each row's prompt ids, completion ids, tool mask and messages, and the calls and failures, from our
-    pieces."""
+    rollout loop under `chat_template` (a run's training template; None: the tokenizer's)."""
     schemas = [tool_schema(tool) for tool in TOOLS]
-    fmt, model = choose_format(tok.chat_template, True), ScriptedModel(tok, family)
-    rows, calls, failures = [], 0, 0
-    for prompt in prompts:
-        prompt_ids = render_chat(
-            tok, prompt, PromptOptions(), tokenize=True, add_generation_prompt=True, tools=schemas
-        )
-        ids, mask, messages = [], [], []
-        while True:
-            turn = model(prompt_ids + ids)
-            parsed = fmt.parse(
-                tok.decode(turn),
-                prompt=tok.decode(prompt_ids + ids),
-                schemas=schemas,
-                plain_text=tok.decode(turn, skip_special_tokens=True),
-                eos_token=tok.eos_token,
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    settings = SamplingSettings(max_new_tokens=10**5, eos_token_ids=(tok.eos_token_id,), pad_token_id=pad)
+    engine = ScriptedEngine(ScriptedModel(tok, family), settings)
+    with rendering_with(tok, chat_template):
+        ids, mask = PromptEncoder(tok).encode(prompts, "cpu", tools=[schemas] * len(prompts))
+        rollouts = ToolRollouts(engine, tok, ToolRunner(TOOLS))
+        rollout, turns = rollouts.generate(torch.nn.Linear(1, 1), ids, mask, num_generations=1)
+    assert rollouts.format.name == family
+    rows = []
+    for row in range(len(prompts)):
+        keep = rollout.completion_mask[row].bool()
+        rows.append(
+            (
+                ids[row][mask[row].bool()].tolist(),
+                rollout.completion_ids[row][keep].tolist(),
+                rollout.tool_mask[row][keep].tolist(),
+                turns.messages[row],
             )
-            ids, mask = ids + turn, mask + [1] * len(turn)
-            messages.append(parsed.message)
-            if not parsed.calls:
-                break
-            results = []
-            for parsed_call in parsed.calls:
-                content = trl_result(parsed_call.name, parsed_call.arguments)
-                calls, failures = calls + 1, failures + str(content).startswith("{'error'")
-                results.append(result_message(parsed_call.name, content))
-            suffix = tool_suffix_ids(tok, results)
-            ids, mask, messages = ids + suffix, mask + [0] * len(suffix), messages + results
-        rows.append((prompt_ids, ids, mask, messages))
-    return rows, calls, failures
+        )
+    return rows, turns.counts.calls, turns.counts.failures
 
 
 def trls(tok, family: str, prompts: list[list[dict]], chat_template: str | None):
@@ -239,9 +248,7 @@ def test_whole_samples_equal_trls_tool_call_loop(tiny_model_dir, name):
     )
     assert training_template(tok, True) == trl_template
     theirs, trl_calls, trl_failures = trls(tok, family, [list(p) for p in prompts], trl_template)
-    if trl_template is not None:
-        tok.chat_template = trl_template
-    mine, calls, failures = ours(tok, family, prompts)
+    mine, calls, failures = ours(tok, family, prompts, trl_template)
     for row, ((prompt, ids, mask, messages), (trl_prompt, trl_ids, trl_mask, trl_messages)) in enumerate(
         zip(mine, theirs, strict=True)
     ):

@@ -1,6 +1,7 @@
-"""Tools from functions to results: schemas as TRL renders them, Hermes calls parsed from text, every kind of
-failure returned to the model as `{"error": ...}`, async tools awaited, results cut in the middle, the
-call and failure counts, and `ToolOptions` (`GRPOConfig.tools`) checked."""
+"""Tools from functions to results: schemas as TRL renders them, a turn read in the guarded unit, every kind
+of failure returned to the model as TRL's `{'error': ...}`, results as TRL renders them (`str` of a dict, a
+list as it is), async tools awaited, results cut in the middle only where asked, the call and failure
+counts, and `ToolOptions` (`GRPOConfig.tools`) checked."""
 
 import asyncio
 import json
@@ -16,11 +17,10 @@ from grpo_lightning.core.tools.calls import (
     ToolCallCounts,
     ToolOptions,
     ToolRunner,
-    assistant_message,
     error_text,
-    parse_tool_calls,
     truncate_middle,
 )
+from grpo_lightning.core.tools.formats import TOOL_CALL_FORMATS
 from grpo_lightning.core.tools.rewards import answered_tool_calls, tool_call_reward
 from grpo_lightning.core.tools.schemas import (
     hermes_system_prompt,
@@ -129,61 +129,112 @@ def test_hermes_prompt_where_the_template_shows_no_tools():
     assert kept[0]["content"] == "Be brief.\n\n" + text and len(kept) == 2
 
 
-def test_parses_hermes_calls_and_names_what_is_malformed():
-    text = (
-        'I will compute. <tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
-        '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"k\\"}"}</tool_call>'
-        "<tool_call>{not json}</tool_call>"
-        '<tool_call>["a list"]</tool_call>'
-        '<tool_call>{"name": "multiply", "arguments": 7}</tool_call>'
-        '<tool_call>{"name": "multiply", "arguments": {}'
+HERMES = TOOL_CALL_FORMATS["hermes"]
+
+
+def parse_tool_calls(text: str, tools=(multiply, lookup, broken)) -> list[ToolCall]:
+    """The calls of a Hermes turn, read as a rollout reads them (`ToolRunner.parse`)."""
+    parsed = ToolRunner(list(tools)).parse(
+        HERMES, text, plain_text=text, schemas=[tool_schema(t) for t in tools]
     )
-    calls = parse_tool_calls(text)
-    assert calls[0] == ToolCall("multiply", {"a": 3, "b": 4})
-    assert calls[1] == ToolCall("lookup", {"key": "k"})  # arguments as a JSON string
-    assert calls[2].error.startswith("the tool call is not valid JSON")
-    assert 'string "name"' in calls[3].error
-    assert calls[4].name == "multiply" and "must be a JSON object" in calls[4].error
-    assert "not closed" in calls[5].error
-    assert len(calls) == 6
+    return [ToolCall(call.name, call.arguments) for call in parsed.calls]
+
+
+def test_a_turn_is_read_in_the_guarded_unit_as_trl_reads_it():
+    text = (
+        'I will compute. <tool_call>\n{"name": "multiply", "arguments": {"a": "3", "b": 4}}\n</tool_call>'
+        '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
+    )
+    assert parse_tool_calls(text) == [
+        ToolCall("multiply", {"a": 3, "b": 4}),
+        ToolCall("lookup", {"key": "k"}),
+    ]
     assert parse_tool_calls("The answer is 12.") == []
+    broken_json = '<tool_call>{"name": "multiply", "arguments": {"a": 3,, "b": 4}}</tool_call>'
+    assert parse_tool_calls(broken_json) == []  # TRL's: no call, the sample ends
+
+    class Raising:  # a format that fails in a way no format should: still a plain turn, no exception
+        def parse(self, text, **context):
+            raise RecursionError("deep")
+
+    parsed = ToolRunner([multiply]).parse(Raising(), "<tool_call>x</tool_call>", plain_text="x")
+    assert (
+        parsed.message == {"role": "assistant", "content": "x"} and not parsed.calls and not parsed.readable
+    )
 
 
-def test_every_failure_reaches_the_model_as_an_error_result():
+def test_every_failure_reaches_the_model_as_trls_error_result():
     runner = ToolRunner([multiply, lookup, broken])
     rows = [
-        parse_tool_calls(
-            '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4.5}}</tool_call>'
-            '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
-            '<tool_call>{"name": "multiply", "arguments": {"a": 3}}</tool_call>'
-            '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 1, "c": 2}}</tool_call>'
-            '<tool_call>{"name": "multiply", "arguments": {"a": "3", "b": 1}}</tool_call>'
-            '<tool_call>{"name": "multiply", "arguments": {"a": true, "b": 1}}</tool_call>'
-        ),
-        parse_tool_calls(
-            '<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>'
-            '<tool_call>{"name": "lookup", "arguments": {"key": "missing"}}</tool_call>'
-            '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
-            "<tool_call>{bad</tool_call>"
-        ),
+        [
+            ToolCall("multiply", {"a": 3, "b": 4.5}),
+            ToolCall("nope", {}),
+            ToolCall("multiply", {"a": 3}),
+            ToolCall("multiply", {"a": 3, "b": 1, "c": 2}),
+            ToolCall("multiply", "a=3"),
+        ],
+        [
+            ToolCall("lookup", {"key": "abc"}),
+            ToolCall("lookup", {"key": "missing"}),
+            ToolCall("broken", {"x": 1}),
+        ],
         [],
     ]
     results = runner(rows)
-    assert results[0][0] == ("multiply", "13.5")
-    errors = [json.loads(text)["error"] for _, text in results[0][1:]]
-    assert "no tool is named 'nope'" in errors[0]
-    assert "needs the argument b" in errors[1]
-    assert "takes no argument c" in errors[2]
-    assert "must be of type integer, got '3'" in errors[3]
-    assert "must be of type integer, got True" in errors[4]
-    assert results[1][0] == ("lookup", '{"key": "abc", "value": 3}')  # awaited, as JSON
-    assert json.loads(results[1][1][1]) == {"error": "KeyError: 'missing'"}
-    assert json.loads(results[1][2][1]) == {"error": "RuntimeError: disk on fire"}
-    assert results[1][3][0] == "unknown" and "not valid JSON" in json.loads(results[1][3][1])["error"]
+    assert results[0] == [
+        ("multiply", "13.5"),
+        ("nope", "{'error': 'Tool nope not found.'}"),
+        ("multiply", "{'error': \"multiply() missing 1 required positional argument: 'b'\"}"),
+        ("multiply", "{'error': \"multiply() got an unexpected keyword argument 'c'\"}"),
+        ("multiply", "{'error': 'test_tools.multiply() argument after ** must be a mapping, not str'}"),
+    ]
+    assert results[1] == [
+        ("lookup", "{'key': 'abc', 'value': 3}"),  # awaited; a dict as TRL renders it, str()
+        ("lookup", "{'error': \"'missing'\"}"),
+        ("broken", "{'error': 'disk on fire'}"),
+    ]
     assert results[2] == []
-    assert (runner.counts.calls, runner.counts.failures) == (10, 8)
-    assert runner.counts.metrics(rows=5) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.8}
+    assert (runner.counts.calls, runner.counts.failures) == (8, 6)
+    assert runner.counts.metrics(rows=4) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.75}
     assert ToolCallCounts().metrics(rows=4) == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
+
+
+def test_arguments_are_checked_against_the_schema_where_asked():
+    runner = ToolRunner([multiply], ToolOptions(check_arguments=True))
+    [results] = runner(
+        [
+            [
+                ToolCall("multiply", {"a": 3}),
+                ToolCall("multiply", {"a": 3, "b": 1, "c": 2}),
+                ToolCall("multiply", {"a": "3", "b": 1}),
+                ToolCall("multiply", {"a": True, "b": 1}),
+                ToolCall("multiply", "a=3"),
+                ToolCall("multiply", {"a": 3, "b": 2}),
+            ]
+        ]
+    )
+    assert [text for _, text in results] == [
+        error_text("multiply needs the argument b"),
+        error_text("multiply takes no argument c (it takes: a, b)"),
+        error_text("multiply's argument a must be of type integer, got '3'"),
+        error_text("multiply's argument a must be of type integer, got True"),
+        error_text("the arguments of multiply must be a JSON object, got 'a=3'"),
+        "6",
+    ]
+    assert (runner.counts.calls, runner.counts.failures) == (6, 5)
+
+
+def test_a_list_result_is_the_list_itself():
+    def blocks(n: int) -> list:
+        """Text blocks.
+
+        Args:
+            n: how many
+        """
+        return [{"type": "text", "text": str(i)} for i in range(n)]
+
+    cut = ToolRunner([blocks], ToolOptions(max_response_length=1))  # a list is never cut
+    assert cut([[ToolCall("blocks", {"n": 2})]]) == [[("blocks", blocks(2))]]
 
 
 class Counter:
@@ -206,7 +257,7 @@ def test_each_row_calls_its_own_instances_tools():
     envs = [Counter(), Counter()]
     runner = RowToolRunner([[multiply, env.add] for env in envs])
     assert set(runner.schemas) == {"multiply", "add"}
-    call = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>')
+    call = [ToolCall("add", {"n": 5})]
     assert runner([call, call], rows=[1, 1]) == [[("add", "5")], [("add", "10")]]
     assert (envs[0].total, envs[1].total) == (0, 10)
     assert runner.counts.calls == 2
@@ -214,26 +265,14 @@ def test_each_row_calls_its_own_instances_tools():
         runner([call])
 
 
-def test_a_turn_becomes_trls_assistant_message():
-    text = (
-        'Let me add. <tool_call>{"name": "add", "arguments": {"n": 2}}</tool_call><tool_call>{bad</tool_call>'
-    )
-    assert assistant_message(text) == {
-        "role": "assistant",
-        "content": "Let me add.",
-        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"n": 2}}}],
-    }
-    assert assistant_message("It is 4.") == {"role": "assistant", "content": "It is 4."}
-
-
 def test_async_tools_run_inside_a_running_event_loop_too():
     runner = ToolRunner([lookup])
-    calls = [parse_tool_calls('<tool_call>{"name": "lookup", "arguments": {"key": "ab"}}</tool_call>')]
+    calls = [[ToolCall("lookup", {"key": "ab"})]]
 
     async def inside_a_loop():
         return runner(calls)
 
-    assert asyncio.run(inside_a_loop()) == [[("lookup", '{"key": "ab", "value": 2}')]]
+    assert asyncio.run(inside_a_loop()) == [[("lookup", "{'key': 'ab', 'value': 2}")]]
 
 
 def test_results_are_cut_in_the_middle():
@@ -254,15 +293,22 @@ def test_results_are_cut_in_the_middle():
     runner = ToolRunner([long_text], ToolOptions(max_response_length=10))
     [[(_, result)]] = runner([[ToolCall("long_text", {"n": 100})]])
     assert result == "xxxxx" + TRUNCATION_MARK + "xxxxx"
+    [[(_, whole)]] = ToolRunner([long_text])([[ToolCall("long_text", {"n": 5000})]])
+    assert whole == "x" * 5000  # by default no cut, as TRL
 
 
 def test_tool_options_are_a_section_of_grpo_config_checked_by_either_name():
-    assert ToolOptions() == ToolOptions(max_calling_iterations=None, max_response_length=256)
+    assert ToolOptions() == ToolOptions(
+        max_calling_iterations=None, max_response_length=None, call_format=None, check_arguments=False
+    )
+    assert GRPOConfig(tool_call_format="llama3_json").tools.call_format == "llama3_json"
+    with pytest.raises(ValueError, match="call_format"):
+        GRPOConfig(tool_call_format="json")
     assert GRPOConfig().tools == ToolOptions()
     config = GRPOConfig(max_tool_calling_iterations=3, max_tool_response_length=64)  # TRL's and verl's names
     assert config.tools == ToolOptions(max_calling_iterations=3, max_response_length=64)
     assert (config.max_tool_calling_iterations, config.max_tool_response_length) == (3, 64)
-    rule = r"GRPOConfig.tools.max_response_length=0 \(max_tool_response_length\): must be >= 1$"
+    rule = r"GRPOConfig.tools.max_response_length=0 \(max_tool_response_length\): must be >= 1 or None$"
     with pytest.raises(ValueError, match="^" + rule):
         ToolOptions(max_response_length=0)
     with pytest.raises(ValueError, match="^" + rule):

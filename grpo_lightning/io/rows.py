@@ -222,6 +222,12 @@ def check_answer(answer: object, where: str, field: str = "answer") -> None:
 CHAT_ROLES = ("system", "user", "assistant")  # the turns that every chat template renders
 
 
+ENVIRONMENT_COLUMN = "environment"  # the column naming a row's environment (`environment_factory`)
+ENVIRONMENT_PROMPT = [{"role": "user", "content": ""}]
+"""The prompt of a row that has none but an `environment` column, as TRL's: an empty user turn, which the
+environment's `reset(**row)` writes (its returned text is appended to it); `reset` is not given it."""
+
+
 def check_prompt(prompt: object, where: str, field: str = "prompt") -> None:
     """A prompt is non-empty text or a non-empty list of `{"role": str, "content": str}` messages whose
     roles are system, user or assistant (a template renders another role as a turn the model never saw, or

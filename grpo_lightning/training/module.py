@@ -86,7 +86,9 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         tokenizer: hub id / folder / tokenizer object; None uses the policy's.
         reward_funcs: reward functions, called as TRL 1.16's `GRPOTrainer` calls them (keywords `prompts`,
             `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every data
-            column; see `grpo_lightning.core.rewards.scoring`). Default `[accuracy_reward, format_reward]`.
+            column; see `grpo_lightning.core.rewards.scoring`). Default `[accuracy_reward, format_reward]`;
+            with an `environment_factory` whose environment has `get_reward()`, none (None or `[]`): its
+            `get_reward` is the reward, as TRL's.
         reward_weights: one weight per reward function. Default all 1.0.
         grpo: the algorithm's options (`GRPOConfig`, every option documented there).
         model_options: how the policy loads (dtype, attention, GGUF, gradient checkpointing).
@@ -102,7 +104,9 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
             (`training.tool_rollouts`, bounded by `grpo.tools`), tool-result tokens out of the loss. Default
             None: single turns.
         environment_factory: a class (or import path), or a dict of them by name, as TRL's: one instance per
-            sample, `reset(**row)`, its public methods as tools, `get_reward()` as a reward of weight 1.
+            sample, `reset(**row)` (the text it returns appended to the last user turn; with an
+            `environment`-column-only data set, the whole prompt), its public methods as tools, `get_reward()`
+            as a reward of weight 1.
         rollout_func: `rollout_func(prompts, module)` returning `prompt_ids`, `completion_ids`, `logprobs`
             (optionally `env_mask` and fields for the rewards), as TRL's; instead of the module's sampling.
     """
@@ -127,8 +131,11 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         save_own_hyperparameters(self, inspect.currentframe(), GRPOModule, policy=policy, tokenizer=tokenizer)
         reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
-        self.reward_funcs, weights = checked_reward_functions(reward_funcs, reward_weights)
         multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, grpo.tools, owner=self)
+        environment_rewards = len(multi_turn.rewards) if multi_turn is not None else 0
+        self.reward_funcs, weights = checked_reward_functions(
+            reward_funcs, reward_weights, environment_rewards
+        )
         if multi_turn is not None:  # an environment's get_reward is a reward of its own
             self.reward_funcs, weights = multi_turn.with_rewards(self.reward_funcs, weights)
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]

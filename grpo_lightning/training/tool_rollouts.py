@@ -4,9 +4,11 @@
   chat template as `tools=` (or in a Hermes system prompt where the template cannot show tools), called by
   the policy in `<tool_call>` blocks (`core.generation.multi_turn.ToolRollouts`).
 - `environment_factory=Cls` or `{name: Cls}`: one instance per rollout sample, `reset(**row)` before the
-  sample is drawn (the text it returns, if any, is appended to the last user message), its public methods
+  sample is drawn (the text it returns, if any, is appended to the last user message; a row with only an
+  `environment` column starts from an empty user turn, so that text is the whole prompt), its public methods
   the sample's tools besides `tools`; a `get_reward()` method is a reward source of its own (weight 1, named
-  after the class). With a dict, each row's `environment` column picks the environment.
+  after the class), the only one where the module has no reward functions. With a dict, each row's
+  `environment` column picks the environment.
 - `rollout_func(prompts, module)`: the whole rollout in the user's hands. It gets one prompt per sample (each
   prompt repeated G times) and returns `prompt_ids`, `completion_ids` and `logprobs` (lists per sample),
   optionally `env_mask` (1 on the policy's tokens, 0 on tokens the loss must not count) and any other field,
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from transformers import TrainerState
 
@@ -50,10 +53,11 @@ from grpo_lightning.core.tools.schemas import (
     tool_schema,
     with_tools_in_system_prompt,
 )
+from grpo_lightning.core.tools.turns import rendering_with, training_template, training_template_note
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.hparams import import_object, resolve_callable
+from grpo_lightning.io.rows import ENVIRONMENT_COLUMN, ENVIRONMENT_PROMPT
 
-ENVIRONMENT_COLUMN = "environment"  # with a dict of environments: the row's column naming its own
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what a rollout_func must return
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that the policy does not call
 
@@ -278,6 +282,19 @@ class ToolSampling:
             if has_reward and all(reward.cls is not type(probe) for reward in self.rewards):
                 self.rewards.append(EnvironmentReward(type(probe), self.options.environment_timeout))
         self._owner = None if owner is None else weakref.ref(owner)
+        self._chat_template: str | None = None  # TRL's training template, where the run needs one
+        self._template_chosen = False
+
+    def _rendering_template(self, tokenizer, renders_tools: bool, prompt_options) -> str | None:
+        """The chat template the run's prompts and tool turns render with, chosen once before any prompt is
+        encoded (`tools.turns.training_template`): None, the tokenizer's own; else TRL's training copy of
+        it, said in one line."""
+        if not self._template_chosen:
+            self._chat_template = training_template(tokenizer, renders_tools, prompt_options)
+            self._template_chosen = True
+            if self._chat_template is not None:
+                rank_zero_info(training_template_note(tokenizer.chat_template))
+        return self._chat_template
 
     @classmethod
     def of(
@@ -361,6 +378,8 @@ class ToolSampling:
                 row = {key: batch[key][i // G] for key in columns}
                 if self.multi_environment:
                     row.pop(ENVIRONMENT_COLUMN)  # which environment it is, not what to reset it to
+                if row.get("prompt") == ENVIRONMENT_PROMPT:  # no prompt of its own: reset writes it, as TRL
+                    row.pop("prompt")
                 observation = _user_call(
                     f"{type(environment).__qualname__}.reset(**row)",
                     lambda environment=environment, row=row: environment.reset(**row),
@@ -378,7 +397,9 @@ class ToolSampling:
         schemas = [
             [runner.row_schemas[i][name] for name in runner.row_tools[i]] for i in range(len(row_tools))
         ]
-        if not template_renders_tools(tokenizer, list(runner.schemas.values()), rollouts.cfg.prompts):
+        renders_tools = template_renders_tools(tokenizer, list(runner.schemas.values()), rollouts.cfg.prompts)
+        chat_template = self._rendering_template(tokenizer, renders_tools, rollouts.cfg.prompts)
+        if not renders_tools:
             row_prompts = [
                 with_tools_in_system_prompt(p, s) for p, s in zip(row_prompts, schemas, strict=True)
             ]
@@ -390,7 +411,7 @@ class ToolSampling:
         )
         encoded = row_prompts[::G] if shared else row_prompts
         encoded_tools = None if schemas is None else schemas[::G] if shared else schemas
-        with rollouts.ready_engine() as (engine, device):
+        with rollouts.ready_engine() as (engine, device), rendering_with(tokenizer, chat_template):
             ids, mask = rollouts.encoder.encode(encoded, device, tools=encoded_tools)
             rollout, turns = ToolRollouts(engine, tokenizer, runner, rollouts.cfg.prompts).generate(
                 rollouts.policy, ids, mask, num_generations=G if shared else 1, do_sample=do_sample

@@ -13,11 +13,14 @@ is not appended and its sample ends there; a turn is cut to what is left, and a 
 nothing ends its sample, cut, after the results.
 `ToolOptions.max_calling_iterations` bounds the rounds (`ToolRunner.may_call`).
 
-Reading a turn's calls, running them, turning their results into text and rendering the tool turn are one
+Each turn is read once, by the chat template's tool-call format (`tools.formats`, `ToolOptions.call_format`),
+into the assistant message TRL builds from it: its calls, with arguments typed by the tools' schemas, and its
+content. A turn whose calls cannot be read (broken JSON) calls nothing, as TRL's: the sample ends there.
+Reading a turn, running its calls, turning their results into content and rendering the tool turn are one
 guarded unit: whatever the model wrote and whatever the tools returned, the sample goes on with an error
-result (`ToolRunner.parse`, `ToolRunner.__call__`), and a tool turn the chat template cannot render is
-rendered again with each result replaced by an error naming its tool; only a template that cannot render
-even that ends the sample after the model's turn.
+result or ends as a plain turn (`ToolRunner.parse`, `ToolRunner.__call__`), and a tool turn the chat template
+cannot render is rendered again with each result replaced by an error naming its tool; only a template that
+cannot render even that ends the sample after the model's turn.
 
 The `Rollout`'s completion holds every turn: `completion_mask` is 1 on all of it (model and tool tokens,
 what the scorer attends to), `tool_mask` 0 on the tool turns (what the loss must not count),
@@ -37,13 +40,15 @@ from grpo_lightning.core.chat_template import PromptOptions
 from grpo_lightning.core.generation.engines import RolloutEngine
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.tools.calls import (
-    ERROR_PREFIX,
+    Content,
+    ToolCall,
     ToolCallCounts,
     ToolRunner,
-    assistant_message,
     describe,
     error_text,
+    is_error,
 )
+from grpo_lightning.core.tools.formats import ParsedTurn, choose_format, result_message
 from grpo_lightning.core.tools.schemas import template_renders_tools
 from grpo_lightning.core.tools.turns import check_prefix_preserving, tool_messages, tool_suffix_ids
 from grpo_lightning.core.types import Rollout
@@ -58,7 +63,7 @@ class _Sample:
     own: list[int]  # 1: the model's token, 0: a tool turn's
     logprobs: list[float]
     truncated: bool
-    last_turn: list[int]
+    calls: list[ToolCall] = field(default_factory=list)  # the last turn's calls
     messages: list[dict] = field(default_factory=list)  # the turns as chat messages, for the rewards
 
 
@@ -85,8 +90,10 @@ class ToolTurns:
 class ToolRollouts:
     """Multi-turn rollouts of `runner`'s tools through `engine`, the chat template of `tokenizer` rendering
     the tool turns with `prompt_options` (the run's `GRPOConfig.prompts`, as its prompts), bounded by the
-    runner's `ToolOptions`. Checks once that the template renders conversations as prefixes of the next
-    (`tools.turns.check_prefix_preserving`), refusing it otherwise."""
+    runner's `ToolOptions`, the turns read in the template's tool-call format (`format`). Checks once that
+    the template renders conversations as prefixes of the next (`tools.turns.check_prefix_preserving`),
+    refusing it otherwise: a run swaps in TRL's training template first where one exists
+    (`tools.turns.training_template`)."""
 
     def __init__(
         self,
@@ -100,6 +107,9 @@ class ToolRollouts:
         schemas = list(runner.schemas.values())
         self.template_has_tools = template_renders_tools(tokenizer, schemas, prompt_options)
         check_prefix_preserving(tokenizer, self.template_has_tools, prompt_options)
+        self.format = choose_format(
+            tokenizer.chat_template, self.template_has_tools, runner.options.call_format
+        )
 
     def generate(
         self,
@@ -125,7 +135,6 @@ class ToolRollouts:
                 own=[1] * int(keep.sum()),
                 logprobs=logprobs[keep.bool()].tolist() if sampled else [],
                 truncated=bool(truncated),
-                last_turn=ids[keep.bool()].tolist(),
             )
             for prompt, mask, ids, keep, truncated, logprobs in zip(
                 first.prompt_ids,  # [B, P]
@@ -137,19 +146,18 @@ class ToolRollouts:
                 strict=True,
             )
         ]
-        for sample in samples:
-            sample.messages.append(assistant_message(self._text(sample.last_turn, skip_special=True)))
+        for row, sample in enumerate(samples):
+            self._read_turn(row, sample, sample.ids, before=[])
         calls_before, failures_before = self.runner.counts.calls, self.runner.counts.failures
         later = replace(s, min_new_tokens=0, share_prompt=False)  # each row's context is its own
         live = [i for i, sample in enumerate(samples) if not sample.truncated]
         rounds = 0
         context_limit = _context_limit(self.engine, model)
         while live and self.runner.may_call(rounds):
-            calls = {i: self.runner.parse(self._text(samples[i].last_turn)) for i in live}
-            live = [i for i in live if calls[i]]
+            live = [i for i in live if samples[i].calls]
             if not live:
                 break
-            results = self.runner([calls[i] for i in live], rows=live)
+            results = self.runner([samples[i].calls for i in live], rows=live)
             going = []
             for i, row_results in zip(live, results, strict=True):
                 row_results, suffix = self._tool_turn(row_results)
@@ -163,9 +171,7 @@ class ToolRollouts:
                 samples[i].ids += suffix
                 samples[i].own += [0] * len(suffix)
                 samples[i].logprobs += [0.0] * len(suffix) if sampled else []
-                samples[i].messages += [
-                    {"role": "tool", "name": n, "content": text} for n, text in row_results
-                ]
+                samples[i].messages += [result_message(name, content) for name, content in row_results]
                 if length == s.max_new_tokens:  # no token left for a next turn: cut after the results, as TRL
                     samples[i].truncated = True
                     continue
@@ -179,12 +185,12 @@ class ToolRollouts:
                 keep = rollout.completion_mask[row].bool()  # [T]
                 turn = rollout.completion_ids[row][keep].tolist()[:left]
                 sample.truncated = bool(rollout.truncated[row]) or len(turn) < int(keep.sum())
-                sample.ids += turn
+                before = sample.ids
+                sample.ids = sample.ids + turn
                 sample.own += [1] * len(turn)
                 if sampled:
                     sample.logprobs += rollout.sampler_logprobs[row][keep].tolist()[:left]
-                sample.last_turn = turn
-                sample.messages.append(assistant_message(self._text(turn, skip_special=True)))
+                self._read_turn(i, sample, turn, before)
             live = [i for i in going if not samples[i].truncated]
             rounds += 1
         counts = ToolCallCounts(
@@ -193,7 +199,25 @@ class ToolRollouts:
         turns = ToolTurns(counts, [sample.messages for sample in samples])
         return self._rollout(first, samples, sampled, s.pad_token_id), turns
 
-    def _tool_turn(self, results: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[int] | None]:
+    def _read_turn(self, row: int, sample: _Sample, turn: list[int], before: list[int]) -> None:
+        """Read the model's `turn` of rollout row `row` (sampled after `before`, the completion's ids so far)
+        as TRL reads it: its message joins the sample's, its calls are the next round's. The format starts
+        reading at the prompt's last assistant header (the template may open the turn: a `<think>`); with
+        the Hermes calls a system prompt teaches, at the turn itself."""
+        parsed: ParsedTurn = self.runner.parse(
+            self.format,
+            self._text(turn),
+            prompt=self._text(sample.context + before) if self.template_has_tools else "",
+            schemas=list(self.runner.tools_of(row)[1].values()),
+            plain_text=self._text(turn, skip_special=True),
+            eos_token=self.tokenizer.eos_token,
+        )
+        sample.messages.append(parsed.message)
+        sample.calls = [ToolCall(call.name, call.arguments) for call in parsed.calls]
+
+    def _tool_turn(
+        self, results: list[tuple[str, Content]]
+    ) -> tuple[list[tuple[str, Content]], list[int] | None]:
         """The results of one row's calls and the ids of their tool turn; where the chat template raises on
         them, each result replaced by an error naming its tool, and None for the ids where it raises on those
         too (the sample ends with the model's turn)."""
@@ -202,7 +226,7 @@ class ToolRollouts:
             return results, tool_suffix_ids(self.tokenizer, turn, self.prompt_options)
         except Exception as error:  # a template's raise_exception, or an error on what a result holds
             why = describe(error)
-        self.runner.counts.failures += sum(not text.startswith(ERROR_PREFIX) for _, text in results)
+        self.runner.counts.failures += sum(not is_error(content) for _, content in results)
         results = [
             (name, error_text(f"the chat template cannot render the result of {name}: {why}"))
             for name, _ in results

@@ -249,13 +249,23 @@ def check_reward_weights(weights: Sequence[object], reward_funcs: Sequence[Calla
 
 
 def checked_reward_functions(
-    reward_funcs: Sequence[Callable] | None, reward_weights: Sequence[object] | None
+    reward_funcs: Sequence[Callable] | None,
+    reward_weights: Sequence[object] | None,
+    other_sources: int = 0,
 ) -> tuple[list[Callable], list[float]]:
-    """The module's reward functions (default `[accuracy_reward, format_reward]`) and one weight each
-    (default 1.0), checked; `ValueError` naming the option otherwise."""
-    funcs = list(reward_funcs) if reward_funcs is not None else [accuracy_reward, format_reward]
-    if not funcs:
-        raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+    """The module's reward functions and one weight each (default 1.0), checked; `ValueError` naming the
+    option otherwise. `other_sources`: the rewards that come besides them (an environment's `get_reward`);
+    without any, the default is `[accuracy_reward, format_reward]` and an empty list is refused, with some
+    (TRL's rule) None and `[]` are no function: the environments own the reward."""
+    if reward_funcs is None:
+        funcs = [] if other_sources else [accuracy_reward, format_reward]
+    else:
+        funcs = list(reward_funcs)
+    if not funcs and not other_sources:
+        raise ValueError(
+            "reward_funcs is empty: GRPO needs a reward source, reward functions or an environment_factory "
+            "whose environment has a get_reward() method"
+        )
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")

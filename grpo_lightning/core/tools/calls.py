@@ -1,12 +1,14 @@
-"""Tool calls from a completion's text to the results the model reads next, and the options that bound them.
+"""Tool calls from a model turn to the results the model reads next, and the options that bound them.
 
-The calls are in the Hermes format that Qwen2.5's chat template teaches (and `schemas.hermes_system_prompt`
-teaches where a template has none): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per
-call. Whatever goes wrong reaches the model as the call's result, `{"error": "..."}`, never the trainer as an
-exception: malformed or too deeply nested JSON, an unknown tool, arguments that do not fit the tool's
-schema, a tool that raises (any exception, `SystemExit` and `KeyboardInterrupt` raised by the tool
-included), a tool that does not return within `ToolOptions.call_timeout`, a result that cannot be turned
-into text. Async tools are awaited, all of one batch's together.
+A turn's calls are read by the chat template's tool-call format (`tools.formats`), inside `ToolRunner.parse`;
+each result reaches the model as TRL 1.16 renders it: a list (content blocks) as it is, anything else as
+`str(result)`, so a dict result reads `{'sum': 6}`. Whatever goes wrong reaches the model as the call's
+result, TRL's `{'error': '<what was raised>'}`, never the trainer as an exception: a turn the format cannot
+read in any way, an unknown tool (`Tool NAME not found.`), arguments the function cannot take (what Python
+raises, as TRL: `multiply() missing 1 required positional argument: 'b'`), a tool that raises (any exception,
+`SystemExit` and `KeyboardInterrupt` raised by the tool included), a tool that does not return within
+`ToolOptions.call_timeout`, a result that cannot be turned into text. Async tools are awaited, all of one
+batch's together.
 
 Each call runs in a thread of its own (`run_bounded`), the trainer's thread waiting for it at most
 `call_timeout` seconds: a signal to the trainer (SIGTERM, Ctrl-C) is handled while it waits, and a tool that
@@ -19,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
 from grpo_lightning.core.options import Alias, Range, check_fields
+from grpo_lightning.core.tools.formats import ParsedTurn, ToolCallFormat, ToolCallFormatName
 from grpo_lightning.core.tools.schemas import Tool, is_async_tool, tool_schema, tools_by_name
 
 
@@ -55,11 +57,25 @@ class ToolOptions:
     cannot draw a sample from an environment that is not set up). Its methods the policy calls are tools,
     bounded by `call_timeout`."""
 
-    max_response_length: Annotated[int, Alias("max_tool_response_length"), Range(">= 1")] = 256
-    """Characters of each tool result the model reads: a longer one keeps its start and end, this many
-    characters in all, with `TRUNCATION_MARK` between them. verl:
-    `actor_rollout_ref.rollout.multi_turn.max_tool_response_length` (256, with `tool_response_truncate_side:
-    middle`); TRL does not cut results."""
+    max_response_length: Annotated[int | None, Alias("max_tool_response_length"), Range(">= 1")] = None
+    """Characters of each text result the model reads: a longer one keeps its start and end, this many
+    characters in all, with `TRUNCATION_MARK` between them (a list result, content blocks, is never cut).
+    None: results are not cut, as TRL. verl: `actor_rollout_ref.rollout.multi_turn.max_tool_response_length`
+    (256 there, with `tool_response_truncate_side: middle`), worth setting where a tool may return pages."""
+
+    call_format: Annotated[ToolCallFormatName | None, Alias("tool_call_format")] = None
+    """The tool-call format the model writes (`tools.formats.TOOL_CALL_FORMATS`: hermes, qwen3_coder,
+    nemotron_3, glm4, llama3_json, gpt_oss, lfm2, gemma4). None: chosen from the chat template as TRL chooses
+    its response schema (by which of TRL's template files it is, else by the markers it writes); Hermes where
+    the template shows no tools (the system prompt teaches Hermes calls). TRL has no such option: a TRL user
+    sets `tokenizer.response_schema`."""
+
+    check_arguments: Annotated[bool, Alias("check_tool_arguments")] = False
+    """Check each call's arguments against its tool's JSON schema before calling it: an argument the tool
+    lacks, one missing, or a value of another JSON type is the call's error (`{'error': "multiply's argument
+    a must be of type integer, got 'six'"}`) and the tool is not called. False: as TRL, the tool is called
+    with the arguments as the format typed them (`"6"` for an integer is 6 already) and what Python raises
+    on ones it cannot take is the error; a value of the wrong type reaches the tool."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -80,62 +96,12 @@ def truncate_middle(text: str, limit: int) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One `<tool_call>` block of a completion: the tool's name and arguments, or why it cannot run."""
+    """One call of a model turn: the tool's name and the arguments as the format read them (a dict for a
+    call the tool can take), or why it cannot run."""
 
     name: str | None
-    arguments: dict
+    arguments: object
     error: str | None = None  # set: the call is not run and this is its result
-
-
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in `text`, in order: each `<tool_call>` block's JSON object `{"name": str, "arguments":
-    object}` (arguments may also be a string holding that object); a block that is not such JSON, or that
-    is never closed, is a call carrying its error."""
-    calls = []
-    for match in _CALL.finditer(text):
-        body = match.group(1).strip()
-        if not match.group(0).endswith("</tool_call>"):
-            calls.append(ToolCall(None, {}, "the <tool_call> block is not closed by </tool_call>"))
-            continue
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as error:
-            calls.append(ToolCall(None, {}, f"the tool call is not valid JSON: {error}"))
-            continue
-        except RecursionError:  # `[[[...]]]` thousands deep: the decoder's recursion bound
-            calls.append(ToolCall(None, {}, "the tool call's JSON is nested too deeply to read"))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall(None, {}, 'a tool call must be a JSON object with a string "name"'))
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except (json.JSONDecodeError, RecursionError) as error:
-                arguments = error
-        if not isinstance(arguments, dict):
-            message = f'the "arguments" of {call["name"]!r} must be a JSON object'
-            calls.append(ToolCall(call["name"], {}, message))
-            continue
-        calls.append(ToolCall(call["name"], arguments))
-    return calls
-
-
-def assistant_message(text: str) -> dict:
-    """A model turn's text as the assistant message TRL hands reward functions: its text without the
-    `<tool_call>` blocks as `content`, and the well-formed calls as `tool_calls` (when it made any)."""
-    message = {"role": "assistant", "content": _CALL.sub("", text).strip()}
-    calls = [call for call in parse_tool_calls(text) if call.error is None]
-    if calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in calls
-        ]
-    return message
 
 
 _JSON_TYPES = {
@@ -162,10 +128,12 @@ def _type_matches(value: object, spec: dict) -> bool:
     return False
 
 
-def argument_error(arguments: dict, schema: dict) -> str | None:
-    """Why `arguments` do not fit a tool's JSON `schema`, or None: an argument it lacks, one it requires that
-    is missing, or a value of another JSON type (an integer passes for a number)."""
+def argument_error(arguments: object, schema: dict) -> str | None:
+    """Why `arguments` do not fit a tool's JSON `schema`, or None: not a JSON object, an argument it lacks,
+    one it requires that is missing, or a value of another JSON type (an integer passes for a number)."""
     function = schema["function"]
+    if not isinstance(arguments, dict):
+        return f"the arguments of {function['name']} must be a JSON object, got {arguments!r}"
     parameters = function.get("parameters", {})
     properties = parameters.get("properties", {})
     unknown = sorted(set(arguments) - set(properties))
@@ -182,21 +150,31 @@ def argument_error(arguments: dict, schema: dict) -> str | None:
     return None
 
 
-def result_text(result: object) -> str:
-    """A tool's result as the model reads it: a string as it is, anything else as JSON (`str` of what JSON
-    cannot hold); characters UTF-8 cannot hold (a lone surrogate) become `?`, as the tokenizer needs UTF-8.
-    Raises what the conversion raises (a self-referencing list, a dict with tuple keys, a `__str__` that
-    raises): `ToolRunner` makes that the call's error."""
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    return text.encode("utf-8", errors="replace").decode("utf-8")
+Content = str | list  # a tool message's content: text, or a list of content blocks
 
 
-ERROR_PREFIX = '{"error": '  # how every failed call's result begins (`error_text`), cut or not
+def result_content(result: object) -> Content:
+    """A tool's result as TRL 1.16 hands it to the chat template and the reward functions: a list (content
+    blocks) as it is, anything else as `str(result)`; characters UTF-8 cannot hold (a lone surrogate) become
+    `?`, as the tokenizer needs UTF-8. Raises what the conversion raises (a `__str__` that raises, a list
+    that holds itself): `ToolRunner` makes that the call's error."""
+    if isinstance(result, list):
+        json.dumps(result, default=str)  # a list a transcript cannot hold (one holding itself) is refused
+        return result
+    return str(result).encode("utf-8", errors="replace").decode("utf-8")
+
+
+ERROR_PREFIX = "{'error': "  # how every failed call's result begins (`error_text`), cut or not
 
 
 def error_text(message: str) -> str:
-    """A failed call's result: `{"error": message}` as JSON."""
-    return result_text({"error": message})
+    """A failed call's result as TRL writes it: `str({"error": message})`."""
+    return str({"error": message})
+
+
+def is_error(content: Content) -> bool:
+    """Whether a tool message's content is a failed call's result (`error_text`)."""
+    return isinstance(content, str) and content.startswith(ERROR_PREFIX)
 
 
 @dataclass
@@ -222,9 +200,10 @@ class CallFailed(Exception):
     """A call that raised (`run_bounded`): `error` is what it raised, any `BaseException`, held here as an
     ordinary exception so that a `SystemExit` or `KeyboardInterrupt` from user code never leaves as one."""
 
-    def __init__(self, error: BaseException, message: str | None = None) -> None:
+    def __init__(self, error: BaseException, message: str | None = None, text: str | None = None) -> None:
         super().__init__(message or type(error).__name__)
         self.error = error
+        self.text = text if text is not None else message_of(error)  # `str(error)`, as TRL reports it
 
 
 def run_bounded(function: Callable[[], object], seconds: float, name: str) -> object:
@@ -242,6 +221,7 @@ def run_bounded(function: Callable[[], object], seconds: float, name: str) -> ob
             outcome["value"] = function()
         except BaseException as error:  # user code's SystemExit too: the caller's result, not an exit
             outcome["error"], outcome["message"] = error, describe(error)  # str() runs here, bounded too
+            outcome["text"] = message_of(error)
         finally:
             done.set()
 
@@ -249,8 +229,16 @@ def run_bounded(function: Callable[[], object], seconds: float, name: str) -> ob
     if not done.wait(seconds):
         raise CallTimeout(f"{name} did not return within {seconds:g} s")
     if "error" in outcome:
-        raise CallFailed(outcome["error"], outcome.get("message"))  # type: ignore[arg-type]
+        raise CallFailed(outcome["error"], outcome["message"], outcome["text"])  # type: ignore[arg-type]
     return outcome["value"]
+
+
+def message_of(error: BaseException) -> str:
+    """`str(error)`, as TRL writes a failed call's error; its type's name where its `str()` fails."""
+    try:
+        return str(error)
+    except BaseException:  # an exception whose __str__ raises still has a name
+        return type(error).__name__
 
 
 def describe(error: BaseException) -> str:
@@ -265,8 +253,9 @@ def describe(error: BaseException) -> str:
 class ToolRunner:
     """Runs the tool calls of a batch of completions: `tools` by name, their schemas checked once here.
 
-    Each result is a string (`result_text`) cut to `options.max_response_length` (`truncate_middle`);
-    a call that cannot run or raises gives `{"error": ...}`, and `counts` adds up calls and failures.
+    Each result is TRL's content (`result_content`), a text one cut to `options.max_response_length` where
+    set (`truncate_middle`); a call that cannot run or raises gives TRL's `{'error': ...}`, and `counts` adds
+    up calls and failures.
     """
 
     def __init__(self, tools: Sequence[Tool], options: ToolOptions | None = None) -> None:
@@ -277,11 +266,11 @@ class ToolRunner:
 
     def __call__(
         self, calls_per_row: Sequence[Sequence[ToolCall]], rows: Sequence[int] | None = None
-    ) -> list[list[tuple[str, str]]]:
-        """Each row's `(tool name, result text)` per call, in the calls' order; the async tools of every row
-        awaited together. `rows`: the rollout rows the calls come from (their own tools, `RowToolRunner`).
-        Whatever a call does, its slot gets a text (see the module's description)."""
-        results: list[list[tuple[str, str] | None]] = [[None] * len(calls) for calls in calls_per_row]
+    ) -> list[list[tuple[str, Content]]]:
+        """Each row's `(tool name, result content)` per call, in the calls' order; the async tools of every
+        row awaited together. `rows`: the rollout rows the calls come from (their own tools,
+        `RowToolRunner`). Whatever a call does, its slot gets a content (see the module's description)."""
+        results: list[list[tuple[str, Content] | None]] = [[None] * len(calls) for calls in calls_per_row]
         pending = []  # (row, index, name, the call's coroutine function)
         for row, calls in enumerate(calls_per_row):
             tools, schemas = self.tools_of(None if rows is None else rows[row])
@@ -290,8 +279,8 @@ class ToolRunner:
                 name = call.name or "unknown"
                 problem = call.error
                 if problem is None and call.name not in tools:
-                    problem = f"no tool is named {call.name!r} (tools: {', '.join(tools)})"
-                if problem is None:
+                    problem = f"Tool {call.name} not found."  # TRL's words
+                if problem is None and self.options.check_arguments:
                     problem = argument_error(call.arguments, schemas[call.name])
                 if problem is not None:
                     results[row][index] = self._failed(name, problem)
@@ -299,8 +288,8 @@ class ToolRunner:
                     pending.append((row, index, name, _bind(tools[name], call.arguments)))
                 else:
                     results[row][index] = self._sync_call(name, _bind(tools[name], call.arguments))
-        for (row, index, name, _), (ok, text) in zip(pending, self._async_calls(pending), strict=True):
-            results[row][index] = (name, text) if ok else self._failed(name, text)
+        for (row, index, name, _), (ok, content) in zip(pending, self._async_calls(pending), strict=True):
+            results[row][index] = (name, content) if ok else self._failed(name, content)
         return results  # type: ignore[return-value]  every slot is filled above
 
     def may_call(self, rounds: int) -> bool:
@@ -309,51 +298,54 @@ class ToolRunner:
         limit = self.options.max_calling_iterations
         return limit is None or rounds < limit
 
-    def parse(self, text: str) -> list[ToolCall]:
-        """The tool calls of a model turn's `text` (`parse_tool_calls`); a turn the parser cannot read is one
-        failed call saying why, never an exception out of the rollout."""
+    def parse(
+        self, call_format: ToolCallFormat, text: str, *, plain_text: str, **context: object
+    ) -> ParsedTurn:
+        """A model turn's `text` read by `call_format` (`ToolCallFormat.parse`, with `context`: the prompt,
+        the schemas, the end-of-sequence token); a turn the format fails on in any way is TRL's plain turn
+        (`plain_text` as its content, no call), never an exception out of the rollout."""
         try:
-            return parse_tool_calls(text)
-        except Exception as error:  # the model wrote it: whatever it wrote is its call's result
-            return [ToolCall(None, {}, f"the tool calls cannot be read: {describe(error)}")]
+            return call_format.parse(text, plain_text=plain_text, **context)  # type: ignore[arg-type]
+        except Exception:  # the model wrote it: an unreadable turn calls nothing and ends the sample
+            return ParsedTurn({"role": "assistant", "content": plain_text}, False)
 
-    def _text(self, name: str, value: object) -> str:
-        """`value` as the cut text the model reads; an error naming `name` where it has no text."""
+    def _content(self, name: str, value: object) -> Content:
+        """`value` as the (cut) content the model reads; an error naming `name` where it has none."""
         try:
-            return self._cut(result_text(value))
-        except Exception as error:  # a self-referencing list, tuple keys, a __str__ that raises...
+            return self._cut(result_content(value))
+        except Exception as error:  # a __str__ that raises...
             raise _NoText(f"the result of {name} cannot be turned into text: {describe(error)}") from None
 
-    def _sync_call(self, name: str, call: Callable[[], object]) -> tuple[str, str]:
+    def _sync_call(self, name: str, call: Callable[[], object]) -> tuple[str, Content]:
         seconds = self.options.call_timeout
         try:
-            return name, run_bounded(lambda: self._text(name, call()), seconds, name)  # type: ignore[return-value]
+            return name, run_bounded(lambda: self._content(name, call()), seconds, name)  # type: ignore[return-value]
         except CallTimeout as error:
             return self._failed(name, str(error))
         except CallFailed as error:  # the model reads why its call failed; training goes on
-            return self._failed(name, str(error.error) if isinstance(error.error, _NoText) else str(error))
+            return self._failed(name, error.text)
 
-    def _async_calls(self, pending: list) -> list[tuple[bool, str]]:
-        """`(ok, text)` for each pending async call, awaited together in an event loop of their own thread
+    def _async_calls(self, pending: list) -> list[tuple[bool, Content]]:
+        """`(ok, content)` for each pending async call, awaited together in an event loop of their own thread
         (this thread may run a loop already, a notebook's), each bounded by `call_timeout`; past the bound
         and a second (a tool that blocks the loop), all of them are timeouts."""
         if not pending:
             return []
         seconds = self.options.call_timeout
 
-        async def one(name: str, call: Callable[[], object]) -> tuple[bool, str]:
+        async def one(name: str, call: Callable[[], object]) -> tuple[bool, Content]:
             try:
                 value = await asyncio.wait_for(call(), seconds)  # type: ignore[arg-type]
             except TimeoutError:
                 return False, f"{name} did not return within {seconds:g} s"
             except BaseException as error:  # the tool's SystemExit is its result too
-                return False, describe(error)
+                return False, message_of(error)
             try:
-                return True, self._text(name, value)
+                return True, self._content(name, value)
             except _NoText as error:
                 return False, str(error)
 
-        async def together() -> list[tuple[bool, str]]:
+        async def together() -> list[tuple[bool, Content]]:
             return list(await asyncio.gather(*(one(name, call) for *_, name, call in pending)))
 
         try:
@@ -371,16 +363,19 @@ class ToolRunner:
         self.counts.failures += 1
         return name, self._cut(error_text(message))
 
-    def _cut(self, text: str) -> str:
-        return truncate_middle(text, self.options.max_response_length)
+    def _cut(self, content: Content) -> Content:
+        limit = self.options.max_response_length
+        return content if limit is None or isinstance(content, list) else truncate_middle(content, limit)
 
 
 class _NoText(Exception):
-    """A tool's result that `result_text` cannot turn into text: the message names the tool."""
+    """A tool's result that `result_content` cannot turn into text: the message names the tool."""
 
 
-def _bind(tool: Tool, arguments: dict) -> Callable[[], object]:
-    return lambda: tool(**arguments)
+def _bind(tool: Tool, arguments: object) -> Callable[[], object]:
+    """The call, as TRL makes it: arguments that are not a mapping raise Python's `TypeError` before the tool
+    runs (`multiply() argument after ** must be a mapping, not str`), which is the call's error."""
+    return lambda: tool(**arguments)  # type: ignore[arg-type]
 
 
 class RowToolRunner(ToolRunner):

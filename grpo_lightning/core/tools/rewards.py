@@ -12,23 +12,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grpo_lightning.core.tools.calls import ERROR_PREFIX
+from grpo_lightning.core.tools.calls import is_error
 
 
 def answered_tool_calls(completion: str | Sequence[dict]) -> int:
     """The tool calls of a multi-turn completion (its chat messages) that the tool answered without an
-    error: its `tool` messages whose content is not an `{"error": ...}` result. A text completion has none."""
+    error: its `tool` messages whose content is not an `{'error': ...}` result. A text completion has none."""
     if isinstance(completion, str):
         return 0
     return sum(
         1
         for message in completion
-        if message.get("role") == "tool" and not str(message.get("content", "")).startswith(ERROR_PREFIX)
+        if message.get("role") == "tool" and not is_error(message.get("content", ""))
     )
 
 
 def tool_call_reward(completions: Sequence[str | Sequence[dict]], **kwargs: Any) -> list[float]:
-    """1.0 for a completion with at least one well-formed tool call (parsed, of a known tool, with arguments
-    that fit its schema, answered without an error), else 0.0; one bonus per completion, however many calls
+    """1.0 for a completion with at least one well-formed tool call (read, of a known tool, answered without
+    an error), else 0.0; one bonus per completion, however many calls
     it makes, so that calling more is not worth more."""
     return [float(answered_tool_calls(completion) > 0) for completion in completions]

@@ -18,20 +18,22 @@ change them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.core.chat_template import PromptOptions, render_chat
+from grpo_lightning.core.tools.formats import result_message
 from grpo_lightning.core.tools.templates import trl_chat_templates, trl_template_name, trl_training_template
 
 
-def tool_messages(results: Sequence[tuple[str, str]], template_has_tools: bool) -> list[dict]:
-    """The messages of one turn's tool results `(name, text)`: a `tool` message each where the chat template
-    renders tools, else one user message of Hermes `<tool_response>` blocks (as Qwen2.5's template writes
-    them), which any template renders."""
+def tool_messages(results: Sequence[tuple[str, str | list]], template_has_tools: bool) -> list[dict]:
+    """The messages of one turn's tool results `(name, content)`: TRL's `tool` message each where the chat
+    template renders tools, else one user message of Hermes `<tool_response>` blocks (as Qwen2.5's template
+    writes them), which any template renders."""
     if template_has_tools:
-        return [{"role": "tool", "name": name, "content": text} for name, text in results]
+        return [result_message(name, content) for name, content in results]
     blocks = "\n".join(f"<tool_response>\n{text}\n</tool_response>" for _, text in results)
     return [{"role": "user", "content": blocks}]
 
@@ -158,3 +160,19 @@ def training_template_note(chat_template: str | dict | None) -> str:
         f"the chat template ({trl_template_name(chat_template)}) rewrites an earlier turn when a tool's "
         "result follows: training with TRL's prefix-preserving training copy of it, as TRL does"
     )
+
+
+@contextmanager
+def rendering_with(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> Iterator[None]:
+    """Every render inside uses `chat_template` (a `training_template`; None: the tokenizer's own), and the
+    tokenizer's own is back afterwards, so that what a checkpoint or an export saves is the template the
+    model shipped with, as TRL passes its training template to each render rather than keeping it."""
+    if chat_template is None:
+        yield
+        return
+    shipped = tokenizer.chat_template
+    tokenizer.chat_template = chat_template
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = shipped

@@ -28,6 +28,8 @@ from grpo_lightning.core.options import Range, check_arguments
 from grpo_lightning.core.rewards.scoring import required_columns
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.io.rows import (
+    ENVIRONMENT_COLUMN,
+    ENVIRONMENT_PROMPT,
     Row,
     chat_prompt,
     check_answer,
@@ -72,6 +74,8 @@ class PromptDataModule(L.LightningDataModule):
             hub data set loaded with `datasets.load_dataset(source, config_name, split=...)`. Required.
         config_name: the hub data set's configuration (GSM8K's is "main"); None for its default.
         prompt_field: the column holding the prompt. Default "prompt". It reaches the rewards as `prompts`.
+            A row without it but with an `environment` column (TRL's routing data set of
+            `environment_factory`) starts from an empty user turn that the environment's `reset` writes.
         system_prompt: a system message put before each prompt, which makes every prompt chat messages
             (open-r1's `system_prompt`): a text prompt becomes `[{"role": "system", "content":
             system_prompt}, {"role": "user", "content": <the text>}]`; a chat prompt gets the system turn
@@ -191,6 +195,8 @@ class PromptDataModule(L.LightningDataModule):
         if hp.prompt_template is not None:
             prompt, field = self._templated_prompt(row, where), "prompt"
             out = {k: v for k, v in row.items() if k != "prompt"}
+        elif hp.prompt_field not in row and ENVIRONMENT_COLUMN in row:  # the environment writes the prompt
+            return {"prompt": [dict(message) for message in ENVIRONMENT_PROMPT], **row}
         else:
             if hp.prompt_field not in row:
                 raise ValueError(
