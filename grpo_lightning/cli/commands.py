@@ -140,6 +140,12 @@ VLLM_SERVE_HELP = (
 )
 
 
+def nested_namespace(options: dict) -> Namespace:
+    """`options` as the namespace a YAML gives, each section inside a section too (`grpo.engine.vllm_server`):
+    a dict left among them is instantiated as its section's defaults, its values lost."""
+    return Namespace(**{k: nested_namespace(v) if isinstance(v, dict) else v for k, v in options.items()})
+
+
 class GRPOCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -276,7 +282,7 @@ class GRPOCLI(LightningCLI):
                 value = value.as_dict()
             if isinstance(value, dict):
                 options(**value)
-                model[key] = Namespace(**value)
+                model[key] = nested_namespace(value)
             elif value is not None and not isinstance(value, options):
                 raise ValueError(f"model.{key}={value!r}: must be a mapping of {options.__name__}'s options")
         strategy = strategy_class_path(config.trainer.get("strategy"))
