@@ -568,3 +568,19 @@ def test_trls_spellings_are_taken_by_trls_names_everywhere(tmp_path, flat, trls,
     with pytest.raises(ValueError) as refused:
         GRPOConfig(**{section: {option: trls}})
     assert str(refused.value).endswith(f"; TRL's {trls!r} is {ours!r} here, which its flat name also takes")
+
+
+def test_a_config_files_sections_inside_sections_reach_the_module(tiny_model_dir, tmp_path):
+    """`grpo.engine.vllm_server` and `grpo.engine.vllm` given in a config file: their values, not their
+    defaults, in the module's options."""
+    config = tmp_path / "run.yaml"
+    engine = {"vllm_mode": "server", "vllm_server": {"base_url": "http://127.0.0.1:9", "timeout": 60}}
+    engine["vllm"] = {"gpu_memory_utilization": 0.5}
+    grpo = {"engine": engine}
+    model = {"policy": tiny_model_dir, "reward_funcs": ["tests.helpers.digit_reward"], "grpo": grpo}
+    config.write_text(yaml.safe_dump({"model": model}))
+    with pytest.warns(UserWarning):  # engine.vllm is inert with the server engine
+        cli = build_cli(["--config", str(config), "--trainer.accelerator=cpu"], run=False)
+    options = cli.model.grpo.engine
+    assert (options.vllm_server.base_url, options.vllm_server.timeout) == ("http://127.0.0.1:9", 60)
+    assert options.vllm.gpu_memory_utilization == 0.5

@@ -104,6 +104,7 @@ CPU_OVERRIDES = (
     "--trainer.logger=false",
     "--trainer.enable_progress_bar=false",
     "--model.grpo.engine.backend=auto",
+    "--model.grpo.engine.vllm_mode=null",  # open-r1 servers: tests/vllm_backend/test_vllm_server_from_trl.py
     "--model.model_options.attn_implementation=null",
     "--model.grpo.sampling.num_generations=2",
     "--model.grpo.sampling.max_completion_length=8",
@@ -549,3 +550,52 @@ def test_a_private_push_is_in_the_command_to_run():
     rows = rows_of({"push_to_hub": True, "hub_model_id": "me/run", "hub_private_repo": True})
     assert rows["push_to_hub"].note.endswith("--ckpt_path last --push-to-hub me/run --private true")
     assert rows["hub_model_id"].ours == "cli.py export --push-to-hub me/run --private true"
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith("open_r1")])
+def test_open_r1_server_recipes_keep_their_servers(name):
+    """open-r1's recipes run TRL 0.18's server mode: the config selects the server engine, and the servers'
+    own options become the `cli.py vllm-serve` command printed under the table."""
+    recipe = read_recipe(str(RECIPES / name))
+    conversion = convert(recipe, FIXTURES[name])
+    assert conversion.read("model.grpo.engine.vllm_mode") == "server"
+    assert conversion.read("model.grpo.engine.backend") is None  # vllm_mode names it
+    assert conversion.rows["vllm_mode"].kind == "mapped"
+    command = f"python cli.py vllm-serve --model {recipe.keys['model_name_or_path']}"
+    if "vllm_gpu_memory_utilization" in recipe.keys:
+        command += f" --gpu-memory-utilization {recipe.keys['vllm_gpu_memory_utilization']}"
+        assert conversion.rows["vllm_gpu_memory_utilization"].kind == "converted"
+    assert conversion.needs[0] == f"start the vLLM servers before fit: {command}"
+
+
+def test_server_recipes_map_the_client_options_and_print_the_server_flags():
+    keys = {
+        "model_name_or_path": "Qwen/Qwen2.5-7B",
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_server_host": "10.0.0.2",
+        "vllm_server_port": 8001,
+        "vllm_server_timeout": 600,
+        "vllm_group_port": 51300,
+        "vllm_tensor_parallel_size": 2,
+        "vllm_max_model_length": 4096,
+    }
+    conversion = convert(recipe_of(keys), NEWEST_VERSION)
+    assert conversion.read("model.grpo.engine.vllm_server") == {
+        "host": "10.0.0.2",
+        "port": 8001,
+        "timeout": 600,
+        "group_port": 51300,
+    }
+    command = (
+        "python cli.py vllm-serve --model Qwen/Qwen2.5-7B --host 10.0.0.2 --port 8001 "
+        "--tensor-parallel-size 2 --max-model-len 4096"
+    )
+    assert conversion.rows["vllm_tensor_parallel_size"].ours == "cli.py vllm-serve --tensor-parallel-size 2"
+    assert conversion.rows["vllm_max_model_length"].note == f"a flag of the servers: {command}"
+    assert conversion.read("model.grpo.engine.vllm") is None  # the colocated engine's options stay unset
+    assert not [need for need in conversion.needs if need.startswith("warning")]
+    colocated = convert(recipe_of({**keys, "vllm_mode": "colocate"}), NEWEST_VERSION)
+    assert colocated.read("model.grpo.engine.vllm_server") is None
+    assert colocated.rows["vllm_server_port"].note.startswith("no effect without")
+    assert colocated.read("model.grpo.engine.backend") == "vllm"

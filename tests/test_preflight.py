@@ -17,6 +17,7 @@ from grpo_lightning.training.callbacks.preflight import (
     groups_cut_whole,
     input_gradients_enabled,
     run_preflight,
+    servers_line,
 )
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
@@ -162,3 +163,13 @@ def test_preflight_runs_once_before_the_first_step_and_leaves_sampling_alone(tin
     without_it, calls = first_step_completions(tiny_model_dir, None)
     assert calls == 1
     assert with_it == without_it  # it drew from its own copy of the RNG states
+
+
+def test_the_memory_estimate_says_it_leaves_vllm_servers_out():
+    servers = GRPOConfig(vllm_mode="server", vllm_server_base_url=["http://a:1", "http://b:2"])
+    assert servers_line(servers) == (
+        "2 vLLM server(s) at http://a:1, http://b:2: their weights and KV cache are on their own devices, "
+        "outside the estimate above (size them with cli.py vllm-serve --gpu-memory-utilization)"
+    )
+    assert servers_line(GRPOConfig()) is None
+    assert servers_line(GRPOConfig(generation_backend="vllm")) is None

