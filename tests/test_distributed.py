@@ -32,11 +32,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
+from grpo_lightning.core.algorithm.batches import micro_batches
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.core.types import Rollout
-from grpo_lightning.core.update import micro_batches
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
     close_process_group,

@@ -12,15 +12,15 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.types import Rollout, ScoredGroups
-from grpo_lightning.core.update import (
-    build_trajectory,
+from grpo_lightning.core.algorithm.batches import (
     group_rows,
     mini_batch_denominators,
     mini_batches,
     shuffled_mini_batches,
 )
+from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.types import Rollout, ScoredGroups
+from grpo_lightning.core.update import build_trajectory
 from grpo_lightning.training.callbacks.interrupt_checkpoint import INTERRUPT_FILENAME
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.manual_optimization import ManualOptimization
