@@ -25,7 +25,7 @@ from grpo_lightning.offline.tool_caller import QUESTION, teach_tool_call
 from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.tool_rollouts import rollout_of_lists
+from grpo_lightning.training.rollout_lists import rollout_of_lists
 from tests.helpers import quiet_trainer
 
 TAIL = 3  # the tokens that end every scripted completion, which the rollout function may mark as not ours
