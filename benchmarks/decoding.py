@@ -52,7 +52,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from grpo_lightning.core.generation import sampling  # noqa: E402
-from grpo_lightning.core.generation.engines import EagerEngine, PromptEncoder  # noqa: E402
+from grpo_lightning.core.generation.engines import EagerEngine  # noqa: E402
+from grpo_lightning.core.generation.prompts import PromptEncoder  # noqa: E402
 from grpo_lightning.core.generation.sampling import SamplingSettings, stop_token_ids  # noqa: E402
 from grpo_lightning.core.generation.static_engine import StaticEngine  # noqa: E402
 from grpo_lightning.io.arithmetic_task import arithmetic_problems  # noqa: E402

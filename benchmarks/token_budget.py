@@ -51,16 +51,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from grpo_lightning.core.algorithm.batches import micro_batches, mini_batch_denominators  # noqa: E402
 from grpo_lightning.core.algorithm.token_budget import (  # noqa: E402
     token_budget_micro_batches,
 )
 from grpo_lightning.core.config import GRPOConfig  # noqa: E402
-from grpo_lightning.core.generation.engines import LogProbScorer  # noqa: E402
 from grpo_lightning.core.generation.packing import (  # noqa: E402
     PackedLogProbScorer,
     pack_rows,
     scores_per_position,
 )
+from grpo_lightning.core.generation.scorer import LogProbScorer  # noqa: E402
 from grpo_lightning.core.ranks import OneProcess  # noqa: E402
 from grpo_lightning.core.types import Rollout, ScoredGroups  # noqa: E402
 from grpo_lightning.core.update import (  # noqa: E402
@@ -68,8 +69,6 @@ from grpo_lightning.core.update import (  # noqa: E402
     build_trajectory,
     logprobs_in_micro_batches,
     micro_batch_losses,
-    micro_batches,
-    mini_batch_denominators,
 )
 from grpo_lightning.offline.tiny import build_model  # noqa: E402
 
