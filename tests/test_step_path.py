@@ -24,9 +24,10 @@ from grpo_lightning.training.module import GRPOModule
 from tests.helpers import quiet_trainer, tiny_module
 
 ROOT = Path(__file__).resolve().parents[1]
-# The step walks 25: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
+# The step walks 26: the module, its rollouts, its optimizer steps (manual optimisation), monitoring and the
 # stepping of its schedulers (training/), the group source that samples, checks and scores the update's
-# groups (core/group_source.py), the update (core/update.py), the rollout's model tokens
+# groups (core/group_source.py), the update (core/update.py),
+# the rows of each step (core/algorithm/batches.py), the rollout's model tokens
 # (core/types.py), the advantages, the loss, the KL section it reads (the weight of its KL term) and the
 # sampler/scorer gap (core/algorithm/: one concern a file), the other processes (core/ranks.py, `OneProcess`
 # in one process), the reward call and the default rewards (core/rewards/), and seven files of
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Decoding and the log-prob head are two concerns in two files: the step runs both. A stop request (SIGTERM)
 # is answered inside the step: core/stop_requests.py checks between decoding steps, and the interrupt
 # checkpoint (training/callbacks/) keeps the step's starting state to write if the step is abandoned.
-MAX_STEP_FILES = 25
+MAX_STEP_FILES = 26
 MAX_LOGPROB_HOPS = 3
 
 
