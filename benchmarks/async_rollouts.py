@@ -4,10 +4,11 @@ one `vllm serve` process, on CPU: the demo's arithmetic task and options (SmolLM
 
 The server (`cli.py vllm-serve`'s command) is pinned to the last core (`taskset`), the trainer to the
 others, so that sampling and training can overlap; weights go over the disk plane (`/dev/shm`). For each
-`max_staleness` of `--staleness` and each seed of `--seeds`, one `fit` of `--steps` training steps on a
-fresh copy of the policy; samples per second count the completions trained on after the first
-`--warmup` updates, over the wall time they took. With `--val-size` > 0, the held-out accuracy after the
-run (`val/accuracy` of the built-in arithmetic problems, greedy), for the learning comparison.
+`max_staleness` of `--staleness` and each seed of `--seeds`, one `fit` of `--steps` updates (the same
+number of samples trained at every staleness) on a fresh copy of the policy; samples per second count the
+completions trained on after the first `--warmup` updates, over the wall time they took. With `--val-size`
+> 0, the held-out accuracy after the run (`val/accuracy` of the built-in arithmetic problems, greedy), for
+the learning comparison, and once before the first run's training (greedy: the same for every seed).
 
     LD_PRELOAD=.venv-vllm/lib/libiomp5.so .venv-vllm/bin/python benchmarks/async_rollouts.py \\
         --model models/smollm2-135m-instruct --steps 20 --staleness 0,1,2
@@ -50,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--staleness", default="0,1,2", help="max_staleness values, comma-separated")
     parser.add_argument("--correction", default="importance_sampling", help="off_policy_correction")
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
+    parser.add_argument("--steps", type=int, default=20, help="updates per run, at every staleness")
     parser.add_argument("--warmup", type=int, default=2, help="updates left out of the timing")
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
@@ -72,7 +73,13 @@ class Throughput(L.Callback):
             self.updates.append((time.perf_counter(), len(record.completions)))
 
 
-def run(args: argparse.Namespace, staleness: int, seed: int) -> dict[str, float]:
+def validate(module: GRPOModule, data: GSM8KDataModule) -> float:
+    """The held-out accuracy of the module's current weights (greedy)."""
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    return float(trainer.validate(module, data, verbose=False)[0].get("val/accuracy", float("nan")))
+
+
+def run(args: argparse.Namespace, staleness: int, seed: int, before: bool) -> dict[str, float]:
     L.seed_everything(seed, verbose=False)
     grpo = GRPOConfig(
         num_generations=args.generations,
@@ -97,10 +104,11 @@ def run(args: argparse.Namespace, staleness: int, seed: int) -> dict[str, float]
         val_size=max(args.val_size, 1),
         arithmetic_size=(args.steps + 4) * args.batch_size + max(args.val_size, 1),
     )
+    untrained = validate(module, data) if before and args.val_size > 0 else None
     throughput = Throughput()
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=args.steps - staleness,  # updates: the first max_staleness steps fill the pipeline
+        max_steps=args.steps,  # updates: the first max_staleness batches fill the pipeline and make none
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
@@ -117,10 +125,10 @@ def run(args: argparse.Namespace, staleness: int, seed: int) -> dict[str, float]
         "hidden": float(trainer.callback_metrics.get("train/async/generation_hidden_frac", float("nan"))),
         "reward": float(trainer.callback_metrics.get("train/reward", float("nan"))),
     }
+    if untrained is not None:
+        result["val_accuracy_before"] = untrained
     if args.val_size > 0:
-        validated = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
-        scores = validated.validate(module, data, verbose=False)[0]
-        result["val_accuracy"] = float(scores.get("val/accuracy", float("nan")))
+        result["val_accuracy"] = validate(module, data)
     module.rollouts.close()
     return result
 
@@ -141,7 +149,7 @@ def main() -> int:
         table: dict[int, list[dict[str, float]]] = {}
         for staleness in (int(k) for k in args.staleness.split(",")):
             for seed in (int(s) for s in args.seeds.split(",")):
-                result = run(args, staleness, seed)
+                result = run(args, staleness, seed, before=not table)
                 print(f"max_staleness {staleness} seed {seed}: {result}", flush=True)
                 table.setdefault(staleness, []).append(result)
     finally:
