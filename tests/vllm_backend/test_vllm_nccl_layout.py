@@ -99,8 +99,8 @@ def test_vllms_worker_reads_the_packed_buffers_back_as_the_trainers_tensors(monk
         ("big.weight", torch.randn(40, generator=g)),  # 160 bytes: past a buffer alone
         ("layer.0.weight", torch.randn(2, 3, generator=g).to(torch.bfloat16)),
         ("layer.0.bias", torch.randn(3, generator=g).to(torch.float16)),
+        ("layer.1.weight", torch.randn(4, 4, generator=g)),  # 64 bytes: a buffer's size exactly
         ("scale", torch.tensor(2.5)),
-        ("layer.1.weight", torch.randn(4, 4, generator=g)),
     ]
     ordered = send_order(weights)
     sent = list(packed_buffers((t for _, t in ordered), 64))
