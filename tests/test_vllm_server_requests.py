@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import gc
+import importlib.util
 import json
 import os
 import socket
@@ -27,7 +28,12 @@ import torch
 from transformers import LlamaConfig
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.nccl_weights import nccl_init_bodies, packed_buffers, update_info
+from grpo_lightning.core.generation.nccl_weights import (
+    nccl_init_bodies,
+    packed_buffers,
+    send_order,
+    update_info,
+)
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_client import (
     ServerError,
@@ -241,6 +247,26 @@ def test_an_nccl_push_joins_once_broadcasts_between_update_calls_and_imports_no_
     assert finish == [{"weight_version": "v1"}, {"weight_version": "v2"}]
     assert not [m for m in sys.modules if m.split(".")[0] == "vllm"], "the trainer's side imported vLLM"
     router.close()
+
+
+def test_the_gpu_checks_loopback_worker_reads_back_what_the_nccl_plane_packs():
+    """scripts/vllm_gpu_check.py's `nccl` part on CPU, but NCCL: it imports without vLLM, and its stand-in of
+    a vLLM worker cuts and reads the plane's buffers back as the weights sent (vLLM's own worker code reads
+    them in `tests/vllm_backend/test_vllm_nccl_layout.py`)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm_gpu_check.py")
+    spec = importlib.util.spec_from_file_location("vllm_gpu_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    weights = send_order(check.loopback_weights(0))
+    size = check.LOOPBACK_BUFFER_BYTES
+    cuts = check.cut_buffers(update_info(weights)["update_info"], size)
+    buffers = list(packed_buffers((t for _, t in weights), size))
+    assert len(cuts) == len(buffers) > 2
+    got = {}
+    for parts, buffer in zip(cuts, buffers, strict=True):
+        got.update(check.read_buffer(parts, buffer))
+    assert got.keys() == dict(weights).keys()
+    assert all(torch.equal(got[name], t) and got[name].dtype == t.dtype for name, t in weights)
 
 
 def test_the_router_takes_the_least_loaded_server_and_keeps_a_continuation(stand_ins):
