@@ -249,6 +249,18 @@ def test_an_nccl_push_joins_once_broadcasts_between_update_calls_and_imports_no_
     router.close()
 
 
+def test_an_nccl_error_on_the_trainers_side_ends_the_push_in_one_server_error(stand_ins):
+    class Unreachable(StoodInGroup):
+        def __init__(self, unique_id: bytes, world_size: int, device: torch.device) -> None:
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    router = ServerRouter([VLLMServer(stand_ins[0].url, 5, "tiny")], max_in_flight=1)
+    plane = NCCLPlane(router, "10.0.0.1", 51216, 5, torch.device("cpu"), group=Unreachable)
+    with pytest.raises(ServerError, match="^vLLM weight transfer: the NCCL group's start failed: NCCL error"):
+        plane.push(iter([("a", torch.zeros(2))]), "v1")
+    router.close()
+
+
 def test_the_gpu_checks_loopback_worker_reads_back_what_the_nccl_plane_packs():
     """scripts/vllm_gpu_check.py's `nccl` part on CPU, but NCCL: it imports without vLLM, and its stand-in of
     a vLLM worker cuts and reads the plane's buffers back as the weights sent (vLLM's own worker code reads

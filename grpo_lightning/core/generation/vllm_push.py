@@ -131,8 +131,9 @@ class LoRAPlane:
 
 def _all_within(calls: list[Callable[[], object]], timeout: float, what: str) -> list[object]:
     """Run `calls` at once, each in a thread (a collective and the HTTP calls that meet it); their results,
-    or one `ServerError` when any is not done within `timeout` seconds. A thread stuck in a collective is
-    left behind: the group is unusable and the run ends."""
+    or one `ServerError` when any is not done within `timeout` seconds or fails (an NCCL error too: the
+    engine ends every rank on a `ServerError`). A thread stuck in a collective is left behind: the group is
+    unusable and the run ends."""
     pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm-nccl")
     try:
         futures = [pool.submit(call) for call in calls]
@@ -140,6 +141,10 @@ def _all_within(calls: list[Callable[[], object]], timeout: float, what: str) ->
             return [f.result(timeout=timeout) for f in futures]
         except FutureTimeout:
             raise ServerError(f"vLLM weight transfer: {what} not done within {timeout:g} s") from None
+        except ServerError:
+            raise
+        except Exception as err:
+            raise ServerError(f"vLLM weight transfer: {what} failed: {err}") from err
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
