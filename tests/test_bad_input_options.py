@@ -661,15 +661,16 @@ def test_a_flat_name_given_twice_on_the_command_line_is_its_last_value(tiny_mode
     assert cli.model.grpo.kl.beta == 0.2
 
 
-def test_the_documented_prompt_template_is_taken_as_typed_on_the_command_line(tiny_model_dir, tmp_path):
-    """`--data.prompt_template "Solve: {question}"` (the docs' example), and a system prompt alike: text
-    that YAML would read as a mapping is the text typed, in both spellings of an option's value."""
-    rows = tmp_path / "rows.jsonl"
+def templated_args(model_dir: str, folder) -> list[str]:
+    """A command line (without a subcommand) whose free-text options YAML would read as a mapping and a
+    list: `--data.prompt_template "Solve: {question}"` (the docs' example) and a system prompt, in both
+    spellings of an option's value."""
+    rows = folder / "rows.jsonl"
     rows.write_text(
         "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4))
     )
-    args = [
-        f"--model.policy={tiny_model_dir}",
+    return [
+        f"--model.policy={model_dir}",
         "--data=grpo_lightning.training.data.PromptDataModule",
         f"--data.source={rows}",
         "--data.prompt_template=Solve: {question}",
@@ -677,5 +678,27 @@ def test_the_documented_prompt_template_is_taken_as_typed_on_the_command_line(ti
         "Be: {brief}, [short]",
         "--trainer.logger=false",
     ]
-    data = build_cli(args, run=False).datamodule.hparams
-    assert (data.prompt_template, data.system_prompt) == ("Solve: {question}", "Be: {brief}, [short]")
+
+
+TYPED = ("Solve: {question}", "Be: {brief}, [short]")  # what `templated_args` typed
+
+
+def test_the_documented_prompt_template_is_taken_as_typed_on_the_command_line(tiny_model_dir, tmp_path):
+    """Text that YAML would read as a mapping is the text typed."""
+    data = build_cli(templated_args(tiny_model_dir, tmp_path), run=False).datamodule.hparams
+    assert (data.prompt_template, data.system_prompt) == TYPED
+
+
+def test_print_config_shows_free_text_as_typed_and_its_yaml_loads_again(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_cli([*templated_args(tiny_model_dir, tmp_path), "--print_config"], run=False)
+    assert not done.value.code
+    printed = capsys.readouterr().out
+    data = yaml.safe_load(printed)["data"]["init_args"]
+    assert (data["prompt_template"], data["system_prompt"]) == TYPED  # "!text Solve: {question}" before
+    (tmp_path / "printed.yaml").write_text(printed)
+    loaded = build_cli(["--config", str(tmp_path / "printed.yaml")], run=False).datamodule.hparams
+    assert (loaded.prompt_template, loaded.system_prompt) == TYPED
+    misplaced = "--model.prompt_template=Solve: {question}"  # the data's option, given to the model
+    said = one_error_line(cli_error(["fit", *templated_args(tiny_model_dir, tmp_path), misplaced], capsys))
+    assert "Solve: {question}" in said and "!text" not in said  # an error shows it as typed too

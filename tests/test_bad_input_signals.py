@@ -1,11 +1,13 @@
 """Signals answered in seconds: a SIGTERM during a step's rollout (here a reward function that would take
 ten minutes) ends `cli.py fit` at once with status 143 and the checkpoint of the last completed step,
-from which the run resumes exactly as if never stopped (the abandoned step redone with the same draws); a
-SIGTERM during `predict` stops it, non-zero, with the answers written so far whole."""
+from which the run resumes exactly as if never stopped (the abandoned step redone with the same draws); on
+2 gloo processes a SIGTERM to one rank ends both so, with one checkpoint; a SIGTERM during `predict` stops
+it, non-zero, with the answers written so far whole."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +18,9 @@ import torch
 
 from grpo_lightning.cli import EXIT_SIGTERM, build_cli
 from grpo_lightning.core import stop_requests
+from grpo_lightning.io.shared_stops import SharedStops
 from tests.helpers import digit_reward
+from tests.test_distributed import DISTRIBUTED_ENV
 from tests.test_interrupt import REPO, fit_args
 
 SLEEPING = "GRPO_TEST_SLEEP_MARKER"  # the file a slow reward creates before it sleeps
@@ -28,6 +32,16 @@ def slow_at_a_step(completions: list, trainer_state=None, **kwargs) -> list[floa
     file `GRPO_TEST_SLEEP_MARKER`): a stand-in for a slow rollout."""
     if os.environ.get(SLOW_STEP) == str(trainer_state.global_step):
         Path(os.environ[SLEEPING]).write_text("asleep")
+        time.sleep(600)
+    return digit_reward(completions)
+
+
+def slow_on_every_rank(completions: list, trainer_state=None, **kwargs) -> list[float]:
+    """`digit_reward`, which takes ten minutes at the step `GRPO_TEST_SLOW_AT_STEP` names on every rank, each
+    writing its process id to `<GRPO_TEST_SLEEP_MARKER>.rank<r>` first."""
+    if os.environ.get(SLOW_STEP) == str(trainer_state.global_step):
+        rank = torch.distributed.get_rank()
+        Path(f"{os.environ[SLEEPING]}.rank{rank}").write_text(str(os.getpid()))
         time.sleep(600)
     return digit_reward(completions)
 
@@ -79,6 +93,51 @@ def run_until_asleep(
     return process.returncode, took, log.read_text()
 
 
+def start_two_ranks(args: list[str], env: dict, logs: Path) -> list[subprocess.Popen]:
+    """`cli.py` with `args` on 2 ranks of one gloo process group, each process started here as torchrun or
+    SLURM starts them (`LOCAL_RANK` and the rendezvous in its environment), its output in
+    `<logs>.rank<r>`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    common.update(env, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    ranks = []
+    for rank in range(2):
+        with open(f"{logs}.rank{rank}", "w") as out:
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "cli.py", *args, "--trainer.strategy=ddp", "--trainer.devices=2"],
+                    cwd=REPO,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**common, "LOCAL_RANK": str(rank), "NODE_RANK": "0"},
+                    start_new_session=True,
+                )
+            )
+    return ranks
+
+
+def wait_for_ranks(ranks: list[subprocess.Popen], logs: Path, timeout: float) -> list[int]:
+    """Every rank's exit status; both killed, and the test failed, if one runs past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        for rank in ranks:
+            rank.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank ran past {timeout:.0f} s:\n" + rank_outputs(logs))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+                rank.wait()
+    return [rank.returncode for rank in ranks]
+
+
+def rank_outputs(logs: Path) -> str:
+    return "\n".join(f"--- rank {r}\n{Path(f'{logs}.rank{r}').read_text()[-3000:]}" for r in range(2))
+
+
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if k.startswith("policy.")}
@@ -109,6 +168,54 @@ def test_sigterm_during_a_slow_rollout_stops_in_seconds_and_the_run_resumes_exac
     theirs, ours = weights(final), weights(resumed)
     assert theirs.keys() == ours.keys()
     for key in theirs:  # the abandoned step redone with the draws of the uninterrupted run
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.long
+def test_sigterm_to_one_of_two_ranks_mid_rollout_stops_both_in_seconds_and_the_run_resumes_exactly(
+    tiny_model_dir, tmp_path
+):
+    """Both ranks asleep in a reward function at step 1, only rank 1 signalled: rank 0 learns of it from rank
+    1 (not through a collective, which would wait for its sleep), both abandon step 1 and write one
+    checkpoint of step 1, exit 143 within seconds, and the resumed run ends with the straight run's
+    weights (both ranks' rollouts redone as they were: the update averages their gradients)."""
+    args = ["--model.reward_funcs=[tests.test_bad_input_signals.slow_on_every_rank]"]
+    straight, logs = tmp_path / "straight", tmp_path / "straight.log"
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(straight), 3, *args), {}, logs)
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    (final,) = straight.glob("lightning_logs/version_0/checkpoints/epoch=0-step=3.ckpt")
+
+    root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
+    env = {SLOW_STEP: "1", SLEEPING: str(marker)}
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args), env, logs)
+    try:
+        asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(path.exists() and path.read_text() for path in asleep):
+            assert all(rank.poll() is None for rank in ranks), rank_outputs(logs)
+            assert time.monotonic() < deadline, "the reward never became slow on both ranks"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        os.kill(int(asleep[1].read_text()), signal.SIGTERM)  # rank 1's process alone
+    finally:
+        statuses = wait_for_ranks(ranks, logs, 120)  # the sleeps are 600 s
+    took = time.monotonic() - sent
+    output = rank_outputs(logs)
+    assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
+    assert took < 60, f"{took:.0f} s to answer SIGTERM"
+    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output and "Traceback" not in output
+    assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+
+    logs = tmp_path / "resumed.log"
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args, f"--ckpt_path={ckpt}"), {}, logs)
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    (resumed,) = root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=3.ckpt")
+    theirs, ours = weights(final), weights(resumed)
+    assert theirs.keys() == ours.keys()
+    for key in theirs:  # the abandoned step redone with the draws of the uninterrupted run, on both ranks
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
 
 
@@ -160,3 +267,37 @@ def test_a_stop_requested_inside_interruptible_code_raises_there_and_waits_outsi
     finally:
         stop_requests.clear()
     assert not stop_requests.StopCheck()(torch.zeros(2, 3, dtype=torch.long), None).any()
+
+
+def test_a_stop_is_shared_between_ranks_through_the_store_and_agreed_on():
+    """`io.shared_stops` on a one-rank gloo group: this rank's stop request is published in the store,
+    another's (set there as its thread would) arrives as SIGTERM on the main thread, and `any_rank` says
+    whether any rank asks to stop."""
+    key = "grpo_lightning/stop/test"
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    shared = SharedStops(key, torch.device("cpu"))
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        assert shared.any_rank(True) and not shared.any_rank(False)
+        store.set(key, "stop")  # another rank's request
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert received == [signal.SIGTERM]
+
+        shared.close()
+        store.delete_key(key)
+        stop_requests.clear()
+        stop_requests.request_stop(RuntimeError)  # this rank's own, outside interruptible code
+        shared = SharedStops(key, torch.device("cpu"))
+        deadline = time.monotonic() + 5
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.check([key]), "this rank's stop was never published"
+    finally:
+        shared.close()
+        stop_requests.clear()
+        signal.signal(signal.SIGTERM, previous)
+        torch.distributed.destroy_process_group()

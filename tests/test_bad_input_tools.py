@@ -25,6 +25,8 @@ from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
 from grpo_lightning.core.tools.formats import TOOL_CALL_FORMATS
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.tool_rollouts import ToolSampling
+from tests.helpers import cli_error, one_error_line, write_rows
+from tests.test_interrupt import fit_args
 from tests.test_multi_turn import SCRIPTS, ScriptedEngine, settings_of
 from tests.test_multi_turn import tokenizer as tokenizer  # noqa: F401  the fixture
 from tests.test_tool_rollouts import BuyingEngine, Shop, saw_environments
@@ -405,6 +407,23 @@ def test_tools_that_can_never_be_called_are_refused_when_the_module_is_built(
             environment_factory=environment_factory,
         )
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "option"),
+    [
+        ("--model.tools=[grpo_lightning.core.tools.calculator.calculator]", "model.tools"),
+        ("--model.environment_factory=tests.test_tool_rollouts.Shop", "model.environment_factory"),
+    ],
+)
+def test_tools_on_text_prompts_are_refused_before_any_weights_load(
+    tiny_model_dir, tmp_path, capsys, no_weights, given, option
+):
+    source = write_rows(tmp_path / "rows.jsonl", [{"prompt": "2 + 3?", "answer": "5"}] * 6)  # TRL's text
+    data = ["--data=grpo_lightning.training.data.PromptDataModule", f"--data.source={source}"]
+    said = one_error_line(cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *data, given), capsys))
+    assert said.startswith(f"error: {option} needs chat prompts (lists of messages), and data.source's")
+    assert "data.chat_prompt: true" in said
 
 
 def returning(**fields):

@@ -101,8 +101,14 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)
-        print(f"error: {plain_parser_error(message)}", file=sys.stderr)
+        typed = message.replace(_TEXT_MARK, "")  # a free-text value as typed (`texts_as_typed`)
+        print(f"error: {plain_parser_error(typed)}", file=sys.stderr)
         raise SystemExit(2)
+
+    def dump(self, cfg: Namespace, *args, **kwargs) -> str:
+        """The config as YAML with each free-text value as typed: `--print_config` dumps it while parsing,
+        before `GRPOCLI.parse_arguments` removes `texts_as_typed`'s marks, and the YAML must load again."""
+        return super().dump(without_text_marks(cfg), *args, **kwargs)
 
 
 # jsonargparse's report of a bad value inside a class-typed option (`data`, typed `PromptDataModule | None`):
@@ -169,9 +175,7 @@ class GRPOCLI(LightningCLI):
         with warnings.catch_warnings():  # the rewritten command line is passed as `args`, meant as it is
             warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
             super().parse_arguments(parser, sectioned if sectioned != list(argv) else args)
-        for key, value in self.config.items():  # the free-text values marked by `texts_as_typed`
-            if isinstance(value, str) and value.startswith(_TEXT_MARK):
-                self.config[key] = value.removeprefix(_TEXT_MARK)
+        self.config = without_text_marks(self.config)
         subcommand = self.config.get("subcommand")
         if subcommand:
             reset_preset_data_defaults(self.config[subcommand], self.typed_config(subcommand))
@@ -330,7 +334,9 @@ INPUT_ERRORS = (ValueError, OSError, RuntimeError, FloatingPointError, Misconfig
 # Options whose value is free text (a prompt, a template). jsonargparse reads a command-line value as YAML,
 # so `Solve: {question}` would be a mapping and refused; a value YAML cannot read is taken as typed.
 TEXT_OPTIONS = ("prompt_template", "system_prompt", "chat_template")
-_TEXT_MARK = "!text "  # a YAML tag that no loader knows: the value after it is passed on as typed
+# A YAML tag that no loader knows: the value after it is passed on as typed, the mark removed once parsed
+# (`without_text_marks`) and from every dump.
+_TEXT_MARK = "!text "
 
 
 def texts_as_typed(argv: Sequence[str]) -> list[str]:
@@ -354,6 +360,15 @@ def _marked(value: str) -> str:
     except yaml.YAMLError:
         return value  # taken as typed already
     return value if loaded is None or isinstance(loaded, str | int | float | bool) else _TEXT_MARK + value
+
+
+def without_text_marks(cfg: Namespace) -> Namespace:
+    """A copy of `cfg` with each free-text value that `texts_as_typed` marked as it was typed."""
+    cfg = cfg.clone()
+    for key, value in cfg.items():
+        if isinstance(value, str) and value.startswith(_TEXT_MARK):
+            cfg[key] = value.removeprefix(_TEXT_MARK)
+    return cfg
 
 
 # `export --push-to-hub REPO`, as TRL spells its option and `from-trl` prints the command.

@@ -9,6 +9,15 @@ as one forward pass when it returns; `time.sleep` and a subprocess's wait return
 elsewhere, the stop waits for the next `interruptible` entry or `check` (between decoding steps, where
 `StopCheck` calls it), so that an optimizer step or a checkpoint being written is never cut in two.
 
+On several ranks a rank cannot leave on its own what the others go on with: they would wait for it in
+their next collective. A step's rollout there (`enter_rollout`) stays interruptible only up to the ranks'
+first collective of the step; before it (`settle`, which every collective inside a step calls first: the
+core's `Ranks`, the engines' weight refreshes, FSDP2's gathers, and the module once its groups are in) the
+ranks agree whether any of them was asked to stop, and every rank stops there or goes on. A rank that left
+its rollout on a stop tells the others in that same agreement (`abandon`). Outside a step's rollout a stop
+waits for the next one. How the ranks agree, and how a stop requested on one rank reaches the others, is
+the requester's (`share_between_ranks`).
+
 The requester (the training side's signal handler) gives the exception to raise; this file holds no
 Lightning type.
 """
@@ -22,6 +31,12 @@ from transformers import StoppingCriteria
 
 _pending: Callable[[], BaseException] | None = None  # the exception of the stop requested, if any
 _depth = 0  # how many `interruptible` regions the main thread is in
+_in_rollout = False  # in a training step's rollout, entered with `enter_rollout`
+# Several ranks: whether any rank asks to stop (a collective, given this rank's answer), and the exception a
+# rank raises when another asked; None on one process.
+_any_rank: Callable[[bool], bool] | None = None
+_agreed_error: Callable[[], BaseException] | None = None
+_undecided = False  # several ranks: in a step's rollout that the ranks have not yet agreed to go on with
 
 
 def request_stop(error: Callable[[], BaseException]) -> None:
@@ -34,8 +49,9 @@ def request_stop(error: Callable[[], BaseException]) -> None:
 
 
 def check() -> None:
-    """Raise the stop requested, if any (it stays requested until `clear`)."""
-    if _pending is not None:
+    """Raise the stop requested, if any (it stays requested until `clear`); on several ranks only inside a
+    step's rollout that they have not yet agreed on (elsewhere the others would wait for this rank)."""
+    if _pending is not None and (_any_rank is None or _undecided):
         raise _pending()
 
 
@@ -52,10 +68,58 @@ def leave_interruptible() -> None:
     _depth = max(0, _depth - 1)
 
 
+def enter_rollout() -> None:
+    """A training step's rollout starts: interruptible (`enter_interruptible`) until `leave_rollout`, or on
+    several ranks until they agree to go on (`settle`)."""
+    global _in_rollout, _undecided
+    _in_rollout, _undecided = True, _any_rank is not None
+    enter_interruptible()
+
+
+def leave_rollout() -> None:
+    global _in_rollout
+    if _in_rollout:
+        _in_rollout = False
+        leave_interruptible()
+
+
+def settle() -> None:
+    """Called before each collective inside a training step. On several ranks, the first call of a step's
+    rollout ends it: the ranks agree whether any was asked to stop, and every rank raises here (or has
+    raised in its rollout, and says so in `abandon`) or goes on, the stop then waiting for the next step.
+    Elsewhere, and on one process, nothing."""
+    global _undecided
+    if not _undecided:
+        return
+    _undecided = False
+    leave_rollout()
+    if _any_rank(_pending is not None):
+        raise (_pending or _agreed_error)()
+
+
+def abandon() -> None:
+    """This rank left its step's rollout on a stop: on several ranks, before they agreed, it tells them in
+    the agreement that every rank's `settle` (or `abandon`) takes part in, so that they stop too."""
+    global _undecided
+    leave_rollout()  # first: a second signal during the agreement is not to raise inside it
+    if _undecided:
+        _undecided = False
+        _any_rank(True)
+
+
+def share_between_ranks(
+    any_rank: Callable[[bool], bool] | None, error: Callable[[], BaseException] | None = None
+) -> None:
+    """Several ranks: `any_rank(stop)`, a collective every rank calls with whether it asks to stop, says
+    whether any does; `error()` is what a rank raises when another asked. None: one process."""
+    global _any_rank, _agreed_error
+    _any_rank, _agreed_error = any_rank, error
+
+
 def clear() -> None:
     """No stop requested, no interruptible code running: the state of a new run (or after its end)."""
-    global _pending, _depth
-    _pending, _depth = None, 0
+    global _pending, _depth, _in_rollout, _undecided
+    _pending, _depth, _in_rollout, _undecided = None, 0, False, False
 
 
 def stop_requested() -> bool:

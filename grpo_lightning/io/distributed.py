@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 
 from grpo_lightning.core.generation.vllm_engine import shutdown_engines
 from grpo_lightning.core.ranks import OneProcess
+from grpo_lightning.core.stop_requests import settle
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -114,6 +115,7 @@ def gathered_for_generation(model: nn.Module) -> Iterator[None]:
     if not is_sharded(model):
         yield
         return
+    settle()  # the gathers are collectives: on several ranks, a step's rollout is no longer left alone
     units = _fsdp_modules(model)
     model.set_reshard_after_forward(False)  # recurses into every unit
     for unit in units:  # the same order on every rank, so the all-gathers pair up
@@ -138,6 +140,7 @@ def full_weights_by_unit(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     if not is_sharded(model):
         yield from inner.named_parameters()
         return
+    settle()  # the gathers are collectives: on several ranks, a step's rollout is no longer left alone
     done: set[str] = set()
     for unit in _fsdp_modules(model):  # the same order on every rank, so the all-gathers pair up
         unit.unshard()
@@ -210,18 +213,22 @@ def ranks_of(strategy: Any) -> StrategyRanks | OneProcess:
 
 class StrategyRanks:
     """`core.ranks.Ranks` over the processes of a Lightning strategy (any object with its
-    `reduce`, `all_gather`, `world_size`, `global_rank` and `root_device`)."""
+    `reduce`, `all_gather`, `world_size`, `global_rank` and `root_device`). Each collective `settle`s first:
+    the first of a step's rollout is where the ranks agree whether a stop request ends it."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy, self.world_size, self.rank = strategy, strategy.world_size, strategy.global_rank
 
     def sum(self, value: Tensor) -> Tensor:
+        settle()
         return self.strategy.reduce(value, reduce_op="sum")
 
     def max(self, value: int) -> int:
+        settle()
         return int(self.strategy.all_gather(torch.tensor(value, device=self.strategy.root_device)).max())
 
     def gather(self, values: list) -> list[list]:
+        settle()
         return gather_per_rank(values)  # objects: the lists may differ in length between ranks
 
 

@@ -1,8 +1,9 @@
 """What a `fit` is about to do, checked before any weights load, so that a run never trains to find it.
 
-`check_setup` (the module's `setup`, for every stage): a chat data set needs a chat template; the data's
-columns must hold what the rewards and the validation read; a checkpoint cadence that is not a multiple of a
-training step's optimizer steps, and a reward with no import path, are warned about.
+`check_setup` (the module's `setup`, for every stage): a chat data set needs a chat template; tools and
+environments need chat prompts; the data's columns must hold what the rewards and the validation read; a
+checkpoint cadence that is not a multiple of a training step's optimizer steps, and a reward with no import
+path, are warned about.
 
 `callbacks.fit_checks.FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up
 `fit` (the rows' length also for `validate`; `check_fit` for a script that works before its `fit`):
@@ -180,10 +181,17 @@ def check_setup(module: L.LightningModule, stage: str) -> None:
     load (see the module docstring)."""
     datamodule, trainer = module.trainer.datamodule, module.trainer
     if isinstance(datamodule, PromptDataModule):
+        multi_turn = module.rollouts.multi_turn
         if datamodule.conversational:
             check_chat_template(module.tokenizer)
+        elif multi_turn is not None and multi_turn.rollout_func is None:
+            option = "model.tools" if multi_turn.tools else "model.environment_factory"
+            raise ValueError(
+                f"{option} needs chat prompts (lists of messages), and data.source's prompts are text: set "
+                "data.chat_prompt: true (each text prompt becomes the user's turn), or give the rows chat "
+                "messages"
+            )
         rewards = module.reward_funcs if stage == "fit" else []
-        multi_turn = module.rollouts.multi_turn
         supplied = multi_turn.supplied_keywords if multi_turn else set()
         validates = trainer.limit_val_batches != 0
         datamodule.check_columns(rewards, module.validation.reward, validates=validates, supplied=supplied)

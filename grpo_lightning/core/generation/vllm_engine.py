@@ -70,6 +70,7 @@ from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_process import TrainerProcessGuard, default_group_kept, local_rank
 from grpo_lightning.core.generation.vllm_requests import rollout_of, sampling_params
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
+from grpo_lightning.core.stop_requests import settle
 from grpo_lightning.core.types import Rollout
 
 # vLLM's LoRA slots come in these ranks; an adapter of rank r takes the smallest one >= r.
@@ -210,6 +211,10 @@ class VLLMEngine(RolloutEngine):
     def refresh(self, model: PreTrainedModel, device: torch.device) -> None:
         """Start vLLM on the first call, then push the policy's weights if they changed since the last push
         (a collective under FSDP2: every rank calls it at the same point)."""
+        # On several ranks the engine is part of their process group (`external_launcher`): its start-up and
+        # a sharded policy's push are collectives, and what it asks of the other ranks while it samples is
+        # vLLM's. A step's rollout is no longer left by one rank alone from here.
+        settle()
         if self.llm is None:
             self._start(model, torch.device(device))
         if self.sleeping:

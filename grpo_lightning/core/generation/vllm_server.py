@@ -67,6 +67,7 @@ from grpo_lightning.core.generation.vllm_push import (
     stamp_version,
 )
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields, option_error
+from grpo_lightning.core.stop_requests import settle
 from grpo_lightning.core.types import Rollout
 
 WeightPlane = Literal["auto", "nccl", "disk", "lora"]
@@ -323,6 +324,7 @@ class VLLMServerEngine(RolloutEngine):
         # requests in flight are answered before rank 0 pushes.
         wait(self.in_flight)
         self.in_flight = []
+        settle()  # the push is a collective: on several ranks, a step's rollout is no longer left alone
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()

@@ -7,16 +7,28 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import uuid
 
 import lightning as L
+import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
-from grpo_lightning.core.stop_requests import clear, enter_interruptible, leave_interruptible, request_stop
+from grpo_lightning.core.stop_requests import (
+    abandon,
+    clear,
+    enter_interruptible,
+    enter_rollout,
+    leave_interruptible,
+    leave_rollout,
+    request_stop,
+    share_between_ranks,
+)
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
+from grpo_lightning.io.shared_stops import SharedStops
 
 INTERRUPT_FILENAME = "interrupted.ckpt"
 
@@ -25,11 +37,12 @@ class InterruptCheckpoint(L.Callback):
     """On SIGTERM or Ctrl-C, finish the current step, write a checkpoint of it and stop; on an error during
     training, write a checkpoint of the last completed step before the error propagates.
 
-    SIGTERM is what schedulers send before killing a job; Lightning turns it into `trainer.received_sigterm`
-    and a `SIGTERMException` after the step. A first Ctrl-C is turned into the same graceful stop (a
-    second one interrupts at once, without a checkpoint). An error (a reward function that raises, too
-    many non-finite steps) stops a step before its update, so the weights are those of the last completed
-    step; this is done on a single device only, where no other rank can be left waiting in the save.
+    SIGTERM is what schedulers send before killing a job; a step's rollout is abandoned at once (on several
+    ranks, every rank's, at a point they agree on: a SIGTERM to any one of them stops them all), else the
+    step finishes first. A first Ctrl-C is turned into the same graceful stop after the step (a second one
+    interrupts at once, without a checkpoint). An error (a reward function that raises, too many
+    non-finite steps) stops a step before its update, so the weights are those of the last completed step;
+    this is done on a single device only, where no other rank can be left waiting in the save.
 
     The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else `<log_dir>/checkpoints`
     with a logger, `<default_root_dir>/checkpoints` without) as `interrupted.ckpt`, or `interrupted-v1.ckpt`,
@@ -46,7 +59,7 @@ class InterruptCheckpoint(L.Callback):
         self._ctrl_c = False
         self._previous_sigint = None
         self._step_start: dict | None = None  # the step in progress's starting state (`_open_step`)
-        self._in_rollout = False  # in the step's interruptible part: before its first optimizer step
+        self._shared: SharedStops | None = None  # several ranks: their stop requests shared while fitting
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
@@ -72,7 +85,7 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
-        self._step_start, self._in_rollout = None, False
+        self._step_start = None
         clear()
 
     # ------------------------------------------------------------- SIGTERM answered within the step
@@ -82,12 +95,18 @@ class InterruptCheckpoint(L.Callback):
     # once (or at the next decoding step), and the checkpoint is that of the last completed step, with the
     # generators and dynamic sampling's waiting groups as that step left them: a resumed run redoes the
     # abandoned step as the uninterrupted run did it. With several processes a rank cannot leave a step
-    # that the others go on with (they would wait for it in a collective): the step ends first, as in
-    # Lightning.
+    # that the others go on with (they would wait for it in a collective): while fitting, the ranks share
+    # their stop requests (`io.shared_stops`) and agree before each step's first collective whether to stop
+    # (`core.stop_requests.settle`), so that every rank abandons the same step's rollout, or finishes the
+    # step and stops at the next one's start; validation runs to its end first.
     def _install_sigterm(self, trainer: L.Trainer) -> None:
-        if trainer.world_size != 1 or trainer.strategy.launcher is not None:
+        if self._shares_stops(trainer):
+            self._share_stops(trainer)
+            previous = None  # not Lightning's: it broadcasts from the handler, a collective no rank joins
+        elif trainer.world_size != 1 or trainer.strategy.launcher is not None:
             return
-        previous = signal.getsignal(signal.SIGTERM)  # Lightning's, which sets `trainer.received_sigterm`
+        else:
+            previous = signal.getsignal(signal.SIGTERM)  # Lightning's, which sets `trainer.received_sigterm`
 
         def on_sigterm(signum, frame) -> None:
             if callable(previous):
@@ -97,7 +116,29 @@ class InterruptCheckpoint(L.Callback):
         try:
             signal.signal(signal.SIGTERM, on_sigterm)  # Lightning puts its own back when the run ends
         except ValueError:  # not the main thread: SIGTERM is answered after the step
-            pass
+            self._stop_sharing()
+
+    @staticmethod
+    def _shares_stops(trainer: L.Trainer) -> bool:
+        """Fitting on several ranks of a process group: their stop requests are shared."""
+        return (
+            trainer.world_size > 1
+            and trainer.state.fn == TrainerFn.FITTING
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+        )
+
+    def _share_stops(self, trainer: L.Trainer) -> None:
+        self._stop_sharing()
+        key = trainer.strategy.broadcast(f"grpo_lightning/stop/{uuid.uuid4().hex}")  # rank 0's, for this run
+        self._shared = SharedStops(key, trainer.strategy.root_device)
+        share_between_ranks(self._shared.any_rank, SIGTERMException)
+
+    def _stop_sharing(self) -> None:
+        share_between_ranks(None)
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         buffer = getattr(pl_module, "group_buffer", None)
@@ -105,17 +146,11 @@ class InterruptCheckpoint(L.Callback):
             "rng": capture_rng_states(),
             "group_buffer": copy.deepcopy(vars(buffer)) if buffer is not None else None,
         }
-        self._in_rollout = True
-        enter_interruptible()
+        enter_rollout()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
-        self._leave_rollout()
+        leave_rollout()
         self._step_start = None  # the step's first update: from here it is finished, not abandoned
-
-    def _leave_rollout(self) -> None:
-        if self._in_rollout:
-            self._in_rollout = False
-            leave_interruptible()
 
     def _back_to_step_start(self, pl_module) -> None:
         """Put back the generators and waiting groups an abandoned step started with, for its checkpoint."""
@@ -127,12 +162,14 @@ class InterruptCheckpoint(L.Callback):
         self._step_start = None
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
-        enter_interruptible()
+        if trainer.world_size == 1:  # on several ranks one rank leaving would leave the others waiting
+            enter_interruptible()
 
     def on_validation_batch_end(
         self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        leave_interruptible()
+        if trainer.world_size == 1:
+            leave_interruptible()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
@@ -156,6 +193,7 @@ class InterruptCheckpoint(L.Callback):
         leave_interruptible()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_sharing()
         clear()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -188,7 +226,7 @@ class InterruptCheckpoint(L.Callback):
     def _save(self, trainer: L.Trainer, reason: str) -> None:
         if self.saved_path is not None:
             return
-        path = self.path(trainer)
+        path = trainer.strategy.broadcast(self.path(trainer))  # rank 0's: the one file every rank names
         trainer.save_checkpoint(path)
         self.saved_path = path  # only once written: a failed save is not reported as a checkpoint
         rank_zero_info(
@@ -197,7 +235,7 @@ class InterruptCheckpoint(L.Callback):
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._leave_rollout()
+        leave_rollout()
         self._step_start = None
         if self._ctrl_c:
             self.stopped_by = "Ctrl-C"
@@ -206,15 +244,25 @@ class InterruptCheckpoint(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
         self._restore_sigint()
-        self._leave_rollout()
+        try:
+            self._checkpoint_on(exception, trainer, pl_module)
+        finally:
+            self._stop_sharing()
+
+    def _checkpoint_on(self, exception: BaseException, trainer: L.Trainer, pl_module) -> None:
+        if isinstance(exception, SIGTERMException):
+            abandon()  # on several ranks, before they agreed on this step: they stop too
+        else:
+            leave_rollout()
         clear()  # writing the checkpoint is not to be cut short
         if trainer.state.fn != TrainerFn.FITTING:
             self.stopped_by = "SIGTERM" if isinstance(exception, SIGTERMException) else None
             return
         self._back_to_step_start(pl_module)  # a step left part-way is discarded: its start is saved
         if isinstance(exception, SIGTERMException):
-            # Raised by Lightning once the step in progress (and any validation after it) is over, or by
-            # `core.stop_requests` within it (on one process).
+            # Raised by `core.stop_requests` within the step (on several ranks, by all of them at the point
+            # they agreed on, or at the next step's start), or by Lightning once the step in progress (and
+            # any validation after it) is over.
             self.stopped_by = "SIGTERM"
             self._save(trainer, "SIGTERM")
         elif (
@@ -230,3 +278,4 @@ class InterruptCheckpoint(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_sigint()
+        self._stop_sharing()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -286,7 +286,9 @@ class Preflight(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
         if self.report is not None:
             return
-        with stopped_by_sigterm(), preserved_rng(), torch.no_grad():
+        # On several ranks a SIGTERM is the interrupt checkpoint's, answered where every rank agrees to stop.
+        stopping = stopped_by_sigterm() if trainer.world_size == 1 else nullcontext()
+        with stopping, preserved_rng(), torch.no_grad():
             rows = getattr(trainer.datamodule, "train_rows", None)
             self.report = run_preflight(
                 pl_module,
