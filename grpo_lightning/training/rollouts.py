@@ -21,8 +21,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.backends import BACKENDS, build_engine, requested_backend
-from grpo_lightning.core.generation.engines import EngineRequest, RolloutEngine
+from grpo_lightning.core.generation.backends import BACKENDS, build_engine, check_engine, requested_backend
+from grpo_lightning.core.generation.engines import EngineRequest, PolicyOutline, RolloutEngine
 from grpo_lightning.core.generation.model_abilities import not_full_attention
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler, warn_if_unteachable
@@ -83,6 +83,7 @@ class PolicyRollouts:
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
         self.backend: str | None = None  # the engine's name in `core.generation.backends.BACKENDS`
+        self.engine_checked: object | None = None  # what the engine's checks before the weights found
         self._share_prompt: bool | None = (
             None  # grpo.scoring.share_prompt where the policy supports it, decided once
         )
@@ -91,6 +92,12 @@ class PolicyRollouts:
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
         self.multi_turn: ToolSampling | None = None  # tools, environments or a rollout function: the module's
         self.tool_metrics: dict[str, float] = {}  # the last multi-turn rollout's `tools/...`
+
+    def check_engine(self, outline: PolicyOutline, device: torch.device) -> None:
+        """The engine's checks before any weights load (`backends.check_engine`: the server engine's
+        servers refused in one line where they cannot serve the policy), what they found kept for its
+        build."""
+        self.engine_checked = check_engine(self.cfg.engine, outline, device)
 
     def place(self, device: torch.device, precision: str | None) -> None:
         """Where the trainer runs the policy: prompts go to `device`; the engine follows `precision`."""
@@ -189,7 +196,9 @@ class PolicyRollouts:
         requested = cfg.engine.backend
         if not self.full_attention and BACKENDS[requested_backend(requested, device)].needs_full_attention:
             requested = "eager"  # said once, by `full_attention`
-        request = EngineRequest(cfg.sampling, settings, policy, device, self.precision, full_weights_by_unit)
+        request = EngineRequest(
+            cfg.sampling, settings, policy, device, self.precision, full_weights_by_unit, self.engine_checked
+        )
         self.backend, engine = build_engine(request, cfg.engine, requested)
         return engine
 
