@@ -334,7 +334,7 @@ class VLLMServerEngine(RolloutEngine):
             dist.barrier()
         start = time.perf_counter()
         version = f"policy-{self.run_id}-{self.refreshes + 1}"  # unique on servers that outlive runs
-        failure: ServerError | None = None
+        failure: Exception | None = None
         with torch.no_grad():
             weights = self._weights(model)
             if self.plane is None:
@@ -344,7 +344,7 @@ class VLLMServerEngine(RolloutEngine):
                 try:  # every plane reads all the weights before its first call to a server
                     self.push_bytes = self.plane.push(weights, version)
                     stamp_version(self.router, version)
-                except ServerError as err:
+                except Exception as err:  # any error: raised after the other ranks hear of it below
                     failure = err
         if dist.is_initialized():
             # In place of a barrier: the other ranks sample only once rank 0's push is in, and end with it

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from grpo_lightning.core.ranks import AgreedFailure
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.stop_requests import clear, enter_interruptible, leave_interruptible, request_stop
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
@@ -29,7 +30,9 @@ class InterruptCheckpoint(L.Callback):
     and a `SIGTERMException` after the step. A first Ctrl-C is turned into the same graceful stop (a
     second one interrupts at once, without a checkpoint). An error (a reward function that raises, too
     many non-finite steps) stops a step before its update, so the weights are those of the last completed
-    step; this is done on a single device only, where no other rank can be left waiting in the save.
+    step; this is done on a single device, or where every rank stopped on the same error at the same point
+    (`core.ranks.AgreedFailure`: a rollout that failed on one rank), so that no rank is left waiting in
+    the save.
 
     The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else `<log_dir>/checkpoints`
     with a logger, `<default_root_dir>/checkpoints` without) as `interrupted.ckpt`, or `interrupted-v1.ckpt`,
@@ -221,7 +224,7 @@ class InterruptCheckpoint(L.Callback):
             isinstance(exception, Exception)
             and trainer.state.fn == TrainerFn.FITTING
             and trainer.global_step > 0
-            and trainer.world_size == 1
+            and (trainer.world_size == 1 or isinstance(exception, AgreedFailure))
         ):
             try:
                 self._save(trainer, f"stopped by {type(exception).__name__}")
