@@ -6,6 +6,7 @@ vllm-serve`'s command, on 127.0.0.1) of the tiny model with its LM head tied to 
   extension); a missed push fails it, and so does a prefix cache kept from the old weights.
 - LoRA: the adapter alone is pushed after the first push (the base once), exact after every step.
 - The router spreads a batch over both servers and sends a continuation to the server that generated it.
+- min-p and the repetition penalty reach the servers: their log-probs are the eager engine's definition's.
 - Never a wrong model: servers that cannot be reached, serve another architecture or vocabulary, too short
   a context or no large enough LoRA rank are refused in one line each, from a fit's set-up before the
   policy's weights load.
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from grpo_lightning.core.generation.vllm_client import ServerError, VLLMServer, 
 from grpo_lightning.core.generation.vllm_server import VLLMServerOptions, check_servers
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from tests.helpers import arithmetic_data, copy_model, digit_reward, quiet_trainer, tiny_module
+from tests.test_min_p_and_repetition_penalty import processed_logprobs
 from tests.vllm_backend.helpers import (
     MASK,
     PROMPTS,
@@ -36,6 +39,7 @@ from tests.vllm_backend.helpers import (
     free_port,
     running_servers,
     sampled_gap,
+    scored,
     server_engine,
 )
 
@@ -135,6 +139,23 @@ def test_lora_adapter_pushes_exactly(urls, vllm_tied_dir):
         assert engine.router.model == f"policy-{engine.run_id}-4"
     finally:
         engine.close()
+
+
+def test_min_p_and_the_repetition_penalty_reach_the_servers(urls, vllm_tied_dir):
+    """The request carries both: the servers' processed log-probs are those of their definition on the eager
+    engine (`processed_logprobs`)."""
+    model = tied_model(vllm_tied_dir)
+    engine = server_engine(urls[:1])
+    knobs = {"temperature": 0.8, "min_p": 0.05, "repetition_penalty": 1.8}
+    settings = replace(engine.settings, **knobs)
+    try:
+        rollout = engine.generate(model, PROMPTS, MASK, num_generations=4, settings=settings)
+    finally:
+        engine.close()
+    done = rollout.completion_mask.bool()
+    assert (rollout.sampler_logprobs - processed_logprobs(model, rollout, settings))[done].abs().max() < 1e-5
+    raw = scored(model, rollout, settings.temperature)
+    assert (rollout.sampler_logprobs - raw)[done].abs().max() > 1e-3, "the knobs changed the distribution"
 
 
 def test_the_router_spreads_a_batch_and_keeps_a_continuation(urls, vllm_tied_dir):
