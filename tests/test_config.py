@@ -68,6 +68,8 @@ REFUSED = {
         "temperature": below(0, inclusive=True) | NOT_A_NUMBER,
         "top_p": below(0, inclusive=True) | above(1, inclusive=False) | NOT_A_NUMBER,
         "top_k": ints_below(-1) | st.just(2.5),  # -1 and None are TRL's 0
+        "min_p": below(0, inclusive=False) | above(1, inclusive=False) | st.just("0.1"),  # None is TRL's 0
+        "repetition_penalty": below(0, inclusive=True) | NOT_A_NUMBER,
         "dynamic_sampling": st.sampled_from([0, 1, "true", "yes", 1.0]),  # None: off
         "dynamic_sampling_max_rounds": ints_below(0) | st.just(None),
         "dynamic_sampling_metric": st.sampled_from([1, ["accuracy_reward"]]),
@@ -209,6 +211,8 @@ ACCEPTED = {
     "temperature": st.floats(min_value=0, exclude_min=True, allow_infinity=False),
     "max_grad_norm": st.floats(min_value=0, exclude_min=True, allow_infinity=False) | st.none(),
     "top_k": st.integers(min_value=0),
+    "min_p": st.floats(min_value=0, max_value=1),
+    "repetition_penalty": st.floats(min_value=0, exclude_min=True, allow_infinity=False),
     "epsilon": st.floats(min_value=0, exclude_min=True, allow_infinity=False) | st.integers(min_value=1),
     "beta": st.floats(min_value=0, allow_infinity=False),
     "learning_rate": st.floats(min_value=0, exclude_min=True, allow_infinity=False),
@@ -550,6 +554,7 @@ def test_help_shows_the_choices_of_every_string_option_and_every_range(capsys):
         ("lr_scheduler_type", "constant_with_warmup", ("optimizer", "lr_scheduler_type"), "constant"),
         ("lr_scheduler_type", "cosine_with_min_lr", ("optimizer", "lr_scheduler_type"), "cosine"),
         ("top_k", -1, ("sampling", "top_k"), 0),
+        ("min_p", None, ("sampling", "min_p"), 0.0),
         ("max_grad_norm", 0, ("optimizer", "max_grad_norm"), None),
     ],
 )

@@ -100,7 +100,7 @@ def test_the_engine_hears_of_every_weight_change_and_refreshes_before_each_rollo
 def test_evaluation_builds_its_settings_and_sees_no_training_knob(tiny_model_dir):
     @dataclass(frozen=True, kw_only=True)
     class WithKnob(SamplingSettings):
-        repetition_penalty: float = 1.0  # a knob that sampling could gain later
+        presence_penalty: float = 0.0  # a knob that sampling could gain later
 
     class Recording(EagerEngine):
         def generate(self, model, prompt_ids, prompt_mask, *, num_generations, do_sample=True, settings=None):
@@ -117,7 +117,8 @@ def test_evaluation_builds_its_settings_and_sees_no_training_knob(tiny_model_dir
     module = GRPOModule(tiny_model_dir, grpo=GRPOConfig(max_completion_length=8))
     module.configure_model()
     training = module.rollouts.current_engine().settings
-    knobs = dict(min_new_tokens=3, temperature=0.7, top_p=0.5, top_k=5, repetition_penalty=1.3)
+    knobs = dict(min_new_tokens=3, temperature=0.7, top_p=0.5, top_k=5, min_p=0.1, repetition_penalty=1.3)
+    knobs["presence_penalty"] = 0.5
     engine = Recording(WithKnob(**{**vars(training), **knobs}))
     policy, tokenizer = module.policy, module.tokenizer
     generate_answers(policy, tokenizer, PROMPTS, max_new_tokens=6, temperature=0.9, engine=engine)

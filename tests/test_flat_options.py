@@ -49,6 +49,8 @@ ADDED_OPTIONS = {
     "max_staleness": 0,
     "stale_groups": "drop",
     "off_policy_correction": "importance_sampling",
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
 }
 # The defaults changed since that layout, which an old config that leaves the option out now gets.
 CHANGED_DEFAULTS = {"max_prompt_length": None}  # 512 then; TRL 1.x has no prompt cut

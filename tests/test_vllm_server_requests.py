@@ -6,7 +6,8 @@
   push over it with its NCCL end stood in for: the calls in order, the root's address, no vLLM imported;
 - against a local stand-in of a server's routes: the router's least-loaded choice and its sticky
   continuations, a push's order of calls (reload, prefix cache, version), and the one-line refusals: no
-  answer within the timeout, a refused connection, another model;
+  answer within the timeout, a refused connection, another model; a fit's or validation's refusals before
+  the policy's weights load, and each server checked once;
 - TRL's `vllm_mode: server` selecting the engine, and `cli.py vllm-serve`'s command.
 """
 
@@ -25,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.nccl_weights import (
@@ -49,7 +50,9 @@ from grpo_lightning.core.generation.vllm_server import (
     check_servers,
     rollout_of_rows,
 )
+from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.io.vllm_serve import serve_command
+from tests.helpers import arithmetic_data, digit_reward, quiet_trainer, tiny_module
 
 SETTINGS = SamplingSettings(
     max_new_tokens=6,
@@ -364,6 +367,69 @@ def test_servers_refused_in_one_line_each(stand_ins):
             VLLMServerOptions(base_url=f"http://127.0.0.1:{port}", timeout=1), tiny_config(), 64, None
         )
     assert time.monotonic() - started < 8
+
+
+def fit_refused_by_servers(model_dir: str, root, match: str, stage: str = "fit", lora=None, **grpo) -> None:
+    """A `stage` of the tiny policy against the servers of `grpo` stops at set-up with a `ServerError` saying
+    `match`, its policy never loaded (with `no_weights`, loading it fails the test)."""
+    options = {"vllm_mode": "server", "vllm_server_timeout": 5, **grpo}
+    module = tiny_module(model_dir, reward_funcs=[digit_reward], module_options={"lora": lora}, **options)
+    trainer = quiet_trainer(default_root_dir=str(root), max_steps=1)
+    with pytest.raises(ServerError, match=match):
+        getattr(trainer, stage)(module, arithmetic_data(4))
+    assert module.policy is None
+
+
+def test_servers_refused_before_any_weights_load(stand_ins, tiny_model_dir, tmp_path, no_weights):
+    """`fit` and `validate` check the servers when they set up, from the policy's config and the LoRA rank its
+    options train: each refusal comes before the weights load."""
+    url = stand_ins[0].url
+    vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    stand_ins[0].vocab = vocab + 112
+    match = rf"^vLLM server {url} serves tiny with {vocab + 112} tokens: the policy's vocabulary has {vocab}$"
+    fit_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url)
+    fit_refused_by_servers(tiny_model_dir, tmp_path, match, "validate", vllm_server_base_url=url)
+    stand_ins[0].vocab = vocab
+    lengths = {"max_prompt_length": 64, "max_completion_length": 100}
+    match = r"serves tiny with max_model_len=128: prompt \+ completion need 164 \(restart it with --max-model"
+    fit_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url, **lengths)
+    match = r"serves tiny without LoRA: the policy's adapter has rank 8 \(start it with `python cli.py vllm-"
+    fit_refused_by_servers(tiny_model_dir, tmp_path, match, lora=LoraOptions(r=8), vllm_server_base_url=url)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    match = rf"^vLLM server\(s\) {nobody} not reachable within vllm_server_timeout=1 s"
+    fit_refused_by_servers(
+        tiny_model_dir, tmp_path, match, vllm_server_base_url=nobody, vllm_server_timeout=1
+    )
+
+
+def test_a_fit_checks_each_server_once_before_the_weights_load(
+    stand_ins, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A fit against servers that serve the policy: each is asked what it serves once, before the policy's
+    weights load, and not again when the first push opens the engine."""
+    from grpo_lightning.training import module as module_file
+
+    load = module_file.load_model
+    asked_before_load = []
+
+    def load_model(*args, **kwargs):
+        asked_before_load.extend(s.routes().count("/server_info?config_format=json") for s in stand_ins)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(module_file, "load_model", load_model)
+    urls = [s.url for s in stand_ins]
+    options = {"vllm_server_weights_dir": str(tmp_path / "pushes"), "max_completion_length": 4}
+    module = tiny_module(
+        tiny_model_dir, reward_funcs=[digit_reward], vllm_mode="server", vllm_server_base_url=urls, **options
+    )
+    quiet_trainer(default_root_dir=str(tmp_path), max_steps=1, limit_val_batches=0).fit(
+        module, arithmetic_data(4)
+    )
+    assert asked_before_load == [1, 1]
+    assert [s.routes().count("/server_info?config_format=json") for s in stand_ins] == [1, 1]
+    assert module.rollouts.engine.refreshes == 1 and module.trainer.global_step == 1
 
 
 def test_a_server_that_stops_answering_times_out_in_one_line():

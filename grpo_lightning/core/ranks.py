@@ -1,12 +1,20 @@
 """The other processes of a run, as the core asks them: `Ranks` (sums, maxima and gathers, every rank calling
 each method in the same order) and `OneProcess`, a single process's. The training layer supplies a
 strategy's (`io.distributed.StrategyRanks`).
+
+An error inside a block that every rank runs at the same point (a rollout: a vLLM server that stops answering
+one rank's requests) must end every rank there, not leave the others waiting in their next collective:
+`failures_agreed` raises an `AgreedFailure` on every rank, with the failing rank's message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -42,3 +50,34 @@ class OneProcess:
 
     def gather(self, values: list) -> list[list]:
         return [values]
+
+
+class AgreedFailure(RuntimeError):
+    """An error that ended every rank at the same point (`failures_agreed`): its message is the first failing
+    rank's, with that rank's number. No rank is left in a collective, so the ranks can still write a
+    checkpoint together."""
+
+
+@contextmanager
+def failures_agreed(device: torch.device) -> Iterator[None]:
+    """Inside, an error on any rank ends every rank at the block's end, together: each rank says whether it
+    failed (one all-reduce of a flag on `device`, every rank, every time), and where one did, every rank
+    raises an `AgreedFailure` with the first failing rank's message, rather than go on to a collective the
+    failed rank never joins. Every rank must enter and leave the block at the same point, with no
+    collective inside that an error could skip. In one process the block's errors pass unchanged."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as err:  # said to the other ranks below; SIGTERM and Ctrl-C pass as they are
+        failure = err
+    failed = torch.tensor([float(failure is not None)], device=device)
+    dist.all_reduce(failed)
+    if not failed.item():
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if failure is None else str(failure))
+    rank, message = next((rank, m) for rank, m in enumerate(messages) if m is not None)
+    raise AgreedFailure(f"rank {rank}: {message}") from failure

@@ -27,7 +27,8 @@ class Rollout:
     completion_mask: Tensor  # [N*G, T] 1 up to and including the first EOS (multi-turn: the last turn's)
     truncated: Tensor  # [N*G] bool: no EOS within max_new_tokens
     # [N*G, T] float32: each drawn token's log-prob under the distribution the engine drew it from (after
-    # temperature, top-k, top-p and min_new_tokens), 0 after the end; None for greedy or scripted rollouts.
+    # the repetition penalty, temperature, min-p, top-k, top-p and min_new_tokens), 0 after the end; None for
+    # greedy or scripted rollouts.
     sampler_logprobs: Tensor | None = None
     # [N*G, T] 1 on the model's own tokens, 0 on tool-result tokens (multi-turn rollouts with tools, TRL's
     # `tool_mask`); the loss counts completion_mask * tool_mask. None: every completion token is the model's.

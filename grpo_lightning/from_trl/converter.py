@@ -54,9 +54,10 @@ ALWAYS: dict[str, tuple[tuple[object, ...] | object, str]] = {
     ),
     "use_liger_loss": ((False, None), "the LM head is chunked in float32 here; Liger's kernels are not used"),
     "torch_compile": ((False,), "model.grpo.engine.backend: static compiles the decoding step on CUDA"),
-    "repetition_penalty": ((1.0,), "sampling is temperature, top_p and top_k here"),
-    "min_p": ((None, 0.0, 0), "sampling is temperature, top_p and top_k here"),
-    "generation_kwargs": ((None, {}), "sampling is temperature, top_p and top_k here"),
+    "generation_kwargs": (
+        (None, {}),
+        "sampling is temperature, top_p, top_k, min_p and repetition_penalty here",
+    ),
     "cache_implementation": ((None,), "the engines keep their own caches"),
     "use_transformers_paged": ((False,), "Hugging Face generate, or the static or vLLM engine"),
     "use_transformers_continuous_batching": ((False,), "Hugging Face generate, or the static or vLLM engine"),

@@ -20,6 +20,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -285,24 +286,33 @@ def policy_parts(
     return source, None if source is not None else policy, prepare_tokenizer(tokenizer)
 
 
-def model_positions(model: PreTrainedModel | None, source: str | None, options: ModelOptions) -> int | None:
-    """The positions a policy has (`max_position_embeddings` of its text config): from the loaded `model`,
-    else from the config file alone at `source` (no weights load; a hub id only from the local cache). None
-    where the config names none or cannot be read here (a GGUF file, a hub id not downloaded yet)."""
+def policy_config(
+    model: PreTrainedModel | None, source: str | None, options: ModelOptions
+) -> PretrainedConfig | None:
+    """A policy's config: the loaded `model`'s, else the config file alone at `source` (no weights load; a
+    hub id only from the local cache). None where it cannot be read here (a GGUF file, a hub id not
+    downloaded yet)."""
     if model is not None:
-        config = model.config
-    elif source is None or options.gguf_file:
+        return model.config
+    if source is None or options.gguf_file:
         return None
-    else:
-        try:
-            config = AutoConfig.from_pretrained(
-                source,
-                trust_remote_code=options.trust_remote_code,
-                revision=options.revision,
-                local_files_only=True,
-            )
-        except (OSError, ValueError):  # not a local folder, not in the cache: the model's loading says why
-            return None
+    try:
+        return AutoConfig.from_pretrained(
+            source,
+            trust_remote_code=options.trust_remote_code,
+            revision=options.revision,
+            local_files_only=True,
+        )
+    except (OSError, ValueError):  # not a local folder, not in the cache: the model's loading says why
+        return None
+
+
+def model_positions(model: PreTrainedModel | None, source: str | None, options: ModelOptions) -> int | None:
+    """The positions a policy has (`max_position_embeddings` of its text config, `policy_config`); None
+    where the config names none or cannot be read before the weights load."""
+    config = policy_config(model, source, options)
+    if config is None:
+        return None
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     return positions if isinstance(positions, int) and positions > 0 else None
 

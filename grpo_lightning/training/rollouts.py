@@ -21,8 +21,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.generation.backends import BACKENDS, build_engine, requested_backend
-from grpo_lightning.core.generation.engines import EngineRequest, RolloutEngine
+from grpo_lightning.core.generation.backends import BACKENDS, build_engine, check_engine, requested_backend
+from grpo_lightning.core.generation.engines import EngineRequest, PolicyOutline, RolloutEngine
 from grpo_lightning.core.generation.model_abilities import not_full_attention
 from grpo_lightning.core.generation.packing import PackedLogProbScorer, packing_unsupported
 from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler, warn_if_unteachable
@@ -30,6 +30,7 @@ from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.generation.vllm_server import PendingRollout
+from grpo_lightning.core.ranks import failures_agreed
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -58,7 +59,10 @@ class SubmittedBatch:
         futures.wait(self.pending.futures)
 
     def result(self) -> tuple[Rollout, list[str], None]:
-        rollout = self.pending.result()
+        """The rollout, once every request is in; a request that failed on any rank ends every rank here
+        (`core.ranks.failures_agreed`)."""
+        with failures_agreed(self.rollouts.prompt_device):
+            rollout = self.pending.result()
         return rollout, self.rollouts.encoder.decode(rollout), None
 
     @property
@@ -83,6 +87,7 @@ class PolicyRollouts:
         self.engine: RolloutEngine | None = None  # built on first use, again when the precision changes
         self.engine_precision: str | None = None  # the precision the engine was built for
         self.backend: str | None = None  # the engine's name in `core.generation.backends.BACKENDS`
+        self.engine_checked: object | None = None  # what the engine's checks before the weights found
         self._share_prompt: bool | None = (
             None  # grpo.scoring.share_prompt where the policy supports it, decided once
         )
@@ -91,6 +96,12 @@ class PolicyRollouts:
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
         self.multi_turn: ToolSampling | None = None  # tools, environments or a rollout function: the module's
         self.tool_metrics: dict[str, float] = {}  # the last multi-turn rollout's `tools/...`
+
+    def check_engine(self, outline: PolicyOutline, device: torch.device) -> None:
+        """The engine's checks before any weights load (`backends.check_engine`: the server engine's
+        servers refused in one line where they cannot serve the policy), what they found kept for its
+        build."""
+        self.engine_checked = check_engine(self.cfg.engine, outline, device)
 
     def place(self, device: torch.device, precision: str | None) -> None:
         """Where the trainer runs the policy: prompts go to `device`; the engine follows `precision`."""
@@ -179,7 +190,7 @@ class PolicyRollouts:
     def build_engine(self) -> RolloutEngine:
         """The engine that generates the rollouts (`grpo.engine.backend`), in the trainer's precision."""
         cfg, policy = self.cfg, self.policy
-        device = self.device or next(policy.parameters()).device
+        device = self.prompt_device
         eos, pad = stop_token_ids(policy, self.tokenizer), self.tokenizer.pad_token_id
         settings = cfg.sampling.settings(eos, pad, self.shares_prompt)
         self.engine_precision = self.precision
@@ -189,7 +200,9 @@ class PolicyRollouts:
         requested = cfg.engine.backend
         if not self.full_attention and BACKENDS[requested_backend(requested, device)].needs_full_attention:
             requested = "eager"  # said once, by `full_attention`
-        request = EngineRequest(cfg.sampling, settings, policy, device, self.precision, full_weights_by_unit)
+        request = EngineRequest(
+            cfg.sampling, settings, policy, device, self.precision, full_weights_by_unit, self.engine_checked
+        )
         self.backend, engine = build_engine(request, cfg.engine, requested)
         return engine
 
@@ -213,15 +226,23 @@ class PolicyRollouts:
             sampler = PromptSampler(self.encoder, engine)
             return sampler.sample(self.policy, prompts, num_generations, do_sample=do_sample, device=device)
 
+    @property
+    def prompt_device(self) -> torch.device:
+        """Where the prompts go: the trainer's device, else where the policy's weights are."""
+        return self.device or next(self.policy.parameters()).device
+
     @contextmanager
     def ready_engine(self) -> Iterator[tuple[RolloutEngine, torch.device]]:
         """The `current_engine`, refreshed, and the device of the prompts, for one rollout: under FSDP2 its
-        copy refreshed one unit at a time, or the live weights gathered around the rollout."""
-        engine = self.current_engine()
-        device = self.device or next(self.policy.parameters()).device
-        engine.refresh(self.policy, device)  # a collective under FSDP2, where the copy is stale
-        with self._gathered(self.policy) if engine.reads_live_weights else nullcontext():
-            yield engine, device
+        copy refreshed one unit at a time, or the live weights gathered around the rollout. Every rank runs
+        each rollout at the same point: one that fails on a rank (a vLLM server that stops answering) ends
+        every rank when it ends (`core.ranks.failures_agreed`), none left waiting in a collective."""
+        device = self.prompt_device
+        with failures_agreed(device):
+            engine = self.current_engine()
+            engine.refresh(self.policy, device)  # a collective under FSDP2, where the copy is stale
+            with self._gathered(self.policy) if engine.reads_live_weights else nullcontext():
+                yield engine, device
 
     def sample_batch(
         self, batch: dict[str, list], num_generations: int, do_sample: bool = True

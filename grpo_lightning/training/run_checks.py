@@ -8,7 +8,9 @@ path, are warned about.
 `callbacks.fit_checks.FitChecks` (one of `GRPOModule`'s default callbacks) checks, when the Trainer sets up
 `fit` (the rows' length also for `validate`; `check_fit` for a script that works before its `fit`):
 
-- the engine: `generation_backend: vllm` where vLLM does not import is refused (at every stage's set-up);
+- the engine (at every stage's set-up): `generation_backend: vllm` where vLLM does not import is refused, and
+  so are the engine's own refusals (`check_engine`: `vllm_server`'s servers that cannot be reached or serve
+  another model, from the policy's config and the LoRA rank it trains);
 - the folders the run writes (`default_root_dir`, the loggers', `ModelCheckpoint`'s, `InterruptCheckpoint`'s):
   a path through a file, or a folder this process cannot write, is refused;
 - the metric each `ModelCheckpoint` and `EarlyStopping` monitors: the module logs every `val/...` metric
@@ -31,12 +33,15 @@ import os
 import warnings
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.core.generation.engines import PolicyOutline
+from grpo_lightning.core.generation.inference_copy import active_lora
 from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.io.hparams import unimportable_rewards
-from grpo_lightning.io.models import model_positions
+from grpo_lightning.io.models import model_positions, policy_config
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.resume import warn_checkpoint_cadence
@@ -49,6 +54,18 @@ def check_fit(trainer: L.Trainer, module: L.LightningModule, datamodule: object)
     check_output_folders(trainer)
     check_monitors(trainer, logged_metric_names(datamodule, module))
     check_run_length(trainer, module.grpo)
+
+
+def check_engine(module: L.LightningModule, device: torch.device) -> None:
+    """The rollout engine's own checks before any weights load (`PolicyRollouts.check_engine`), on the
+    policy's config and the rank of the LoRA adapter it trains; where the config cannot be read before the
+    weights (a GGUF file, a hub id not downloaded yet), the engine makes them when it starts."""
+    config = policy_config(module.policy, module.policy_source, module.model_options)
+    if config is None:
+        return
+    adapter = active_lora(module.policy) if module.policy is not None else None
+    lora_rank = adapter[1].r if adapter is not None else module.lora.r if module.lora is not None else None
+    module.rollouts.check_engine(PolicyOutline(config, lora_rank, module.grpo.sampling), device)
 
 
 def check_output_folders(trainer: L.Trainer) -> None:

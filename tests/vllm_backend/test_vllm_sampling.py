@@ -2,7 +2,8 @@
 model with a peaked head (its logits scaled up, so that a few tokens carry most of the mass). The group
 shape, length bounds and stop ids; sampled log-probs equal to the scorer's at temperature 1 and 0.7; first
 tokens drawn with the scorer's softmax (total variation and chi-square over 4000 draws) at temperature 1,
-0.7 and with top-p; the checkpoint's generation config left out; greedy equal to eager greedy; the
+0.7 and with top-p; min-p and the repetition penalty as the eager engine defines them; the checkpoint's
+generation config left out; greedy equal to eager greedy; the
 trainer's threads kept.
 The engine: `core.generation.vllm_engine`."""
 
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.generation.sampling import SamplingSettings
+from tests.test_min_p_and_repetition_penalty import processed_logprobs
 from tests.test_static_engine import eager_greedy
 from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for, sampled_gap, scored
 
@@ -63,6 +65,26 @@ def test_sampled_logprobs_are_the_scorers(engine, model, temperature):
     rollout = engine.generate(model, PROMPTS, MASK, num_generations=4, settings=settings)
     gap = (rollout.sampler_logprobs - scored(model, rollout, temperature))[rollout.completion_mask.bool()]
     assert gap.abs().max() < 1e-5
+
+
+def test_min_p_and_the_repetition_penalty_are_drawn_as_every_engine_draws(engine, model):
+    """vLLM's processed log-probs with a repetition penalty and min-p are those of their definition on the
+    eager engine (`processed_logprobs`: the penalty over the prompt's and the completion's tokens, then the
+    temperature, then min-p)."""
+    settings = SamplingSettings(
+        max_new_tokens=8,
+        eos_token_ids=(2,),
+        pad_token_id=0,
+        temperature=0.8,
+        min_p=0.05,
+        repetition_penalty=1.8,
+    )
+    rollout = engine.generate(model, PROMPTS, MASK, num_generations=4, settings=settings)
+    done = rollout.completion_mask.bool()
+    expected = processed_logprobs(model, rollout, settings)
+    assert (rollout.sampler_logprobs - expected)[done].abs().max() < 1e-5
+    raw = scored(model, rollout, settings.temperature)
+    assert (rollout.sampler_logprobs - raw)[done].abs().max() > 1e-2, "the knobs changed the distribution"
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -6,8 +6,10 @@ vllm-serve`'s command, on 127.0.0.1) of the tiny model with its LM head tied to 
   extension); a missed push fails it, and so does a prefix cache kept from the old weights.
 - LoRA: the adapter alone is pushed after the first push (the base once), exact after every step.
 - The router spreads a batch over both servers and sends a continuation to the server that generated it.
-- Never a wrong model: servers that cannot be reached, serve another vocabulary, too short a context or
-  no large enough LoRA rank are refused before any weight moves, in one line each.
+- min-p and the repetition penalty reach the servers: their log-probs are the eager engine's definition's.
+- Never a wrong model: servers that cannot be reached, serve another architecture or vocabulary, too short
+  a context or no large enough LoRA rank are refused in one line each, from a fit's set-up before the
+  policy's weights load.
 - Never a hang (last, it stops the servers): a frozen server ends a rollout with one error naming it and
   the call within `request_timeout`; a killed one at once.
 
@@ -15,9 +17,11 @@ The engine: `core.generation.vllm_server`."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from grpo_lightning.core.generation.vllm_client import ServerError, VLLMServer, served_model
 from grpo_lightning.core.generation.vllm_server import VLLMServerOptions, check_servers
 from grpo_lightning.io.models import LoraOptions, apply_lora
+from tests.helpers import arithmetic_data, copy_model, digit_reward, quiet_trainer, tiny_module
+from tests.test_min_p_and_repetition_penalty import processed_logprobs
 from tests.vllm_backend.helpers import (
     MASK,
     PROMPTS,
@@ -33,6 +39,7 @@ from tests.vllm_backend.helpers import (
     free_port,
     running_servers,
     sampled_gap,
+    scored,
     server_engine,
 )
 
@@ -134,6 +141,23 @@ def test_lora_adapter_pushes_exactly(urls, vllm_tied_dir):
         engine.close()
 
 
+def test_min_p_and_the_repetition_penalty_reach_the_servers(urls, vllm_tied_dir):
+    """The request carries both: the servers' processed log-probs are those of their definition on the eager
+    engine (`processed_logprobs`)."""
+    model = tied_model(vllm_tied_dir)
+    engine = server_engine(urls[:1])
+    knobs = {"temperature": 0.8, "min_p": 0.05, "repetition_penalty": 1.8}
+    settings = replace(engine.settings, **knobs)
+    try:
+        rollout = engine.generate(model, PROMPTS, MASK, num_generations=4, settings=settings)
+    finally:
+        engine.close()
+    done = rollout.completion_mask.bool()
+    assert (rollout.sampler_logprobs - processed_logprobs(model, rollout, settings))[done].abs().max() < 1e-5
+    raw = scored(model, rollout, settings.temperature)
+    assert (rollout.sampler_logprobs - raw)[done].abs().max() > 1e-3, "the knobs changed the distribution"
+
+
 def test_the_router_spreads_a_batch_and_keeps_a_continuation(urls, vllm_tied_dir):
     model = tied_model(vllm_tied_dir)
     engine = server_engine(urls, max_in_flight=8)
@@ -160,6 +184,42 @@ def test_the_router_spreads_a_batch_and_keeps_a_continuation(urls, vllm_tied_dir
         assert picked[0][1] == first_server, "the sample's next turn goes to the server holding its prefix"
     finally:
         engine.close()
+
+
+def policy_with_config(model_dir: str, folder, **changes) -> str:
+    """A copy of `model_dir` whose config.json says `changes` (its weights never load in these tests)."""
+    copy = copy_model(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return copy
+
+
+def test_a_fit_against_servers_that_cannot_serve_the_policy_stops_before_its_weights_load(
+    urls, vllm_tied_dir, tmp_path, no_weights
+):
+    """Each refusal of `check_servers`, from a fit's set-up: the policy's config alone is read (`no_weights`:
+    loading the weights fails the test), the LoRA rank from the module's options."""
+
+    def refused(match: str, policy: str = vllm_tied_dir, lora: LoraOptions | None = None, **grpo) -> None:
+        options = {"vllm_mode": "server", "vllm_server_base_url": urls[0], "vllm_server_timeout": 30, **grpo}
+        module = tiny_module(policy, reward_funcs=[digit_reward], module_options={"lora": lora}, **options)
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=match):
+            quiet_trainer(default_root_dir=str(tmp_path), max_steps=1).fit(module, arithmetic_data(4))
+        assert module.policy is None and time.monotonic() - started < 30
+
+    wider = policy_with_config(vllm_tied_dir, tmp_path / "wider", vocab_size=512)
+    refused(rf"^vLLM server {urls[0]} serves .* with 400 tokens: the policy's vocabulary has 512$", wider)
+    qwen = policy_with_config(vllm_tied_dir, tmp_path / "qwen", architectures=["Qwen2ForCausalLM"])
+    refused(r"a LlamaForCausalLM: the policy is a Qwen2ForCausalLM$", qwen)
+    refused(
+        r"max_model_len=128: prompt \+ completion need 164", max_prompt_length=64, max_completion_length=100
+    )
+    refused(r"with --max-lora-rank 8: the policy's adapter has rank 16", lora=LoraOptions(r=16))
+    nobody = f"http://127.0.0.1:{free_port()}"
+    refused(
+        r"not reachable within vllm_server_timeout=2 s", vllm_server_base_url=nobody, vllm_server_timeout=2
+    )
 
 
 def test_servers_refused_before_training(urls, vllm_tied_dir):
@@ -190,7 +250,6 @@ def test_a_fit_trains_against_the_servers_exactly(urls, vllm_tied_dir):
     its moment (the sampler's log-probs are the scorer's), one push per step."""
     from grpo_lightning.core.config import GRPOConfig
     from grpo_lightning.training.module import GRPOModule
-    from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
 
     gaps = []
 

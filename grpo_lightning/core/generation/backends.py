@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import torch
 from transformers import PreTrainedModel
 
-from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, RolloutEngine
+from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, PolicyOutline, RolloutEngine
 from grpo_lightning.core.generation.static_engine import STATIC_BACKEND
 from grpo_lightning.core.generation.vllm_engine import VLLM_BACKEND, VLLMOptions
 from grpo_lightning.core.generation.vllm_server import VLLM_SERVER_BACKEND, VLLMServerOptions
@@ -97,6 +97,15 @@ def check_engine_importable(options: EngineOptions) -> None:
     (`training.run_checks.FitChecks`)."""
     if options.backend != AUTO and (problem := BACKENDS[options.backend].unavailable()) is not None:
         raise option_error(options, "backend", options.backend, problem)
+
+
+def check_engine(options: EngineOptions, outline: PolicyOutline, device: torch.device) -> object | None:
+    """The checks before any weights load of the engine that `options` ask for on `device` (`Backend.check`:
+    the server engine's servers, which must serve the policy), raising in one line on what they refuse; what
+    they found, for the engine's build (`EngineRequest.checked`), None for an engine without checks."""
+    backend = requested_backend(options.backend, device)
+    check = BACKENDS[backend].check
+    return None if check is None else check(outline, options.of(backend))
 
 
 def requested_backend(requested: str, device: torch.device) -> str:

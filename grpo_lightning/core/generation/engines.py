@@ -10,8 +10,9 @@
   was drawn from (`Rollout.sampler_logprobs`), and the engine reports its speed (`metrics`).
 
 - `Backend`: an engine's entry in the registry (`backends.BACKENDS`): how it is built from an
-  `EngineRequest` and its own options, which models it cannot serve, what it holds in memory for a rollout
-  (`EngineMemory`, for the pre-flight's estimate), and whether it needs full attention in every layer.
+  `EngineRequest` and its own options, what it refuses before any weights load (from a `PolicyOutline`),
+  which models it cannot serve, what it holds in memory for a rollout (`EngineMemory`, for the pre-flight's
+  estimate), and whether it needs full attention in every layer.
 
 Text prompts reach an engine through `prompts.PromptSampler`; the training scorer is `scorer.LogProbScorer`.
 No Lightning here: these take a `PreTrainedModel` (or a PEFT wrapper of one) and tensors.
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from grpo_lightning.core.generation.inference_copy import WeightSource
 from grpo_lightning.core.generation.sampling import (
@@ -154,6 +155,8 @@ class EngineRequest:
         device: where its prompts go.
         precision: the trainer's precision flag (None without a trainer: the policy as it is).
         weights: the policy's full weights for an engine with a copy of its own (unit by unit under FSDP2).
+        checked: what the engine's `Backend.check` found before the weights loaded; None where it did not run
+            (the engine checks when it starts, if it checks anything).
     """
 
     sampling: SamplingOptions
@@ -162,6 +165,18 @@ class EngineRequest:
     device: torch.device
     precision: str | None
     weights: WeightSource
+    checked: Any = None
+
+
+@dataclass(frozen=True)
+class PolicyOutline:
+    """What an engine can check of the policy before any of its weights load: its config (read from the
+    checkpoint's folder alone), the rank of the LoRA adapter it trains (None: no adapter), and the run's
+    sampling options (its lengths)."""
+
+    config: PretrainedConfig
+    lora_rank: int | None
+    sampling: SamplingOptions
 
 
 @dataclass(frozen=True)
@@ -193,14 +208,17 @@ class Backend:
     """One engine in the registry: `build` it from a request and its own options (the `EngineOptions` field
     of its name, None for an engine without one), why it cannot serve a model (`unsupported`: None when it
     can; the run then falls back to eager decoding with a warning), its `memory` for a rollout, whether it
-    needs full attention in every layer (`model_abilities.not_full_attention`: without, eager decoding) and
-    why it cannot run here at all (`unavailable`: a missing package, in one line; None when it can)."""
+    needs full attention in every layer (`model_abilities.not_full_attention`: without, eager decoding), why
+    it cannot run here at all (`unavailable`: a missing package, in one line; None when it can), and what it
+    refuses before any weights load (`check`, given the policy's outline and its own options: it raises in
+    one line, and what it returns reaches `build` as `EngineRequest.checked`; None: nothing to check)."""
 
     build: Callable[[EngineRequest, Any], RolloutEngine]
     unsupported: Callable[[PreTrainedModel], str | None]
     memory: Callable[[RolloutEngine, PreTrainedModel, MemoryRequest], EngineMemory]
     needs_full_attention: bool = False
     unavailable: Callable[[], str | None] = lambda: None
+    check: Callable[[PolicyOutline, Any], Any] | None = None
 
 
 def _eager_memory(engine: RolloutEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:

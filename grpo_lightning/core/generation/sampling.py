@@ -20,6 +20,7 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -57,6 +58,8 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
 
     def for_evaluation(self, max_new_tokens: int, temperature: float = 1.0) -> SamplingSettings:
@@ -74,8 +77,12 @@ class SamplingSettings:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """How the training rollouts are drawn: the group, the lengths, temperature, top-p and top-k
-    (`GRPOConfig.sampling`)."""
+    """How the training rollouts are drawn: the group, the lengths, temperature, top-p, top-k, min-p and the
+    repetition penalty (`GRPOConfig.sampling`). Every engine draws each token as vLLM does: the repetition
+    penalty on the logits, then the temperature, min-p, top-k, top-p; its log-prob under that distribution
+    is the sampler's (`Rollout.sampler_logprobs`, vLLM's processed log-probs), while the loss scores the
+    policy at `temperature` alone, as TRL's: where the other knobs change the distribution, the gap shows in
+    `rollout/logp_gap_*` and `sampler_correction` can weigh it."""
 
     num_generations: Annotated[int, Range(">= 2", why="advantages compare a group")] = 8
     """Completions sampled per prompt, the group size G (DeepSeekMath, arXiv:2402.03300, sec. 4.1.2). Must be
@@ -108,6 +115,17 @@ class SamplingOptions:
     """
     top_k: Annotated[int, Range(">= 0", why="0 disables it"), TRLValues((None, 0), (-1, 0))] = 0
     """Draw from the k most likely tokens only; 0 disables it."""
+    min_p: Annotated[float, Range(">= 0, <= 1", why="0 disables it"), TRLValues((None, 0.0))] = 0.0
+    """Min-p sampling (Nguyen et al., arXiv:2407.01082): draw only from the tokens whose probability (after
+    the temperature) is at least `min_p` times the most likely token's, in [0, 1]; 0 disables it. TRL's
+    default None is 0 here.
+    """
+    repetition_penalty: Annotated[float, Range("> 0")] = 1.0
+    """CTRL's repetition penalty (Keskar et al., arXiv:1909.05858), as vLLM applies it: the logit of every
+    token already in the prompt or the completion is divided by it where positive and multiplied by it
+    where negative, before the temperature; above 1 repeats are less likely, below 1 more; 1.0 disables
+    it.
+    """
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -119,7 +137,7 @@ class SamplingOptions:
     def settings(
         self, eos_token_ids: Sequence[int], pad_token_id: int, share_prompt: bool
     ) -> SamplingSettings:
-        """The settings of the training rollouts: their lengths, temperature, top-p and top-k."""
+        """The settings of the training rollouts: their lengths and every knob of the draw."""
         return SamplingSettings(
             max_new_tokens=self.max_completion_length,
             min_new_tokens=self.min_completion_length,
@@ -128,6 +146,8 @@ class SamplingOptions:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             share_prompt=share_prompt,
         )
 
@@ -148,10 +168,10 @@ class InverseCDFSampler(LogitsProcessor):
 
     The same distribution as `torch.multinomial`, but one uniform number per row and a cumulative sum: on CPU
     `multinomial` over a 150k vocabulary costs several times the LM head of a small model at every step.
-    Put it last, after the temperature / top-k / top-p warpers (and `generate`'s own `min_new_tokens`
-    processor, which runs first), which it then samples through. `drawn_logprobs`: where each step's `[B]`
-    log-probs of the drawn tokens under that distribution are appended (the sampler's side of the
-    sampler/scorer gap, `Rollout.sampler_logprobs`).
+    Put it last, after the repetition penalty and the temperature / min-p / top-k / top-p warpers (and
+    `generate`'s own `min_new_tokens` processor, which runs first), which it then samples through.
+    `drawn_logprobs`: where each step's `[B]` log-probs of the drawn tokens under that distribution are
+    appended (the sampler's side of the sampler/scorer gap, `Rollout.sampler_logprobs`).
     """
 
     def __init__(self, drawn_logprobs: list[Tensor] | None = None) -> None:
@@ -169,14 +189,38 @@ class InverseCDFSampler(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
 
+class RepetitionPenalty(LogitsProcessor):
+    """CTRL's repetition penalty as vLLM applies it: the logit of every token present in the prompt or the
+    completion so far is divided by `penalty` where positive, multiplied by it elsewhere. The prompts'
+    padding (`prompt_mask` `[b, L]` 0, over the first L columns of the ids) is no token of theirs:
+    transformers' `RepetitionPenaltyLogitsProcessor` would penalise the pad id of every left-padded row."""
+
+    def __init__(self, penalty: float, prompt_mask: Tensor) -> None:
+        self.penalty = penalty
+        self.prompt_mask = prompt_mask  # [b, L]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        counted = torch.ones_like(input_ids, dtype=scores.dtype)  # [b, L + t]
+        counted[:, : self.prompt_mask.size(1)] = self.prompt_mask.to(scores.dtype)
+        present = torch.zeros_like(scores).scatter_add_(-1, input_ids, counted) > 0  # [b, V]
+        penalised = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)  # [b, V]
+        return torch.where(present, penalised, scores)
+
+
 def sampling_processors(
-    settings: SamplingSettings, drawn_logprobs: list[Tensor] | None = None
+    settings: SamplingSettings, prompt_mask: Tensor, drawn_logprobs: list[Tensor] | None = None
 ) -> LogitsProcessorList:
-    """The temperature, top-k and top-p warpers of `settings` (those that change anything) followed by
-    `InverseCDFSampler` (which appends the drawn tokens' log-probs to `drawn_logprobs`, if given)."""
+    """The processors of `settings` that change anything, in vLLM's order (the repetition penalty over the
+    tokens of the prompts, unpadded by `prompt_mask` `[b, L]`, and of the completions; the temperature,
+    min-p, top-k, top-p), followed by `InverseCDFSampler` (which appends the drawn tokens' log-probs to
+    `drawn_logprobs`, if given)."""
     processors = LogitsProcessorList()
+    if settings.repetition_penalty != 1.0:
+        processors.append(RepetitionPenalty(settings.repetition_penalty, prompt_mask))
     if settings.temperature != 1.0:
         processors.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.min_p > 0:
+        processors.append(MinPLogitsWarper(settings.min_p))
     if settings.top_k > 0:
         processors.append(TopKLogitsWarper(settings.top_k))
     if settings.top_p < 1.0:
@@ -300,7 +344,8 @@ def generate_completions(
     keep_cache_rows: CacheRowSelect = select_cache_rows,
 ) -> Rollout:
     """Sample `num_generations` completions per prompt with batched `generate` calls and a KV cache, as
-    `settings` say (the lengths, stop and pad ids, and the draw's temperature, top-k and top-p).
+    `settings` say (the lengths, stop and pad ids, and the draw's repetition penalty, temperature, min-p,
+    top-k and top-p).
 
     Sampling runs through `generate`'s greedy path with `sampling_processors` doing the draw (see
     `InverseCDFSampler`); `min_new_tokens` (EOS suppressed until then) applies before the draw. Nothing else
@@ -362,7 +407,7 @@ def generate_completions(
                         compile_config=compile_config,
                         disable_compile=compile_config is None,
                     ),
-                    logits_processor=sampling_processors(settings, drawn) if do_sample else None,
+                    logits_processor=sampling_processors(settings, mask, drawn) if do_sample else None,
                     # A stop request (SIGTERM) is answered between decoding steps (`core.stop_requests`).
                     stopping_criteria=StoppingCriteriaList(
                         [StopCheck(), *([rows_ended] if rows_ended else [])]

@@ -140,11 +140,18 @@ def completion_body(
 ) -> dict:
     """The `/v1/completions` body of one prompt's `n` completions: its ids, `settings` one to one, each drawn
     id's log-prob (`logprobs: 0`: the drawn one alone) and the ids back (`return_token_ids`); greedy draws
-    once at temperature 0. The penalties and min-p are sent neutral, so that no default of the server's (a
-    checkpoint's generation config) changes the distribution the scorer is compared with. No seed:
-    per-request seeds break vLLM's CPU prefill; the server's seed holds."""
+    once at temperature 0 with the penalties and min-p neutral (as the eager path's greedy decoding). The
+    penalties `settings` has none of are sent neutral too, so that no default of the server's (a
+    checkpoint's generation config) changes the distribution. No seed: per-request seeds break vLLM's CPU
+    prefill; the server's seed holds."""
     s = settings
-    sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    sampled = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+    }
     return {
         "model": model,
         "prompt": prompt,

@@ -15,11 +15,19 @@ from grpo_lightning.core.types import Rollout
 
 
 def sampling_params(settings: SamplingSettings, num_generations: int, do_sample: bool):
-    """`SamplingParams` of one prompt's group: `SamplingSettings` mapped one to one; greedy draws once."""
+    """`SamplingParams` of one prompt's group: `SamplingSettings` mapped one to one; greedy draws once, with
+    no knob but the lengths (as the eager path's greedy decoding)."""
     from vllm import SamplingParams
 
     s = settings
-    sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0}
+    sampled = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+        "logprobs": 0,
+    }
     return SamplingParams(
         n=num_generations if do_sample else 1,
         max_tokens=s.max_new_tokens,

@@ -15,10 +15,12 @@ it adds), on other GPUs or another node, each serving the policy's checkpoint.
   version set to `policy-K` and read back. Under DDP or FSDP2 every rank reads the weights in lock-step (a
   collective under FSDP2), rank 0 alone pushes, and the others wait at a barrier until it has.
 - **Never a hang, never a wrong model.** Every HTTP call times out (`request_timeout`); a server that stops
-  answering ends the run with one `ServerError` naming the server and the call. Before the first push
-  (`check_servers`), servers that do not answer within `timeout`, or serve another architecture or vocabulary,
-  a `max_model_len` below prompt + completion, or no LoRA (or too small a rank) for a LoRA policy, are refused
-  in one line each.
+  answering ends the run with one `ServerError` naming the server and the call. Before any weights load
+  (`check_servers`, the registry entry's check, from the policy's config and the LoRA rank it trains),
+  servers that do not answer within `timeout`, or serve another architecture or vocabulary, a
+  `max_model_len` below prompt + completion, or no LoRA (or too small a rank) for a LoRA policy, are refused
+  in one line each; an engine built without that check (a script of its own) makes it at its first
+  `refresh`.
 
 No Lightning and no vLLM import here: the trainer's side of every plane is torch and HTTP alone.
 """
@@ -44,11 +46,12 @@ from grpo_lightning.core.generation.engines import (
     EngineMemory,
     EngineRequest,
     MemoryRequest,
+    PolicyOutline,
     RolloutEngine,
     rollout_speed,
 )
 from grpo_lightning.core.generation.inference_copy import WeightSource, active_lora, hf_model, own_weights
-from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.generation.sampling import SamplingOptions, SamplingSettings
 from grpo_lightning.core.generation.vllm_client import (
     ServedModel,
     ServerError,
@@ -239,6 +242,8 @@ class VLLMServerEngine(RolloutEngine):
         max_len: the longest prompt + completion a request may hold (the pre-flight checks the servers'
             `max_model_len`).
         weights: where the pushed weights come from (`WeightSource`; default the policy's own tensors).
+        served: what each server serves, as `check_servers` found it before the weights loaded; None: the
+            first `refresh` checks the servers against the loaded policy.
     """
 
     def __init__(
@@ -248,9 +253,11 @@ class VLLMServerEngine(RolloutEngine):
         *,
         max_len: int,
         weights: WeightSource = own_weights,
+        served: list[ServedModel] | None = None,
     ) -> None:
         self.settings, self.options, self.max_len, self.weights = settings, options, max_len, weights
-        self.router: ServerRouter | None = None  # opened by the first `refresh`, after the pre-flight
+        self.served = served
+        self.router: ServerRouter | None = None  # opened by the first `refresh`
         self.plane = None
         self.stale = True
         self.run_id = uuid.uuid4().hex[:8]
@@ -277,8 +284,10 @@ class VLLMServerEngine(RolloutEngine):
 
     def _start(self, model: PreTrainedModel, device: torch.device) -> None:
         adapter = active_lora(model)
-        lora_rank = adapter[1].r if adapter is not None else None
-        servers = check_servers(self.options, hf_model(model).config, self.max_len, lora_rank)
+        servers = self.served
+        if servers is None:  # not checked before the weights loaded
+            lora_rank = adapter[1].r if adapter is not None else None
+            servers = check_servers(self.options, hf_model(model).config, self.max_len, lora_rank)
         timeout, urls = self.options.request_timeout, self.options.urls
         clients = [VLLMServer(url, timeout, m.name) for url, m in zip(urls, servers, strict=True)]
         self.router = ServerRouter(clients, self.options.max_in_flight)
@@ -329,7 +338,7 @@ class VLLMServerEngine(RolloutEngine):
             dist.barrier()
         start = time.perf_counter()
         version = f"policy-{self.run_id}-{self.refreshes + 1}"  # unique on servers that outlive runs
-        failure: ServerError | None = None
+        failure: Exception | None = None
         with torch.no_grad():
             weights = self._weights(model)
             if self.plane is None:
@@ -339,7 +348,7 @@ class VLLMServerEngine(RolloutEngine):
                 try:  # every plane reads all the weights before its first call to a server
                     self.push_bytes = self.plane.push(weights, version)
                     stamp_version(self.router, version)
-                except ServerError as err:
+                except Exception as err:  # any error: raised after the other ranks hear of it below
                     failure = err
         if dist.is_initialized():
             # In place of a barrier: the other ranks sample only once rank 0's push is in, and end with it
@@ -430,10 +439,21 @@ def _trainer_host(urls: Iterable[str]) -> str:
 
 
 # -------------------------------------------------------------------------------------- registry entry
+def _max_len(sampling: SamplingOptions) -> int:
+    """The longest prompt + completion a request holds."""
+    return (sampling.max_prompt_length or 0) + sampling.max_completion_length
+
+
 def _vllm_server(request: EngineRequest, options: VLLMServerOptions) -> VLLMServerEngine:
-    sampling = request.sampling
-    max_len = (sampling.max_prompt_length or 0) + sampling.max_completion_length
-    return VLLMServerEngine(request.settings, options, max_len=max_len, weights=request.weights)
+    max_len = _max_len(request.sampling)
+    served = request.checked
+    return VLLMServerEngine(
+        request.settings, options, max_len=max_len, weights=request.weights, served=served
+    )
+
+
+def _check_before_weights(outline: PolicyOutline, options: VLLMServerOptions) -> list[ServedModel]:
+    return check_servers(options, outline.config, _max_len(outline.sampling), outline.lora_rank)
 
 
 def _server_memory(engine: VLLMServerEngine, policy: PreTrainedModel, rollout: MemoryRequest) -> EngineMemory:
@@ -441,4 +461,4 @@ def _server_memory(engine: VLLMServerEngine, policy: PreTrainedModel, rollout: M
     return EngineMemory(0, 0, 0, 0)
 
 
-VLLM_SERVER_BACKEND = Backend(_vllm_server, vllm_unsupported, _server_memory)
+VLLM_SERVER_BACKEND = Backend(_vllm_server, vllm_unsupported, _server_memory, check=_check_before_weights)

@@ -1,6 +1,6 @@
 """`FitChecks`: what a `fit` is about to do, checked when the Trainer sets it up, before any weights load
 (`run_checks`: the engine, the folders the run writes, the metrics its callbacks monitor, the run's length,
-the rows' length; the rows' length also for `validate`).
+the rows' length; the engine at every stage, the rows' length also for `validate`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import lightning as L
 
 from grpo_lightning.core.generation.backends import check_engine_importable
-from grpo_lightning.training.run_checks import check_fit, check_row_length
+from grpo_lightning.training.run_checks import check_engine, check_fit, check_row_length
 
 
 class FitChecks(L.Callback):
@@ -16,6 +16,7 @@ class FitChecks(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_engine_importable(pl_module.grpo.engine)  # every stage samples
+        check_engine(pl_module, trainer.strategy.root_device)
         if stage == "fit":
             check_fit(trainer, pl_module, trainer.datamodule)
         elif stage == "validate":

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from grpo_lightning.core.ranks import AgreedFailure
 from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.stop_requests import (
     abandon,
@@ -42,7 +43,9 @@ class InterruptCheckpoint(L.Callback):
     step finishes first. A first Ctrl-C is turned into the same graceful stop after the step (a second one
     interrupts at once, without a checkpoint). An error (a reward function that raises, too many
     non-finite steps) stops a step before its update, so the weights are those of the last completed step;
-    this is done on a single device only, where no other rank can be left waiting in the save.
+    this is done on a single device, or where every rank stopped on the same error at the same point
+    (`core.ranks.AgreedFailure`: a rollout that failed on one rank), so that no rank is left waiting in
+    the save.
 
     The checkpoint goes to `dirpath` (default: the `ModelCheckpoint`'s folder, else `<log_dir>/checkpoints`
     with a logger, `<default_root_dir>/checkpoints` without) as `interrupted.ckpt`, or `interrupted-v1.ckpt`,
@@ -269,7 +272,7 @@ class InterruptCheckpoint(L.Callback):
             isinstance(exception, Exception)
             and trainer.state.fn == TrainerFn.FITTING
             and trainer.global_step > 0
-            and trainer.world_size == 1
+            and (trainer.world_size == 1 or isinstance(exception, AgreedFailure))
         ):
             try:
                 self._save(trainer, f"stopped by {type(exception).__name__}")
