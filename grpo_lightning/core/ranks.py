@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_lightning.core.stop_requests import stop_agreed, stop_requested
+
 
 class Ranks(Protocol):
     """What an update asks of the other processes; every rank calls each method, in the same order."""
@@ -61,21 +63,30 @@ class AgreedFailure(RuntimeError):
 @contextmanager
 def failures_agreed(device: torch.device) -> Iterator[None]:
     """Inside, an error on any rank ends every rank at the block's end, together: each rank says whether it
-    failed (one all-reduce of a flag on `device`, every rank, every time), and where one did, every rank
-    raises an `AgreedFailure` with the first failing rank's message, rather than go on to a collective the
-    failed rank never joins. Every rank must enter and leave the block at the same point, with no
-    collective inside that an error could skip. In one process the block's errors pass unchanged."""
+    failed and whether it was asked to stop (one all-reduce of two flags on `device`, every rank, every
+    time); where one was asked to stop, every rank raises the stop (`core.stop_requests`); where one
+    failed, every rank raises an `AgreedFailure` with the first failing rank's message, rather than go on
+    to a collective the failed rank never joins. Every rank must enter and leave the block at the same
+    point, with no collective inside that an error could skip. In one process the block's errors pass
+    unchanged."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
         return
     failure: Exception | None = None
     try:
         yield
-    except Exception as err:  # said to the other ranks below; SIGTERM and Ctrl-C pass as they are
+    except Exception as err:  # said to the other ranks below
         failure = err
-    failed = torch.tensor([float(failure is not None)], device=device)
-    dist.all_reduce(failed)
-    if not failed.item():
+    except BaseException:
+        if not stop_requested():  # a second Ctrl-C: at once, as on one process
+            raise
+    # The stop requests go in the same collective: a rank that left the block on a stop (a SIGTERM inside a
+    # step's rollout) takes part in it, and every rank stops here with it rather than wait for it.
+    flags = torch.tensor([float(failure is not None), float(stop_requested())], device=device)  # [2]
+    dist.all_reduce(flags)
+    if flags[1].item():
+        stop_agreed()
+    if not flags[0].item():
         return
     messages: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, None if failure is None else str(failure))

@@ -126,6 +126,15 @@ def stop_requested() -> bool:
     return _pending is not None
 
 
+def stop_agreed() -> None:
+    """Raise the stop on every rank at a collective of the caller's own that found a rank asking to stop
+    (`core.ranks.failures_agreed`): the step's agreement is made there, whether or not it was before."""
+    global _undecided
+    _undecided = False
+    leave_rollout()
+    raise (_pending or _agreed_error)()
+
+
 class StopCheck(StoppingCriteria):
     """`generate`'s stopping criterion that `check`s for a stop request between decoding steps (it never
     ends a row itself)."""
