@@ -62,6 +62,17 @@ class SamplingSettings:
     repetition_penalty: float = 1.0  # 1: off
     share_prompt: bool = False  # one prefill per prompt, its KV cache repeated to the group's rows
 
+    def vllm_knobs(self) -> dict[str, float | int]:
+        """The knobs that shape the sampled distribution, under vLLM's names (its `SamplingParams` and its
+        server's `/v1/completions` take the same)."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
     def for_evaluation(self, max_new_tokens: int, temperature: float = 1.0) -> SamplingSettings:
         """Settings built from scratch for an evaluation: the raw policy at `temperature` (greedy decoding
         ignores it) up to `max_new_tokens`. Only what belongs to the model and the engine carries over (the

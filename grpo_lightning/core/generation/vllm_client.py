@@ -145,13 +145,7 @@ def completion_body(
     checkpoint's generation config) changes the distribution. No seed: per-request seeds break vLLM's CPU
     prefill; the server's seed holds."""
     s = settings
-    sampled = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,
-        "repetition_penalty": s.repetition_penalty,
-    }
+    sampled = s.vllm_knobs()
     return {
         "model": model,
         "prompt": prompt,

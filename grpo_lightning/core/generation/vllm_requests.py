@@ -20,14 +20,7 @@ def sampling_params(settings: SamplingSettings, num_generations: int, do_sample:
     from vllm import SamplingParams
 
     s = settings
-    sampled = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,
-        "repetition_penalty": s.repetition_penalty,
-        "logprobs": 0,
-    }
+    sampled = {**s.vllm_knobs(), "logprobs": 0}
     return SamplingParams(
         n=num_generations if do_sample else 1,
         max_tokens=s.max_new_tokens,
