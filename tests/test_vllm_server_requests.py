@@ -369,7 +369,9 @@ def test_servers_refused_in_one_line_each(stand_ins):
     assert time.monotonic() - started < 8
 
 
-def fit_refused_by_servers(model_dir: str, root, match: str, stage: str = "fit", lora=None, **grpo) -> None:
+def assert_refused_by_servers(
+    model_dir: str, root, match: str, stage: str = "fit", lora=None, **grpo
+) -> None:
     """A `stage` of the tiny policy against the servers of `grpo` stops at set-up with a `ServerError` saying
     `match`, its policy never loaded (with `no_weights`, loading it fails the test)."""
     options = {"vllm_mode": "server", "vllm_server_timeout": 5, **grpo}
@@ -387,19 +389,21 @@ def test_servers_refused_before_any_weights_load(stand_ins, tiny_model_dir, tmp_
     vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
     stand_ins[0].vocab = vocab + 112
     match = rf"^vLLM server {url} serves tiny with {vocab + 112} tokens: the policy's vocabulary has {vocab}$"
-    fit_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url)
-    fit_refused_by_servers(tiny_model_dir, tmp_path, match, "validate", vllm_server_base_url=url)
+    assert_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url)
+    assert_refused_by_servers(tiny_model_dir, tmp_path, match, "validate", vllm_server_base_url=url)
     stand_ins[0].vocab = vocab
     lengths = {"max_prompt_length": 64, "max_completion_length": 100}
     match = r"serves tiny with max_model_len=128: prompt \+ completion need 164 \(restart it with --max-model"
-    fit_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url, **lengths)
+    assert_refused_by_servers(tiny_model_dir, tmp_path, match, vllm_server_base_url=url, **lengths)
     match = r"serves tiny without LoRA: the policy's adapter has rank 8 \(start it with `python cli.py vllm-"
-    fit_refused_by_servers(tiny_model_dir, tmp_path, match, lora=LoraOptions(r=8), vllm_server_base_url=url)
+    assert_refused_by_servers(
+        tiny_model_dir, tmp_path, match, lora=LoraOptions(r=8), vllm_server_base_url=url
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
     match = rf"^vLLM server\(s\) {nobody} not reachable within vllm_server_timeout=1 s"
-    fit_refused_by_servers(
+    assert_refused_by_servers(
         tiny_model_dir, tmp_path, match, vllm_server_base_url=nobody, vllm_server_timeout=1
     )
 
