@@ -16,7 +16,6 @@ The source: `core.async_group_source`; the engine: `core.generation.vllm_server`
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -25,7 +24,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.async_group_source import AsyncGroupSource
 from grpo_lightning.core.config import GRPOConfig
@@ -34,7 +32,7 @@ from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
 from tests.test_distributed import launch, strategy_for
-from tests.vllm_backend.helpers import running_servers
+from tests.vllm_backend.helpers import VersionStamps, running_servers
 
 
 @pytest.fixture(scope="module")
@@ -59,59 +57,25 @@ def test_max_staleness_2_trains_each_prompt_once_on_groups_stamped_with_their_we
     )
     module = GRPOModule(vllm_tied_dir, reward_funcs=[digit_reward], grpo=grpo)
     assert isinstance(module.group_source, AsyncGroupSource)
-    weights: dict[int, dict] = {}  # the policy's weights at each version a batch was submitted under
-    handed: list[str] = []
-    source_next = module.group_source.next
-
-    def next_groups(batch, state):
-        weights.setdefault(state.global_step, copy.deepcopy(module.policy.state_dict()))
-        handed.extend(map(str, batch["prompt"]))
-        return source_next(batch, state)
-
-    module.group_source.next = next_groups
-    scorer_copy = AutoModelForCausalLM.from_pretrained(vllm_tied_dir, dtype=torch.float32)
-    seen = []  # per update: staleness, gap to its version's copy, gap to the policy now, anchored
-
-    class Check(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            build = pl_module.update.trajectory
-
-            def trajectory(scored, policy, reference, stats, version):
-                rollout, mask = scored.rollout, scored.rollout.completion_mask.bool()
-                scorer_copy.load_state_dict(weights[scored.policy_version])
-                with torch.no_grad():
-                    then = pl_module.rollouts.scorer(scorer_copy, rollout, slice(None))[0]
-                    now = pl_module.rollouts.scorer(policy, rollout, slice(None))[0]
-                sampler = rollout.sampler_logprobs
-                built = build(scored, policy, reference, stats, version)
-                seen.append(
-                    (
-                        version - scored.policy_version,
-                        float((sampler - then)[mask].abs().max()),
-                        float((sampler - now)[mask].abs().max()),
-                        built.old_logprobs is not None,
-                        list(map(str, scored.prompts)),
-                    )
-                )
-                return built
-
-            pl_module.update.trajectory = trajectory
-
-    trainer = quiet_trainer(max_steps=4, limit_val_batches=0, callbacks=[Check()])
+    stamps = VersionStamps(module)
+    trainer = quiet_trainer(max_steps=4, limit_val_batches=0, callbacks=[stamps])
     trainer.fit(module, arithmetic_data(20))
     assert trainer.global_step == 4
-    assert [s[0] for s in seen] == [0, 1, 2, 2], "the pipeline fills, then every batch is 2 steps old"
-    assert max(s[1] for s in seen) < 1e-5, [s[1] for s in seen]  # sampled by the version it is stamped with
-    assert min(s[2] for s in seen[1:]) > 1e-4, "a stale batch is not the policy's: the check can fail"
-    assert [s[3] for s in seen] == [False, True, True, True], "the stale batches' anchor is computed"
+    seen = stamps.updates
+    assert [s.staleness for s in seen] == [0, 1, 2, 2], "the pipeline fills, then every batch is 2 steps old"
+    assert max(s.then for s in seen) < 1e-5, [
+        s.then for s in seen
+    ]  # sampled by the version it is stamped with
+    assert min(s.now for s in seen[1:]) > 1e-4, "a stale batch is not the policy's: the check can fail"
+    assert [s.anchored for s in seen] == [False, True, True, True], "the stale batches' anchor is computed"
     metrics = trainer.callback_metrics
     assert float(metrics["train/async/staleness_max"]) == 2
     assert "rollout/is_weight_mean" in metrics and "rollout/is_weight_max" in metrics
-    trained = [p for s in seen for p in s[4]]
+    trained = [p for s in seen for p in s.prompts]
     in_flight = [str(p) for e in module.group_source.in_flight for p in e.batch["prompt"]]
     assert len(trained) == len(set(trained)) == 8, "each prompt trained once"
-    assert sorted(trained + in_flight) == sorted(handed), "none lost: the rest wait in flight"
-    assert sorted(weights) == [0, 1, 2, 3], "6 batches: 3 under the first weights, one after each update"
+    assert sorted(trained + in_flight) == sorted(stamps.handed), "none lost: the rest wait in flight"
+    assert sorted(stamps.weights) == [0, 1, 2, 3], "3 batches under the first weights, 1 after each update"
     assert module.rollouts.engine.refreshes == 4, "one push per version sampled under, the first included"
 
 
