@@ -293,9 +293,8 @@ class PolicyRollouts:
         """`batch`'s prompts sent to the server engine under the weights as they are now (pushed first if
         they changed), returning at once: the asynchronous group source samples ahead with it
         (`core.async_group_source`). A multi-turn rollout runs whole on the rollout thread, every turn on
-        the engine pinned to those weights, the next push waiting for its end (`PinnedRollouts`)."""
-        if self.multi_turn is not None and self.multi_turn.rollout_func is not None:
-            raise ValueError("async_rollouts.max_staleness > 0: a rollout_func cannot be sampled ahead")
+        the engine pinned to those weights, the next push waiting for its end (`PinnedRollouts`); a
+        `rollout_func` was refused when the module was built (`ToolSampling`)."""
         with self.ready_engine() as (engine, device):  # the weights pushed here, if they changed
             if self.multi_turn is None:
                 ids, mask = self.encoder.encode(batch["prompt"], device)  # [N, P] each

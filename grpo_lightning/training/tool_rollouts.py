@@ -249,6 +249,12 @@ class ToolSampling:
             raise ValueError(
                 "rollout_func samples the whole rollout itself: pass it without tools or environment_factory"
             )
+        if rollout_func is not None and max_staleness > 0:
+            raise ValueError(
+                f"rollout_func with async_rollouts.max_staleness={max_staleness}: a rollout function samples "
+                "on its own, so its batches cannot be held to the weight version they are stamped with; "
+                "set max_staleness: 0"
+            )
         self.fresh_environments = max_staleness > 0
         self.options = options or ToolOptions()
         self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
