@@ -4,7 +4,8 @@ AReaL's decoupled, none) in float32; a source sampling ahead on a stand-in sampl
 once, in order, each group stamped with the version it was sampled under and never older than
 `max_staleness` (a stale one sampled again, dropped or waited for); its batches in flight survive a
 checkpoint; with `max_staleness` 0 it gives the synchronous source's groups exactly; the in-process engines
-refuse it in one line."""
+refuse it in one line, and so does a module with a `rollout_func` when it is built (tools and environments
+sample ahead: `tests/vllm_backend/test_vllm_server_tools.py`)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from grpo_lightning.core.async_group_source import AsyncGroupSource, AsyncRollou
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.group_source import SynchronousGroupSource, group_source
 from grpo_lightning.core.rewards.scoring import trainer_state
+from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.types import Rollout, ScoredGroups
 from grpo_lightning.core.update import MicroBatchSums, build_trajectory, micro_batch_loss
+from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.training_state import load_grpo_state, save_grpo_state
+from tests.helpers import digit_reward
 
 SERVER = dict(generation_backend="vllm_server", num_generations=2, max_completion_length=6)
 
@@ -267,6 +271,20 @@ def test_the_in_process_engines_refuse_sampling_ahead_in_one_line(backend):
     with pytest.raises(ValueError, match="needs engine.backend: vllm_server") as caught:
         GRPOConfig(max_staleness=1, generation_backend=backend)
     assert "\n" not in str(caught.value)
+
+
+def own_rollout(prompts: list, module: GRPOModule) -> dict:
+    raise AssertionError("never called: the module is refused first")
+
+
+def test_a_rollout_func_is_refused_sampling_ahead_when_the_module_is_built(tiny_model_dir, no_weights):
+    grpo = GRPOConfig(**SERVER, max_staleness=1, preflight=False)
+    said = r"^rollout_func with async_rollouts.max_staleness=1: a rollout function samples on its own"
+    with pytest.raises(ValueError, match=said) as refused:
+        GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo, rollout_func=own_rollout)
+    assert "\n" not in str(refused.value)
+    module = GRPOModule(tiny_model_dir, reward_funcs=[digit_reward], grpo=grpo, tools=[calculator])
+    assert isinstance(module.group_source, AsyncGroupSource) and module.rollouts.multi_turn.fresh_environments
 
 
 def test_max_staleness_counts_optimizer_steps_a_multiple_of_those_per_batch():

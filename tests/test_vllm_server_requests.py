@@ -109,12 +109,9 @@ class StandIn:
                 stand_in.calls.append((self.path, body))
                 if self.path == "/v1/completions":
                     time.sleep(stand_in.delay)
-                    n = body["n"]
-                    ids = [10 + i for i in range(3)] + [2]
-                    choices = [
-                        {"index": i, "token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * 4}}
-                        for i in range(n)
-                    ]
+                    ids = stand_in.completion(body["prompt"])
+                    logprobs = {"token_logprobs": [-0.5] * len(ids)}
+                    choices = [{"index": i, "token_ids": ids, "logprobs": logprobs} for i in range(body["n"])]
                     self._answer({"choices": choices})
                 elif self.path == "/collective_rpc" and body["method"] == "get_model_inspection":
                     embedding = f"VocabParallelEmbedding(org_vocab_size={stand_in.vocab})"
@@ -129,6 +126,10 @@ class StandIn:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def completion(self, prompt: list[int]) -> list[int]:
+        """The ids every completion of `prompt` answers."""
+        return [10, 11, 12, 2]
 
     def routes(self) -> list[str]:
         return [route for route, _ in self.calls]

@@ -132,7 +132,8 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
         save_own_hyperparameters(self, inspect.currentframe(), GRPOModule, policy=policy, tokenizer=tokenizer)
         reward_funcs, val_reward = resolve_rewards(reward_funcs, val_reward)  # recipes: a checkpoint's
         self.grpo, self.model_options, self.lora = grpo, model_options, lora
-        multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, grpo.tools, owner=self)
+        staleness = grpo.async_rollouts.max_staleness
+        multi_turn = ToolSampling.of(tools, environment_factory, rollout_func, grpo.tools, self, staleness)
         environment_rewards = len(multi_turn.rewards) if multi_turn is not None else 0
         self.reward_funcs, weights = checked_reward_functions(
             reward_funcs, reward_weights, environment_rewards

@@ -10,12 +10,15 @@ trainer it runs under (`place`).
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -29,7 +32,7 @@ from grpo_lightning.core.generation.prompts import PromptEncoder, PromptSampler,
 from grpo_lightning.core.generation.sampling import stop_token_ids
 from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
-from grpo_lightning.core.generation.vllm_server import PendingRollout
+from grpo_lightning.core.generation.vllm_server import PendingRollout, PinnedServerEngine
 from grpo_lightning.core.ranks import failures_agreed
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
@@ -42,13 +45,20 @@ from grpo_lightning.training.tool_rollouts import SampledTurns, ToolSampling
 
 
 class SubmittedBatch:
-    """A batch's requests in flight on the server engine (`vllm_server.PendingRollout`), decoded when they
-    are in; when the last of them arrived, for the share of sampling time the trainer did not wait for."""
+    """A batch in flight on the server engine: its requests (`vllm_server.PendingRollout`), or the one job
+    of its multi-turn rollout, finished by `finish` once in; when the last of them arrived, for the share of
+    sampling time the trainer did not wait for."""
 
-    def __init__(self, pending: PendingRollout, rollouts: PolicyRollouts) -> None:
-        self.pending, self.rollouts = pending, rollouts
-        self.finished = pending.start
-        for future in pending.futures:
+    def __init__(
+        self,
+        futures: list[Future],
+        start: float,
+        finish: Callable[[], tuple[Rollout, list[str], SampledTurns | None]],
+        rollouts: PolicyRollouts,
+    ) -> None:
+        self.futures, self.start, self.finish, self.rollouts = futures, start, finish, rollouts
+        self.finished = start
+        for future in futures:
             future.add_done_callback(self._arrived)
 
     def _arrived(self, future: Future) -> None:
@@ -56,19 +66,40 @@ class SubmittedBatch:
 
     def wait(self) -> None:
         """Until every request is in (a push must not land in the middle of a batch)."""
-        futures.wait(self.pending.futures)
+        futures.wait(self.futures)
 
-    def result(self) -> tuple[Rollout, list[str], None]:
-        """The rollout, once every request is in; a request that failed on any rank ends every rank here
-        (`core.ranks.failures_agreed`)."""
+    def result(self) -> tuple[Rollout, list[str], SampledTurns | None]:
+        """The rollout, its decoded completions and a multi-turn rollout's turns, once every request is in;
+        a request that failed on any rank ends every rank here (`core.ranks.failures_agreed`)."""
         with failures_agreed(self.rollouts.prompt_device):
-            rollout = self.pending.result()
-        return rollout, self.rollouts.encoder.decode(rollout), None
+            sampled = self.finish()
+        if sampled[2] is not None:
+            self.rollouts.tool_metrics = sampled[2].metrics
+        return sampled
 
     @property
     def sampled_seconds(self) -> float:
         """From submission to the last request's answer."""
-        return self.finished - self.pending.start
+        return self.finished - self.start
+
+
+class PinnedRollouts:
+    """What a multi-turn rollout sampled ahead reads of the policy's rollouts (`ToolSampling.sample`), on the
+    rollout thread: the server engine pinned to the weights pushed when its batch was submitted
+    (`vllm_server.PinnedServerEngine`), and a tokenizer of its own, whose chat template the rollout swaps in
+    and out (`tools.turns.rendering_with`) while the trainer's thread encodes with the trainer's."""
+
+    def __init__(
+        self, rollouts: PolicyRollouts, engine: PinnedServerEngine, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
+        self.cfg, self.policy, self.tokenizer = rollouts.cfg, rollouts.policy, tokenizer
+        self.device = rollouts.prompt_device
+        self.encoder = replace(rollouts.encoder, tokenizer=tokenizer)
+        self.engine = engine
+
+    @contextmanager
+    def ready_engine(self) -> Iterator[tuple[PinnedServerEngine, torch.device]]:
+        yield self.engine, self.device
 
 
 class PolicyRollouts:
@@ -96,6 +127,8 @@ class PolicyRollouts:
         self._gathered = nullcontext  # with the engine: `gathered_for_generation` for a sharded policy
         self.multi_turn: ToolSampling | None = None  # tools, environments or a rollout function: the module's
         self.tool_metrics: dict[str, float] = {}  # the last multi-turn rollout's `tools/...`
+        self._rollout_thread: ThreadPoolExecutor | None = None  # multi-turn rollouts sampled ahead
+        self._thread_tokenizer: PreTrainedTokenizerBase | None = None  # that thread's tokenizer
 
     def check_engine(self, outline: PolicyOutline, device: torch.device) -> None:
         """The engine's checks before any weights load (`backends.check_engine`: the server engine's
@@ -259,17 +292,33 @@ class PolicyRollouts:
     def submit_batch(self, batch: dict[str, list], num_generations: int) -> SubmittedBatch:
         """`batch`'s prompts sent to the server engine under the weights as they are now (pushed first if
         they changed), returning at once: the asynchronous group source samples ahead with it
-        (`core.async_group_source`)."""
-        if self.multi_turn is not None:
-            raise ValueError(
-                "async_rollouts.max_staleness > 0: multi-turn rollouts (tools, environments, rollout_func) "
-                "sample each turn after the last; set max_staleness: 0"
-            )
-        with self.ready_engine() as (engine, device):
-            ids, mask = self.encoder.encode(batch["prompt"], device)  # [N, P] each
-            return SubmittedBatch(
-                engine.submit(self.policy, ids, mask, num_generations=num_generations), self
-            )
+        (`core.async_group_source`). A multi-turn rollout runs whole on the rollout thread, every turn on
+        the engine pinned to those weights, the next push waiting for its end (`PinnedRollouts`); a
+        `rollout_func` was refused when the module was built (`ToolSampling`)."""
+        with self.ready_engine() as (engine, device):  # the weights pushed here, if they changed
+            if self.multi_turn is None:
+                ids, mask = self.encoder.encode(batch["prompt"], device)  # [N, P] each
+                pending = engine.submit(self.policy, ids, mask, num_generations=num_generations)
+                finish = partial(self._decoded, pending)
+                return SubmittedBatch(pending.futures, pending.start, finish, self)
+            start = time.perf_counter()
+            pinned = PinnedRollouts(self, PinnedServerEngine(engine), self._rollout_tokenizer())
+            if self._rollout_thread is None:
+                self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="grpo-rollout")
+            job = self._rollout_thread.submit(self.multi_turn.sample, pinned, batch, num_generations)
+            engine.hold([job])
+            return SubmittedBatch([job], start, job.result, self)
+
+    def _decoded(self, pending: PendingRollout) -> tuple[Rollout, list[str], None]:
+        """A single-turn batch's rollout and its decoded completions, once its requests are in."""
+        rollout = pending.result()
+        return rollout, self.encoder.decode(rollout), None
+
+    def _rollout_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The rollout thread's copy of the tokenizer, made once (one batch rolls out at a time there)."""
+        if self._thread_tokenizer is None:
+            self._thread_tokenizer = copy.deepcopy(self.tokenizer)
+        return self._thread_tokenizer
 
     @staticmethod
     def weights_loaded(module: object, incompatible_keys: object) -> None:
@@ -285,6 +334,9 @@ class PolicyRollouts:
 
     def close(self) -> None:
         """Free what the engine holds (vLLM's engine); the next rollout builds another."""
+        if self._rollout_thread is not None:
+            self._rollout_thread.shutdown(wait=True, cancel_futures=True)
+            self._rollout_thread = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None

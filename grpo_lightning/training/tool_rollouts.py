@@ -231,7 +231,10 @@ class ToolSampling:
     module's docstring), bounded by `options` (`GRPOConfig.tools`). `owner`: the module a `rollout_func` is
     handed.
 
-    Each environment class is built once here, as TRL probes it: it must have a `reset` method."""
+    Each environment class is built once here, as TRL probes it: it must have a `reset` method. With
+    `max_staleness` > 0 (`async_rollouts`: the next batches roll out while this one is scored), each batch
+    gets environments of its own rather than the pool's, and a `rollout_func` is refused: its sampling cannot
+    be held to one weight version."""
 
     def __init__(
         self,
@@ -240,11 +243,19 @@ class ToolSampling:
         rollout_func: Callable | str | None = None,
         options: ToolOptions | None = None,
         owner: object | None = None,
+        max_staleness: int = 0,
     ) -> None:
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ValueError(
                 "rollout_func samples the whole rollout itself: pass it without tools or environment_factory"
             )
+        if rollout_func is not None and max_staleness > 0:
+            raise ValueError(
+                f"rollout_func with async_rollouts.max_staleness={max_staleness}: a rollout function samples "
+                "on its own, so its batches cannot be held to the weight version they are stamped with; "
+                "set max_staleness: 0"
+            )
+        self.fresh_environments = max_staleness > 0
         self.options = options or ToolOptions()
         self.tools = [_resolved(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
         self.rollout_func = None if rollout_func is None else _resolved(rollout_func, "rollout_func")
@@ -303,6 +314,7 @@ class ToolSampling:
         rollout_func: Callable | str | None,
         options: ToolOptions,
         owner: object,
+        max_staleness: int = 0,
     ) -> ToolSampling | None:
         """The module's multi-turn rollouts, or None where it samples single turns. `options` set away from
         their defaults are warned about where nothing reads them (no `tools` nor `environment_factory`)."""
@@ -311,7 +323,7 @@ class ToolSampling:
                 warn_inert(options, option.name, "tools or environment_factory")
         if not tools and environment_factory is None and rollout_func is None:
             return None
-        return cls(tools, environment_factory, rollout_func, options, owner)
+        return cls(tools, environment_factory, rollout_func, options, owner, max_staleness)
 
     @property
     def supplied_keywords(self) -> set[str] | None:
@@ -333,7 +345,8 @@ class ToolSampling:
         return _user_call(what, factory, self.options.environment_timeout)
 
     def _environments(self, batch: dict[str, list], G: int) -> tuple[list, list[str | None]]:
-        """One environment per sample (G per row), reused from the pool, and each one's name."""
+        """One environment per sample (G per row), reused from the pool (new ones where batches are sampled
+        ahead), and each one's name."""
         rows = len(batch["prompt"])
         if self.multi_environment:
             if ENVIRONMENT_COLUMN not in batch:
@@ -351,6 +364,9 @@ class ToolSampling:
                 raise ValueError(
                     f"a row's environment={name!r} is none of environment_factory's: {list(self.factories)}"
                 )
+            if self.fresh_environments:
+                environments.append(self._built(name))
+                continue
             pool, index = self.pool[name], handed.get(name, 0)
             if index == len(pool):
                 pool.append(self._built(name))

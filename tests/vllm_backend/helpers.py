@@ -1,8 +1,10 @@
 """What the vLLM test files share: an engine on a model, the gap between its sampled log-probs and the
-scorer's on the same tokens, and `vllm serve` processes for the server engine."""
+scorer's on the same tokens, `vllm serve` processes for the server engine, and the check of asynchronous
+rollouts' version stamps."""
 
 from __future__ import annotations
 
+import copy
 import socket
 import subprocess
 import tempfile
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import lightning as L
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -130,3 +133,61 @@ def server_engine(urls: list[str], **options) -> VLLMServerEngine:
     return VLLMServerEngine(
         sampling, VLLMServerOptions(base_url=urls, **{"timeout": 30, **options}), max_len=64
     )
+
+
+# ------------------------------------------------------------------------------- asynchronous rollouts
+@dataclass
+class Update:
+    """One update's groups: their staleness, the largest |sampler - scorer| log-prob gap on the model's own
+    tokens under a copy of the weights they are stamped with (`then`) and under the policy now (`now`),
+    whether their anchor was computed, their prompts, their rollout."""
+
+    staleness: int
+    then: float
+    now: float
+    anchored: bool
+    prompts: list[str]
+    rollout: Rollout
+
+
+class VersionStamps(L.Callback):
+    """Keeps `module`'s weights at every version a batch is submitted under (its group source's `next`
+    wrapped), and checks each update's groups against the copy of their stamped version (`updates`)."""
+
+    def __init__(self, module: L.LightningModule) -> None:
+        self.weights: dict[int, dict] = {}  # the policy's weights at each version a batch was submitted under
+        self.handed: list[str] = []  # the prompts the data loader handed the source
+        self.updates: list[Update] = []
+        source_next = module.group_source.next
+
+        def next_groups(batch, state):
+            self.weights.setdefault(state.global_step, copy.deepcopy(module.policy.state_dict()))
+            self.handed.extend(map(str, batch["prompt"]))
+            return source_next(batch, state)
+
+        module.group_source.next = next_groups
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        scorer_copy = copy.deepcopy(pl_module.policy)
+        build = pl_module.update.trajectory
+
+        def trajectory(scored, policy, reference, stats, version):
+            rollout, mask = scored.rollout, scored.rollout.model_mask.bool()
+            scorer_copy.load_state_dict(self.weights[scored.policy_version])
+            with torch.no_grad():
+                then = pl_module.rollouts.scorer(scorer_copy, rollout, slice(None))[0]
+                now = pl_module.rollouts.scorer(policy, rollout, slice(None))[0]
+            sampler = rollout.sampler_logprobs
+            built = build(scored, policy, reference, stats, version)
+            update = Update(
+                version - scored.policy_version,
+                float((sampler - then)[mask].abs().max()),
+                float((sampler - now)[mask].abs().max()),
+                built.old_logprobs is not None,
+                list(map(str, scored.prompts)),
+                rollout,
+            )
+            self.updates.append(update)
+            return built
+
+        pl_module.update.trajectory = trajectory

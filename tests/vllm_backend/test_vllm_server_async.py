@@ -1,5 +1,6 @@
 """Asynchronous rollouts against a real `vllm serve` process (one, started once for the module on 127.0.0.1,
-of the tiny model with its LM head tied): `GRPOModule` with `max_staleness: 2` on the server engine.
+of the tiny model with its LM head tied, LoRA enabled): `GRPOModule` with `max_staleness: 2` on the server
+engine.
 
 - Each group's version stamp is the weights it was sampled with: its sampler log-probs equal, within 1e-5,
   the scorer's under a copy of the policy kept at that version, and differ from the policy's when it trains
@@ -11,6 +12,9 @@ of the tiny model with its LM head tied): `GRPOModule` with `max_staleness: 2` o
 - Every prompt the data loader handed is trained once or still in flight at the end, none twice; also under
   2 gloo DDP ranks (`max_staleness: 1`), each submitting its own prompts, rank 0 alone pushing, the ranks'
   weights equal at the end.
+- Validation between updates samples the current weights, not the version the batch in flight was sampled
+  under; a LoRA policy's groups are sampled by the adapter of their version, and after the last update the
+  server samples the last adapter.
 
 The source: `core.async_group_source`; the engine: `core.generation.vllm_server`."""
 
@@ -25,21 +29,21 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core.async_group_source import AsyncGroupSource
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.io.distributed import close_process_group
+from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.training.data import GSM8KDataModule
 from grpo_lightning.training.module import GRPOModule
-from tests.helpers import arithmetic_data, digit_reward, quiet_trainer
+from tests.helpers import arithmetic_data, digit_reward, length_reward, quiet_trainer
 from tests.test_distributed import launch, strategy_for
-from tests.vllm_backend.helpers import running_servers
+from tests.vllm_backend.helpers import VersionStamps, running_servers
 
 
 @pytest.fixture(scope="module")
 def url(vllm_tied_dir) -> str:
-    with running_servers(vllm_tied_dir, count=1) as servers:
+    with running_servers(vllm_tied_dir, count=1, lora_rank=8) as servers:
         yield servers[0].url
 
 
@@ -59,71 +63,33 @@ def test_max_staleness_2_trains_each_prompt_once_on_groups_stamped_with_their_we
     )
     module = GRPOModule(vllm_tied_dir, reward_funcs=[digit_reward], grpo=grpo)
     assert isinstance(module.group_source, AsyncGroupSource)
-    weights: dict[int, dict] = {}  # the policy's weights at each version a batch was submitted under
-    handed: list[str] = []
-    source_next = module.group_source.next
-
-    def next_groups(batch, state):
-        weights.setdefault(state.global_step, copy.deepcopy(module.policy.state_dict()))
-        handed.extend(map(str, batch["prompt"]))
-        return source_next(batch, state)
-
-    module.group_source.next = next_groups
-    scorer_copy = AutoModelForCausalLM.from_pretrained(vllm_tied_dir, dtype=torch.float32)
-    seen = []  # per update: staleness, gap to its version's copy, gap to the policy now, anchored
-
-    class Check(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            build = pl_module.update.trajectory
-
-            def trajectory(scored, policy, reference, stats, version):
-                rollout, mask = scored.rollout, scored.rollout.completion_mask.bool()
-                scorer_copy.load_state_dict(weights[scored.policy_version])
-                with torch.no_grad():
-                    then = pl_module.rollouts.scorer(scorer_copy, rollout, slice(None))[0]
-                    now = pl_module.rollouts.scorer(policy, rollout, slice(None))[0]
-                sampler = rollout.sampler_logprobs
-                built = build(scored, policy, reference, stats, version)
-                seen.append(
-                    (
-                        version - scored.policy_version,
-                        float((sampler - then)[mask].abs().max()),
-                        float((sampler - now)[mask].abs().max()),
-                        built.old_logprobs is not None,
-                        list(map(str, scored.prompts)),
-                    )
-                )
-                return built
-
-            pl_module.update.trajectory = trajectory
-
-    trainer = quiet_trainer(max_steps=4, limit_val_batches=0, callbacks=[Check()])
+    stamps = VersionStamps(module)
+    trainer = quiet_trainer(max_steps=4, limit_val_batches=0, callbacks=[stamps])
     trainer.fit(module, arithmetic_data(20))
     assert trainer.global_step == 4
-    assert [s[0] for s in seen] == [0, 1, 2, 2], "the pipeline fills, then every batch is 2 steps old"
-    assert max(s[1] for s in seen) < 1e-5, [s[1] for s in seen]  # sampled by the version it is stamped with
-    assert min(s[2] for s in seen[1:]) > 1e-4, "a stale batch is not the policy's: the check can fail"
-    assert [s[3] for s in seen] == [False, True, True, True], "the stale batches' anchor is computed"
+    seen = stamps.updates
+    assert [s.staleness for s in seen] == [0, 1, 2, 2], "the pipeline fills, then every batch is 2 steps old"
+    assert max(s.then for s in seen) < 1e-5, [
+        s.then for s in seen
+    ]  # sampled by the version it is stamped with
+    assert min(s.now for s in seen[1:]) > 1e-4, "a stale batch is not the policy's: the check can fail"
+    assert [s.anchored for s in seen] == [False, True, True, True], "the stale batches' anchor is computed"
     metrics = trainer.callback_metrics
     assert float(metrics["train/async/staleness_max"]) == 2
     assert "rollout/is_weight_mean" in metrics and "rollout/is_weight_max" in metrics
-    trained = [p for s in seen for p in s[4]]
+    trained = [p for s in seen for p in s.prompts]
     in_flight = [str(p) for e in module.group_source.in_flight for p in e.batch["prompt"]]
     assert len(trained) == len(set(trained)) == 8, "each prompt trained once"
-    assert sorted(trained + in_flight) == sorted(handed), "none lost: the rest wait in flight"
-    assert sorted(weights) == [0, 1, 2, 3], "6 batches: 3 under the first weights, one after each update"
+    assert sorted(trained + in_flight) == sorted(stamps.handed), "none lost: the rest wait in flight"
+    assert sorted(stamps.weights) == [0, 1, 2, 3], "3 batches under the first weights, 1 after each update"
     assert module.rollouts.engine.refreshes == 4, "one push per version sampled under, the first included"
 
 
-def staleness_1_fit(vllm_tied_dir, url, max_steps, save_dir=None, ckpt_path=None) -> list[tuple]:
-    """`max_steps` updates at `max_staleness: 1` on 6 problems (3 batches an epoch); each update's (prompts,
-    staleness)."""
-    L.seed_everything(0)
-    grpo = GRPOConfig(
-        num_generations=2,
-        max_prompt_length=64,
-        max_completion_length=4,
-        learning_rate=1e-2,
+def staleness_1_config(url: str, **options) -> GRPOConfig:
+    """`max_staleness: 1` against the server at `url`: 2 samples of 4 tokens per prompt, `options` over."""
+    defaults = dict(num_generations=2, max_prompt_length=64, max_completion_length=4, learning_rate=1e-2)
+    return GRPOConfig(
+        **{**defaults, **options},
         preflight=False,
         log_completions_every=0,
         vllm_mode="server",
@@ -131,7 +97,78 @@ def staleness_1_fit(vllm_tied_dir, url, max_steps, save_dir=None, ckpt_path=None
         vllm_server_timeout=30,
         max_staleness=1,
     )
-    module = GRPOModule(vllm_tied_dir, reward_funcs=[digit_reward], grpo=grpo)
+
+
+def moving_config(url: str) -> GRPOConfig:
+    """`staleness_1_config` whose every update moves the weights: groups of 4 whose lengths differ (with
+    `length_reward`), and weight decay."""
+    return staleness_1_config(url, num_generations=4, weight_decay=0.1)
+
+
+def sampled_gap(module: GRPOModule, model, rollout) -> float:
+    """The largest |sampler - scorer| log-prob of `rollout` under `model`, on its completion tokens."""
+    with torch.no_grad():
+        logprobs = module.rollouts.scorer(model, rollout, slice(None))[0]
+    mask = rollout.completion_mask.bool()
+    return float((rollout.sampler_logprobs - logprobs)[mask].abs().max())
+
+
+def test_validation_between_updates_samples_the_current_weights(url, vllm_tied_dir):
+    torch.manual_seed(0)
+    module = GRPOModule(
+        vllm_tied_dir, reward_funcs=[length_reward], grpo=moving_config(url), num_generations_eval=2
+    )
+    stamps = VersionStamps(module)
+    validated = []  # per validation: the step, the gap to the policy now, to the version before
+    sample = module.rollouts.sample
+
+    def recorded(prompts, num_generations, do_sample=True):
+        rollout, completions = sample(prompts, num_generations, do_sample)
+        step = module.trainer.global_step
+        earlier = copy.deepcopy(module.policy)
+        earlier.load_state_dict(stamps.weights[max(0, step - 1)])
+        validated.append(
+            (step, sampled_gap(module, module.policy, rollout), sampled_gap(module, earlier, rollout))
+        )
+        return rollout, completions
+
+    module.rollouts.sample = recorded  # what validation samples with (training submits batches instead)
+    trainer = quiet_trainer(
+        max_steps=3, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[stamps]
+    )
+    trainer.fit(module, arithmetic_data(20))
+    assert [u.staleness for u in stamps.updates] == [0, 1, 1]
+    assert [v[0] for v in validated] == [0, 1, 2, 3], "after each training step, the filling one included"
+    assert max(v[1] for v in validated) < 1e-5, validated  # the policy as it is when validation runs
+    assert min(v[2] for v in validated[1:]) > 1e-4, "the version before differs: the check can fail"
+    assert "val/accuracy" in trainer.callback_metrics
+
+
+def test_a_lora_policy_samples_ahead_with_each_versions_adapter(url, vllm_tied_dir):
+    torch.manual_seed(0)
+    lora = LoraOptions(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    module = GRPOModule(vllm_tied_dir, reward_funcs=[length_reward], grpo=moving_config(url), lora=lora)
+    stamps = VersionStamps(module)
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=[stamps])
+    trainer.fit(module, arithmetic_data(20))
+    seen = stamps.updates
+    assert [u.staleness for u in seen] == [0, 1, 1]
+    assert max(u.then for u in seen) < 1e-5, [u.then for u in seen]  # each group: its version's adapter
+    assert min(u.now for u in seen[1:]) > 1e-4, "a stale batch is not the policy's: the check can fail"
+    engine = module.rollouts.engine
+    assert type(engine.plane).__name__ == "LoRAPlane" and engine.refreshes == 3
+    rollout, _ = module.rollouts.sample(["1 + 2 =", "3 + 4 ="], 2)  # the adapter after the last step
+    assert engine.refreshes == 4 and sampled_gap(module, module.policy, rollout) < 1e-5
+    first = copy.deepcopy(module.policy)
+    first.load_state_dict(stamps.weights[0])
+    assert sampled_gap(module, first, rollout) > 1e-4, "the first adapter differs: the check can fail"
+
+
+def staleness_1_fit(vllm_tied_dir, url, max_steps, save_dir=None, ckpt_path=None) -> list[tuple]:
+    """`max_steps` updates at `max_staleness: 1` on 6 problems (3 batches an epoch); each update's (prompts,
+    staleness)."""
+    L.seed_everything(0)
+    module = GRPOModule(vllm_tied_dir, reward_funcs=[digit_reward], grpo=staleness_1_config(url))
     updates = []
     source_next = module.group_source.next
 

@@ -386,13 +386,30 @@ class VLLMServerEngine(RolloutEngine):
         """Send the requests of `num_generations` completions per prompt of `prompt_ids` `[N, P]`
         (left-padded) and return at once; the result's `result()` waits for them (`generate`'s rollout)."""
         self.refresh(model, prompt_ids.device)
+        pending = self.send(prompt_ids, prompt_mask, num_generations, do_sample, settings)
+        self.hold(pending.futures)
+        return pending
+
+    def send(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        num_generations: int,
+        do_sample: bool = True,
+        settings: SamplingSettings | None = None,
+    ) -> PendingRollout:
+        """`submit` under the weights the servers hold, never pushing."""
         s = settings or self.settings
         kept = zip(prompt_ids, prompt_mask.bool(), strict=True)  # [P] each: the prompt without its padding
         prompts = [row[keep].tolist() for row, keep in kept]
         start = time.perf_counter()
         futures = [self.router.submit(p, s, num_generations, do_sample) for p in prompts]
-        self.in_flight = [f for f in self.in_flight if not f.done()] + futures
         return PendingRollout(self, futures, prompt_ids, prompt_mask, num_generations, s, do_sample, start)
+
+    def hold(self, futures: list[Future]) -> None:
+        """The next push waits for `futures` (a batch's requests, or a whole multi-turn rollout sampled ahead
+        on a `PinnedServerEngine`). Called by the trainer's thread alone, as `refresh` is."""
+        self.in_flight = [f for f in self.in_flight if not f.done()] + list(futures)
 
     def generate(
         self,
@@ -427,6 +444,24 @@ class VLLMServerEngine(RolloutEngine):
         if self.folder is not None:
             self._remove_folder()
             self.folder = None
+
+
+class PinnedServerEngine:
+    """`engine` held at the weight version its servers serve now, for a rollout sampled ahead on another
+    thread (a multi-turn rollout, turn after turn): `generate` sends each turn without pushing, so every turn
+    of the batch is sampled under that version. The trainer's thread `hold`s the rollout, so that no push
+    lands before it ends; one that did would be refused here rather than mix two versions in a batch."""
+
+    def __init__(self, engine: VLLMServerEngine) -> None:
+        self.engine, self.settings, self.version = engine, engine.settings, engine.refreshes
+
+    def generate(
+        self, model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, **kwargs: object
+    ) -> Rollout:
+        """`VLLMServerEngine.generate` under the pinned version."""
+        if self.engine.refreshes != self.version:
+            raise RuntimeError("the weights were pushed in the middle of a batch sampled ahead")
+        return self.engine.send(prompt_ids, prompt_mask, **kwargs).result()
 
 
 def _trainer_host(urls: Iterable[str]) -> str:
