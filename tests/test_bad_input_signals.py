@@ -138,6 +138,35 @@ def rank_outputs(logs: Path) -> str:
     return "\n".join(f"--- rank {r}\n{Path(f'{logs}.rank{r}').read_text()[-3000:]}" for r in range(2))
 
 
+def stop_rank_one_once_both_sleep(
+    ranks: list[subprocess.Popen], marker: Path, logs: Path, root: Path
+) -> Path:
+    """Once both ranks sleep in `slow_on_every_rank` at step 1, SIGTERM rank 1's process alone; assert that
+    both exit 143 within a minute, with one checkpoint of step 1 written as both name it, and no traceback;
+    that checkpoint."""
+    try:
+        asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(path.exists() and path.read_text() for path in asleep):
+            assert all(rank.poll() is None for rank in ranks), rank_outputs(logs)
+            assert time.monotonic() < deadline, "the reward never became slow on both ranks"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        os.kill(int(asleep[1].read_text()), signal.SIGTERM)  # rank 1's process alone
+    finally:
+        statuses = wait_for_ranks(ranks, logs, 120)  # the sleeps are 600 s
+    took = time.monotonic() - sent
+    output = rank_outputs(logs)
+    assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
+    assert took < 60, f"{took:.0f} s to answer SIGTERM"
+    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output and "Traceback" not in output
+    assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+    return ckpt
+
+
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if k.startswith("policy.")}
@@ -188,26 +217,7 @@ def test_sigterm_to_one_of_two_ranks_mid_rollout_stops_both_in_seconds_and_the_r
     root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
     env = {SLOW_STEP: "1", SLEEPING: str(marker)}
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args), env, logs)
-    try:
-        asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
-        deadline = time.monotonic() + 300
-        while not all(path.exists() and path.read_text() for path in asleep):
-            assert all(rank.poll() is None for rank in ranks), rank_outputs(logs)
-            assert time.monotonic() < deadline, "the reward never became slow on both ranks"
-            time.sleep(0.2)
-        sent = time.monotonic()
-        os.kill(int(asleep[1].read_text()), signal.SIGTERM)  # rank 1's process alone
-    finally:
-        statuses = wait_for_ranks(ranks, logs, 120)  # the sleeps are 600 s
-    took = time.monotonic() - sent
-    output = rank_outputs(logs)
-    assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
-    assert took < 60, f"{took:.0f} s to answer SIGTERM"
-    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
-    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output and "Traceback" not in output
-    assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
-    saved = torch.load(ckpt, weights_only=True)
-    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
 
     logs = tmp_path / "resumed.log"
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args, f"--ckpt_path={ckpt}"), {}, logs)
@@ -217,6 +227,33 @@ def test_sigterm_to_one_of_two_ranks_mid_rollout_stops_both_in_seconds_and_the_r
     assert theirs.keys() == ours.keys()
     for key in theirs:  # the abandoned step redone with the draws of the uninterrupted run, on both ranks
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.long
+def test_sigterm_to_one_of_two_ranks_mid_validation_stops_both_in_seconds_and_the_run_resumes(
+    tiny_model_dir, tmp_path
+):
+    """Both ranks asleep in the validation reward after step 1, only rank 1 signalled: both leave
+    validation at once, write one checkpoint of step 1 as a stop in training does, and the run resumes from
+    it to its end."""
+    args = [
+        "--model.val_reward=tests.test_bad_input_signals.slow_on_every_rank",
+        "--data.val_size=4",
+        "--data.val_batch_size=1",  # 2 batches a rank
+        "--trainer.limit_val_batches=1.0",
+        "--trainer.val_check_interval=1",
+        "--trainer.num_sanity_val_steps=0",
+    ]
+    root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
+    ranks = start_two_ranks(
+        fit_args(tiny_model_dir, str(root), 2, *args), {SLOW_STEP: "1", SLEEPING: str(marker)}, logs
+    )
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+
+    logs = tmp_path / "resumed.log"
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs)
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
 
 
 @pytest.mark.long

@@ -10,10 +10,11 @@ elsewhere, the stop waits for the next `interruptible` entry or `check` (between
 `StopCheck` calls it), so that an optimizer step or a checkpoint being written is never cut in two.
 
 On several ranks a rank cannot leave on its own what the others go on with: they would wait for it in
-their next collective. A step's rollout there (`enter_rollout`) stays interruptible only up to the ranks'
-first collective of the step; before it (`settle`, which every collective inside a step calls first: the
-core's `Ranks`, the engines' weight refreshes, FSDP2's gathers, and the module once its groups are in) the
-ranks agree whether any of them was asked to stop, and every rank stops there or goes on. A rank that left
+their next collective. A step's rollout there (`enter_rollout`; a validation batch likewise) stays
+interruptible only up to the ranks' first collective of the step; before it (`settle`, which every
+collective inside a step calls first: the core's `Ranks`, the engines' weight refreshes, FSDP2's gathers,
+the module once its groups are in, and the end of each validation batch) the ranks agree whether any of
+them was asked to stop, and every rank stops there or goes on. A rank that left
 its rollout on a stop tells the others in that same agreement (`abandon`). Outside a step's rollout a stop
 waits for the next one. How the ranks agree, and how a stop requested on one rank reaches the others, is
 the requester's (`share_between_ranks`).
@@ -69,8 +70,9 @@ def leave_interruptible() -> None:
 
 
 def enter_rollout() -> None:
-    """A training step's rollout starts: interruptible (`enter_interruptible`) until `leave_rollout`, or on
-    several ranks until they agree to go on (`settle`)."""
+    """A training step's rollout (or a validation batch while fitting) starts: interruptible
+    (`enter_interruptible`) until `leave_rollout`, or on several ranks until they agree to go on
+    (`settle`)."""
     global _in_rollout, _undecided
     _in_rollout, _undecided = True, _any_rank is not None
     enter_interruptible()
