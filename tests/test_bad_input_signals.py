@@ -93,10 +93,22 @@ def run_until_asleep(
     return process.returncode, took, log.read_text()
 
 
-def start_two_ranks(args: list[str], env: dict, logs: Path) -> list[subprocess.Popen]:
-    """`cli.py` with `args` on 2 ranks of one gloo process group, each process started here as torchrun or
-    SLURM starts them (`LOCAL_RANK` and the rendezvous in its environment), its output in
-    `<logs>.rank<r>`."""
+DDP = ("--trainer.strategy=ddp",)
+FSDP2 = (  # written whole by rank 0, so that the test reads it as DDP's
+    "--trainer.strategy=ModelParallelStrategy",
+    "--trainer.strategy.data_parallel_size=2",
+    "--trainer.strategy.tensor_parallel_size=1",
+    "--trainer.strategy.process_group_backend=gloo",
+    "--trainer.strategy.save_distributed_checkpoint=false",
+)
+
+
+def start_two_ranks(
+    args: list[str], env: dict, logs: Path, strategy: tuple[str, ...] = DDP
+) -> list[subprocess.Popen]:
+    """`cli.py` with `args` on 2 ranks of one gloo process group under `strategy`, each process started
+    here as torchrun or SLURM starts them (`LOCAL_RANK` and the rendezvous in its environment), its output
+    in `<logs>.rank<r>`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -107,7 +119,7 @@ def start_two_ranks(args: list[str], env: dict, logs: Path) -> list[subprocess.P
         with open(f"{logs}.rank{rank}", "w") as out:
             ranks.append(
                 subprocess.Popen(
-                    [sys.executable, "cli.py", *args, "--trainer.strategy=ddp", "--trainer.devices=2"],
+                    [sys.executable, "cli.py", *args, *strategy, "--trainer.devices=2"],
                     cwd=REPO,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -257,6 +269,25 @@ def test_sigterm_to_one_of_two_ranks_mid_validation_stops_both_in_seconds_and_th
 
 
 @pytest.mark.long
+def test_sigterm_to_one_of_two_fsdp2_ranks_mid_rollout_stops_both_in_seconds(tiny_model_dir, tmp_path):
+    """FSDP2: both ranks asleep in a reward function at step 1, after the rollout's gathers (collectives
+    that every rank finished), only rank 1 signalled: both leave the rollout at once, not at the step's
+    end, with one checkpoint of step 1, and the run resumes from it to its end."""
+    args = ["--model.reward_funcs=[tests.test_bad_input_signals.slow_on_every_rank]"]
+    root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
+    env = {SLOW_STEP: "1", SLEEPING: str(marker)}
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args), env, logs, FSDP2)
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+
+    logs = tmp_path / "resumed.log"
+    ranks = start_two_ranks(
+        fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs, FSDP2
+    )
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
+
+
+@pytest.mark.long
 def test_sigterm_during_predict_stops_it_with_the_answers_so_far_written_whole(tiny_model_dir, tmp_path):
     results = tmp_path / "answers.jsonl"
     args = [
@@ -338,3 +369,44 @@ def test_a_stop_is_shared_between_ranks_through_the_store_and_agreed_on():
         stop_requests.clear()
         signal.signal(signal.SIGTERM, previous)
         torch.distributed.destroy_process_group()
+
+
+def test_a_rollout_reopened_after_the_ranks_agreed_is_interruptible_again_until_it_ends():
+    """`core.stop_requests` on several ranks (a stand-in for their agreement): after the first collective
+    of a rollout (`settle`) a stop waits; once the rollout `reopen`s (FSDP2's gathers done) it leaves at
+    once, and tells the others; after `end_rollout` nothing reopens it. A rank stopped by another's request
+    counts as stopped itself (so that `core.ranks.failures_agreed` takes it for a stop)."""
+
+    class Stop(Exception):
+        pass
+
+    asked: list[bool] = []
+    stop_requests.clear()
+    stop_requests.share_between_ranks(lambda stop: asked.append(stop) or stop, Stop)
+    try:
+        stop_requests.enter_rollout()
+        stop_requests.settle()  # nobody asked: go on
+        stop_requests.request_stop(Stop)  # waits: no rank may leave alone between collectives
+        stop_requests.check()
+        with pytest.raises(Stop):
+            stop_requests.reopen()  # the stop asked meanwhile leaves now
+        stop_requests.abandon()  # as `InterruptCheckpoint.on_exception` does: the others are told
+        assert asked == [False, True]
+
+        stop_requests.clear()
+        stop_requests.enter_rollout()
+        stop_requests.end_rollout()  # the rollout is in
+        stop_requests.request_stop(Stop)
+        stop_requests.reopen()  # nothing to reopen: the stop waits for the next rollout
+        stop_requests.check()
+        assert asked == [False, True, False]
+
+        stop_requests.clear()
+        stop_requests.share_between_ranks(lambda stop: True, Stop)  # another rank asks
+        stop_requests.enter_rollout()
+        with pytest.raises(Stop):
+            stop_requests.settle()
+        assert stop_requests.stop_requested()
+    finally:
+        stop_requests.share_between_ranks(None)
+        stop_requests.clear()

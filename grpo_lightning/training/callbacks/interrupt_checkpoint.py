@@ -21,12 +21,12 @@ from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.stop_requests import (
     abandon,
     clear,
+    end_rollout,
     enter_interruptible,
     enter_rollout,
     leave_interruptible,
     leave_rollout,
     request_stop,
-    settle,
     share_between_ranks,
 )
 from grpo_lightning.io.checkpoints import AtomicCheckpointIO
@@ -181,7 +181,7 @@ class InterruptCheckpoint(L.Callback):
             # Every rank takes as many batches (`validation_sets.rank_share`) and none has a collective of
             # its own: after each, the ranks agree whether a stop request ends validation (if a collective
             # inside the batch, FSDP2's gathers, has not agreed already).
-            settle()
+            end_rollout()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
