@@ -25,7 +25,8 @@ Lightning type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import StoppingCriteria
@@ -171,6 +172,19 @@ def stop_agreed() -> None:
     _undecided = False
     leave_rollout()
     _raise_agreed()
+
+
+@contextmanager
+def checked_only() -> Iterator[None]:
+    """Inside, a stop request is not raised wherever the code is when the signal arrives, only at the
+    caller's next `check`: for a third-party loop that must not be cut in the middle of a step (vLLM's
+    engine, whose requests are then aborted before the stop propagates)."""
+    global _depth
+    depth, _depth = _depth, 0
+    try:
+        yield
+    finally:
+        _depth = depth
 
 
 class StopCheck(StoppingCriteria):
