@@ -1,16 +1,21 @@
 """A stop request (SIGTERM) ends a long rollout of the vLLM engines within seconds: the colocated engine
 answers it between two decoding steps and aborts its requests, so that the engine is left empty and samples
-again as before."""
+again as before; `cli.py fit` on two ranks then leaves the rollout on both, writes its checkpoint and exits
+143, as on the eager engine."""
 
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning.core import stop_requests
+from tests.test_bad_input_signals import SLEEPING, start_two_ranks, stop_rank_one_once_both_sleep
+from tests.test_interrupt import fit_args
 from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for
 
 pytestmark = pytest.mark.vllm
@@ -62,3 +67,50 @@ def test_a_stop_ends_a_long_colocated_rollout_between_steps_and_leaves_the_engin
         assert rollout.completion_ids.shape[0] == 4 and rollout.completion_ids.shape[1] <= 8
     finally:
         engine.close()
+
+
+def fit_with_a_slow_colocated_engine() -> None:
+    """`cli.py` whose colocated engine decodes its second rollout (step 1's) at one step per 0.1 s (a
+    stand-in for a rollout of minutes), each rank writing its process id to
+    `<GRPO_TEST_SLEEP_MARKER>.rank<r>` as that rollout starts."""
+    from grpo_lightning.cli import main
+    from grpo_lightning.core.generation.vllm_engine import VLLMEngine
+
+    generate, calls = VLLMEngine.generate, []
+
+    def slow(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            engine = self.llm.llm_engine
+            step = engine.step
+
+            def slow_step():
+                time.sleep(0.1)
+                return step()
+
+            engine.step = slow_step
+            rank = torch.distributed.get_rank()
+            Path(f"{os.environ[SLEEPING]}.rank{rank}").write_text(str(os.getpid()))
+        return generate(self, *args, **kwargs)
+
+    VLLMEngine.generate = slow
+    main()
+
+
+def test_sigterm_to_one_of_two_ranks_mid_rollout_of_the_colocated_engine_stops_both_in_seconds(
+    vllm_model_dir, tmp_path
+):
+    """Both ranks decoding step 1's rollout (90 s at 0.1 s a step), only rank 1 signalled: both leave it
+    within seconds, write one checkpoint of step 1 and exit 143, as on the eager engine."""
+    args = [
+        "--model.grpo.generation_backend=vllm",
+        "--model.grpo.vllm_kv_cache_gb=0.05",
+        "--model.grpo.vllm_enforce_eager=true",
+        "--model.grpo.max_completion_length=900",
+        "--model.grpo.min_completion_length=900",
+    ]
+    root, marker, logs = tmp_path / "run", tmp_path / "decoding", tmp_path / "fit.log"
+    fit = ("-c", "import tests.vllm_backend.test_vllm_stops as t; t.fit_with_a_slow_colocated_engine()")
+    env = {SLEEPING: str(marker)}
+    ranks = start_two_ranks(fit_args(vllm_model_dir, str(root), 3, *args), env, logs, cli=fit)
+    stop_rank_one_once_both_sleep(ranks, marker, logs, root)
