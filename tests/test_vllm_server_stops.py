@@ -18,7 +18,7 @@ from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMSer
 from tests.test_vllm_server_requests import SETTINGS, StandIn, tiny_config
 
 
-class Stop(BaseException):  # as Lightning's SIGTERMException (a SystemExit)
+class Stop(Exception):
     pass
 
 

@@ -1,12 +1,14 @@
 """A stop request (SIGTERM) ends a long rollout of the vLLM engines within seconds: the colocated engine
 answers it between two decoding steps and aborts its requests, so that the engine is left empty and samples
-again as before; `cli.py fit` on two ranks then leaves the rollout on both, writes its checkpoint and exits
-143, as on the eager engine."""
+again as before; the server engine hangs up its requests, and a real server aborts them; `cli.py fit` on
+two ranks of the colocated engine leaves the rollout on both, writes its checkpoint and exits 143, as on
+the eager engine."""
 
 import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning.core import stop_requests
 from tests.test_bad_input_signals import SLEEPING, start_two_ranks, stop_rank_one_once_both_sleep
 from tests.test_interrupt import fit_args
-from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for
+from tests.vllm_backend.helpers import MASK, PROMPTS, engine_for, running_servers, server_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -114,3 +116,39 @@ def test_sigterm_to_one_of_two_ranks_mid_rollout_of_the_colocated_engine_stops_b
     env = {SLEEPING: str(marker)}
     ranks = start_two_ranks(fit_args(vllm_model_dir, str(root), 3, *args), env, logs, cli=fit)
     stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+
+
+def running_requests(url: str) -> float:
+    """The requests a vLLM server is decoding now (its Prometheus gauge)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")
+    )
+
+
+def test_a_stop_hangs_up_a_servers_long_requests_and_the_server_aborts_them(vllm_tied_dir):
+    model = AutoModelForCausalLM.from_pretrained(vllm_tied_dir)
+    long = engine_for(model, max_new_tokens=LONG, min_new_tokens=LONG).settings
+    with running_servers(vllm_tied_dir, max_model_len=1024) as (server,):
+        engine = server_engine([server.url], request_timeout=300)
+        previous = signal.getsignal(signal.SIGTERM)
+        stop_requests.clear()
+        try:
+            engine.refresh(model, PROMPTS.device)
+            stop_requests.enter_rollout()
+            received: list[float] = []
+            timer = sigterm_after(2.0, received)
+            prompts = torch.randint(3, 390, (32, 6), generator=torch.Generator().manual_seed(0))  # [32, 6]
+            with pytest.raises(Stop):  # 256 completions of 1000 tokens: half a minute of decoding here
+                engine.generate(model, prompts, torch.ones_like(prompts), num_generations=8, settings=long)
+            timer.cancel()
+            assert time.monotonic() - received[0] < 2
+            deadline = time.monotonic() + 15
+            while running_requests(server.url) > 0:  # the server stops decoding for clients gone
+                assert time.monotonic() < deadline, "the server kept decoding the abandoned requests"
+                time.sleep(0.2)
+        finally:
+            stop_requests.clear()
+            signal.signal(signal.SIGTERM, previous)
+            engine.close()

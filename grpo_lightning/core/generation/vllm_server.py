@@ -194,9 +194,8 @@ class PendingRollout:
         G, s = self.num_generations, self.settings
         try:
             rows = [row for f in self.futures for row in f.result()]
-        except BaseException as stop:
-            if not isinstance(stop, Exception):  # SIGTERM, Ctrl-C: the servers are not to decode on for it
-                self.engine.router.hang_up()
+        except BaseException:  # a stop request (SIGTERM), a failed request: nothing left to decode for
+            self.engine.router.hang_up()
             raise
         if not self.do_sample:  # one greedy completion per prompt, repeated to the group
             rows = [row for row in rows for _ in range(G)]
