@@ -6,6 +6,7 @@ it, non-zero, with the answers written so far whole."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,10 +94,26 @@ def run_until_asleep(
     return process.returncode, took, log.read_text()
 
 
-def start_two_ranks(args: list[str], env: dict, logs: Path) -> list[subprocess.Popen]:
-    """`cli.py` with `args` on 2 ranks of one gloo process group, each process started here as torchrun or
-    SLURM starts them (`LOCAL_RANK` and the rendezvous in its environment), its output in
-    `<logs>.rank<r>`."""
+DDP = ("--trainer.strategy=ddp",)
+FSDP2 = (  # written whole by rank 0, so that the test reads it as DDP's
+    "--trainer.strategy=ModelParallelStrategy",
+    "--trainer.strategy.data_parallel_size=2",
+    "--trainer.strategy.tensor_parallel_size=1",
+    "--trainer.strategy.process_group_backend=gloo",
+    "--trainer.strategy.save_distributed_checkpoint=false",
+)
+
+
+def start_two_ranks(
+    args: list[str],
+    env: dict,
+    logs: Path,
+    strategy: tuple[str, ...] = DDP,
+    cli: tuple[str, ...] = ("cli.py",),
+) -> list[subprocess.Popen]:
+    """`cli.py` (or `cli`) with `args` on 2 ranks of one gloo process group under `strategy`, each process
+    started here as torchrun or SLURM starts them (`LOCAL_RANK` and the rendezvous in its environment), its
+    output in `<logs>.rank<r>`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -107,7 +124,7 @@ def start_two_ranks(args: list[str], env: dict, logs: Path) -> list[subprocess.P
         with open(f"{logs}.rank{rank}", "w") as out:
             ranks.append(
                 subprocess.Popen(
-                    [sys.executable, "cli.py", *args, "--trainer.strategy=ddp", "--trainer.devices=2"],
+                    [sys.executable, *cli, *args, *strategy, "--trainer.devices=2"],
                     cwd=REPO,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -136,6 +153,36 @@ def wait_for_ranks(ranks: list[subprocess.Popen], logs: Path, timeout: float) ->
 
 def rank_outputs(logs: Path) -> str:
     return "\n".join(f"--- rank {r}\n{Path(f'{logs}.rank{r}').read_text()[-3000:]}" for r in range(2))
+
+
+def stop_rank_one_once_both_sleep(
+    ranks: list[subprocess.Popen], marker: Path, logs: Path, root: Path
+) -> Path:
+    """Once both ranks sleep in `slow_on_every_rank` at step 1, SIGTERM rank 1's process alone; assert that
+    both exit 143 within a minute, with one checkpoint of step 1 written as both name it, and no traceback;
+    that checkpoint."""
+    try:
+        asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(path.exists() and path.read_text() for path in asleep):
+            assert all(rank.poll() is None for rank in ranks), rank_outputs(logs)
+            assert time.monotonic() < deadline, "the reward never became slow on both ranks"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        os.kill(int(asleep[1].read_text()), signal.SIGTERM)  # rank 1's process alone
+    finally:
+        statuses = wait_for_ranks(ranks, logs, 120)  # the sleeps are 600 s
+    took = time.monotonic() - sent
+    output = rank_outputs(logs)
+    assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
+    assert took < 60, f"{took:.0f} s to answer SIGTERM"
+    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output
+    assert not re.search("^Traceback", output, re.M), output  # (vLLM logs one of its own, prefixed)
+    assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+    return ckpt
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -188,26 +235,7 @@ def test_sigterm_to_one_of_two_ranks_mid_rollout_stops_both_in_seconds_and_the_r
     root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
     env = {SLOW_STEP: "1", SLEEPING: str(marker)}
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args), env, logs)
-    try:
-        asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
-        deadline = time.monotonic() + 300
-        while not all(path.exists() and path.read_text() for path in asleep):
-            assert all(rank.poll() is None for rank in ranks), rank_outputs(logs)
-            assert time.monotonic() < deadline, "the reward never became slow on both ranks"
-            time.sleep(0.2)
-        sent = time.monotonic()
-        os.kill(int(asleep[1].read_text()), signal.SIGTERM)  # rank 1's process alone
-    finally:
-        statuses = wait_for_ranks(ranks, logs, 120)  # the sleeps are 600 s
-    took = time.monotonic() - sent
-    output = rank_outputs(logs)
-    assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
-    assert took < 60, f"{took:.0f} s to answer SIGTERM"
-    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
-    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output and "Traceback" not in output
-    assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
-    saved = torch.load(ckpt, weights_only=True)
-    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
 
     logs = tmp_path / "resumed.log"
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 3, *args, f"--ckpt_path={ckpt}"), {}, logs)
@@ -217,6 +245,52 @@ def test_sigterm_to_one_of_two_ranks_mid_rollout_stops_both_in_seconds_and_the_r
     assert theirs.keys() == ours.keys()
     for key in theirs:  # the abandoned step redone with the draws of the uninterrupted run, on both ranks
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.long
+def test_sigterm_to_one_of_two_ranks_mid_validation_stops_both_in_seconds_and_the_run_resumes(
+    tiny_model_dir, tmp_path
+):
+    """Both ranks asleep in the validation reward after step 1, only rank 1 signalled: both leave
+    validation at once, write one checkpoint of step 1 as a stop in training does, and the run resumes from
+    it to its end."""
+    args = [
+        "--model.val_reward=tests.test_bad_input_signals.slow_on_every_rank",
+        "--data.val_size=4",
+        "--data.val_batch_size=1",  # 2 batches a rank
+        "--trainer.limit_val_batches=1.0",
+        "--trainer.val_check_interval=1",
+        "--trainer.num_sanity_val_steps=0",
+    ]
+    root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
+    ranks = start_two_ranks(
+        fit_args(tiny_model_dir, str(root), 2, *args), {SLOW_STEP: "1", SLEEPING: str(marker)}, logs
+    )
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+
+    logs = tmp_path / "resumed.log"
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs)
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
+
+
+@pytest.mark.long
+def test_sigterm_to_one_of_two_fsdp2_ranks_mid_rollout_stops_both_in_seconds(tiny_model_dir, tmp_path):
+    """FSDP2: both ranks asleep in a reward function at step 1, after the rollout's gathers (collectives
+    that every rank finished), only rank 1 signalled: both leave the rollout at once, not at the step's
+    end, with one checkpoint of step 1, and the run resumes from it to its end."""
+    args = ["--model.reward_funcs=[tests.test_bad_input_signals.slow_on_every_rank]"]
+    root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
+    env = {SLOW_STEP: "1", SLEEPING: str(marker)}
+    ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args), env, logs, FSDP2)
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+
+    logs = tmp_path / "resumed.log"
+    ranks = start_two_ranks(
+        fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs, FSDP2
+    )
+    assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
+    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
 
 
 @pytest.mark.long
@@ -301,3 +375,44 @@ def test_a_stop_is_shared_between_ranks_through_the_store_and_agreed_on():
         stop_requests.clear()
         signal.signal(signal.SIGTERM, previous)
         torch.distributed.destroy_process_group()
+
+
+def test_a_rollout_reopened_after_the_ranks_agreed_is_interruptible_again_until_it_ends():
+    """`core.stop_requests` on several ranks (a stand-in for their agreement): after the first collective
+    of a rollout (`settle`) a stop waits; once the rollout `reopen`s (FSDP2's gathers done) it leaves at
+    once, and tells the others; after `end_rollout` nothing reopens it. A rank stopped by another's request
+    counts as stopped itself (so that `core.ranks.failures_agreed` takes it for a stop)."""
+
+    class Stop(Exception):
+        pass
+
+    asked: list[bool] = []
+    stop_requests.clear()
+    stop_requests.share_between_ranks(lambda stop: asked.append(stop) or stop, Stop)
+    try:
+        stop_requests.enter_rollout()
+        stop_requests.settle()  # nobody asked: go on
+        stop_requests.request_stop(Stop)  # waits: no rank may leave alone between collectives
+        stop_requests.check()
+        with pytest.raises(Stop):
+            stop_requests.reopen()  # the stop asked meanwhile leaves now
+        stop_requests.abandon()  # as `InterruptCheckpoint.on_exception` does: the others are told
+        assert asked == [False, True]
+
+        stop_requests.clear()
+        stop_requests.enter_rollout()
+        stop_requests.end_rollout()  # the rollout is in
+        stop_requests.request_stop(Stop)
+        stop_requests.reopen()  # nothing to reopen: the stop waits for the next rollout
+        stop_requests.check()
+        assert asked == [False, True, False]
+
+        stop_requests.clear()
+        stop_requests.share_between_ranks(lambda stop: True, Stop)  # another rank asks
+        stop_requests.enter_rollout()
+        with pytest.raises(Stop):
+            stop_requests.settle()
+        assert stop_requests.stop_requested()
+    finally:
+        stop_requests.share_between_ranks(None)
+        stop_requests.clear()

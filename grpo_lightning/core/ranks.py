@@ -81,9 +81,11 @@ def failures_agreed(device: torch.device) -> Iterator[None]:
         if not stop_requested():  # a second Ctrl-C: at once, as on one process
             raise
     # The stop requests go in the same collective: a rank that left the block on a stop (a SIGTERM inside a
-    # step's rollout) takes part in it, and every rank stops here with it rather than wait for it.
+    # step's rollout) takes part in it, and every rank stops here with it rather than wait for it. A rank
+    # that left the rollout before this block (a stop in a tool call between two generations) meets it in
+    # the ranks' agreement on stopping (`io.shared_stops.SharedStops.any_rank`), the same all-reduce.
     flags = torch.tensor([float(failure is not None), float(stop_requested())], device=device)  # [2]
-    dist.all_reduce(flags)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[1].item():
         stop_agreed()
     if not flags[0].item():

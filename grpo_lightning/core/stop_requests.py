@@ -10,10 +10,11 @@ elsewhere, the stop waits for the next `interruptible` entry or `check` (between
 `StopCheck` calls it), so that an optimizer step or a checkpoint being written is never cut in two.
 
 On several ranks a rank cannot leave on its own what the others go on with: they would wait for it in
-their next collective. A step's rollout there (`enter_rollout`) stays interruptible only up to the ranks'
-first collective of the step; before it (`settle`, which every collective inside a step calls first: the
-core's `Ranks`, the engines' weight refreshes, FSDP2's gathers, and the module once its groups are in) the
-ranks agree whether any of them was asked to stop, and every rank stops there or goes on. A rank that left
+their next collective. A step's rollout there (`enter_rollout`; a validation batch likewise) stays
+interruptible only up to the ranks' first collective of the step; before it (`settle`, which every
+collective inside a step calls first: the core's `Ranks`, the engines' weight refreshes, FSDP2's gathers,
+the module once its groups are in, and the end of each validation batch) the ranks agree whether any of
+them was asked to stop, and every rank stops there or goes on. A rank that left
 its rollout on a stop tells the others in that same agreement (`abandon`). Outside a step's rollout a stop
 waits for the next one. How the ranks agree, and how a stop requested on one rank reaches the others, is
 the requester's (`share_between_ranks`).
@@ -24,7 +25,8 @@ Lightning type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import StoppingCriteria
@@ -37,6 +39,7 @@ _in_rollout = False  # in a training step's rollout, entered with `enter_rollout
 _any_rank: Callable[[bool], bool] | None = None
 _agreed_error: Callable[[], BaseException] | None = None
 _undecided = False  # several ranks: in a step's rollout that the ranks have not yet agreed to go on with
+_rollout_open = False  # in a rollout from `enter_rollout` to `leave_rollout`: one that may `reopen`
 
 
 def request_stop(error: Callable[[], BaseException]) -> None:
@@ -69,14 +72,22 @@ def leave_interruptible() -> None:
 
 
 def enter_rollout() -> None:
-    """A training step's rollout starts: interruptible (`enter_interruptible`) until `leave_rollout`, or on
-    several ranks until they agree to go on (`settle`)."""
-    global _in_rollout, _undecided
-    _in_rollout, _undecided = True, _any_rank is not None
+    """A training step's rollout (or a validation batch while fitting) starts: interruptible
+    (`enter_interruptible`) until `leave_rollout`, or on several ranks until they agree to go on
+    (`settle`), and again wherever the rollout `reopen`s."""
+    global _in_rollout, _undecided, _rollout_open
+    _in_rollout, _undecided, _rollout_open = True, _any_rank is not None, True
     enter_interruptible()
 
 
 def leave_rollout() -> None:
+    """The rollout is over (or abandoned): no longer interruptible, nor to be reopened."""
+    global _rollout_open
+    _rollout_open = False
+    _release()
+
+
+def _release() -> None:
     global _in_rollout
     if _in_rollout:
         _in_rollout = False
@@ -85,16 +96,44 @@ def leave_rollout() -> None:
 
 def settle() -> None:
     """Called before each collective inside a training step. On several ranks, the first call of a step's
-    rollout ends it: the ranks agree whether any was asked to stop, and every rank raises here (or has
-    raised in its rollout, and says so in `abandon`) or goes on, the stop then waiting for the next step.
-    Elsewhere, and on one process, nothing."""
+    rollout (or the first after it `reopen`ed) ends its interruptible stretch: the ranks agree whether any
+    was asked to stop, and every rank raises here (or has raised in its rollout, and says so in `abandon`)
+    or goes on. Elsewhere, and on one process, nothing."""
     global _undecided
     if not _undecided:
         return
     _undecided = False
-    leave_rollout()
+    _release()
     if _any_rank(_pending is not None):
-        raise (_pending or _agreed_error)()
+        _raise_agreed()
+
+
+def reopen() -> None:
+    """After collectives inside a rollout that every rank has finished (FSDP2's gathers, an engine's weight
+    push), before work that is each rank's own again up to the rollout's next `settle` (a generation on
+    gathered weights, reward functions, tool calls): on several ranks the rollout is interruptible again,
+    so that a stop requested there leaves it at once instead of at the step's end. Outside a rollout, and
+    on one process (where the rollout never stopped being interruptible), nothing."""
+    global _in_rollout, _undecided
+    if _any_rank is None or not _rollout_open or _undecided:
+        return
+    _in_rollout, _undecided = True, True
+    enter_interruptible()
+
+
+def end_rollout() -> None:
+    """The rollout is in: on several ranks they agree here, if not since it last opened, whether to stop;
+    the step's later collectives never reopen it."""
+    settle()
+    leave_rollout()
+
+
+def _raise_agreed() -> None:
+    """Raise the stop the ranks agreed on; a rank not asked itself takes the agreed one as its own, so that
+    every rank leaving on it counts as stopped (`stop_requested`), as `core.ranks.failures_agreed` asks."""
+    global _pending
+    _pending = _pending or _agreed_error
+    raise _pending()
 
 
 def abandon() -> None:
@@ -118,8 +157,8 @@ def share_between_ranks(
 
 def clear() -> None:
     """No stop requested, no interruptible code running: the state of a new run (or after its end)."""
-    global _pending, _depth, _in_rollout, _undecided
-    _pending, _depth, _in_rollout, _undecided = None, 0, False, False
+    global _pending, _depth, _in_rollout, _undecided, _rollout_open
+    _pending, _depth, _in_rollout, _undecided, _rollout_open = None, 0, False, False, False
 
 
 def stop_requested() -> bool:
@@ -132,7 +171,20 @@ def stop_agreed() -> None:
     global _undecided
     _undecided = False
     leave_rollout()
-    raise (_pending or _agreed_error)()
+    _raise_agreed()
+
+
+@contextmanager
+def checked_only() -> Iterator[None]:
+    """Inside, a stop request is not raised wherever the code is when the signal arrives, only at the
+    caller's next `check`: for a third-party loop that must not be cut in the middle of a step (vLLM's
+    engine, whose requests are then aborted before the stop propagates)."""
+    global _depth
+    depth, _depth = _depth, 0
+    try:
+        yield
+    finally:
+        _depth = depth
 
 
 class StopCheck(StoppingCriteria):

@@ -43,13 +43,15 @@ class SharedStops:
     def any_rank(self, stop: bool) -> bool:
         """Whether any rank asks to stop, `stop` saying whether this one does: a collective, every rank
         calls it. Its wait runs in Python, so that a signal's handler runs meanwhile: a rank that waits
-        here for another still in its rollout is stopped by its own SIGTERM too, and tells the others."""
-        flag = torch.tensor([float(stop)], device=self.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        here for another still in its rollout is stopped by its own SIGTERM too, and tells the others.
+        It is the very collective of `core.ranks.failures_agreed` (two flags, failure and stop, their
+        maximum): a rank that left a rollout on a stop meets there another still inside that block."""
+        flags = torch.tensor([0.0, float(stop)], device=self.device)  # [2] no failure of ours, the stop
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
         while not work.is_completed():
             time.sleep(POLL_SECONDS / 10)
         work.wait()  # raises what the collective failed with
-        return bool(flag.item())
+        return bool(flags[1].item())
 
     def close(self) -> None:
         """Stop looking for the other ranks' requests (a signal the thread sent has arrived once this

@@ -30,7 +30,7 @@ from grpo_lightning.core.group_source import group_source
 from grpo_lightning.core.rewards.scoring import checked_reward_functions, trainer_state
 from grpo_lightning.core.rewards.verifiable import reward_name
 from grpo_lightning.core.rng import restore_rng_states
-from grpo_lightning.core.stop_requests import settle
+from grpo_lightning.core.stop_requests import end_rollout
 from grpo_lightning.core.update import RolloutUpdate
 from grpo_lightning.io.checkpoints import register_safe_globals
 from grpo_lightning.io.distributed import offloaded_to_cpu, ranks_of, shard_models
@@ -292,7 +292,7 @@ class GRPOModule(HeldOutLoops, L.LightningModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         start = time.perf_counter()
         scored = self.group_source.next(batch, self._trainer_state(batch_idx))
-        settle()  # the rollout is in: on several ranks, they agree here (if not before) whether to stop
+        end_rollout()  # the rollout is in: on several ranks, they agree here (if not before) whether to stop
         if scored is None:
             self.last_rollout = None  # no update on this batch: nothing new for the callbacks
             return None

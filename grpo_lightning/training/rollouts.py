@@ -34,6 +34,7 @@ from grpo_lightning.core.generation.scorer import LogProbScorer
 from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.generation.vllm_server import PendingRollout, PinnedServerEngine
 from grpo_lightning.core.ranks import failures_agreed
+from grpo_lightning.core.stop_requests import reopen
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -275,6 +276,9 @@ class PolicyRollouts:
             engine = self.current_engine()
             engine.refresh(self.policy, device)  # a collective under FSDP2, where the copy is stale
             with self._gathered(self.policy) if engine.reads_live_weights else nullcontext():
+                # The refresh's and the gathers' collectives are done: up to the block's end (where the
+                # ranks meet in `failures_agreed`), the rollout is each rank's own, a stop leaves it at once.
+                reopen()
                 yield engine, device
 
     def sample_batch(

@@ -105,10 +105,10 @@ def test_a_kept_prefix_cache_fails_the_invariant(urls, vllm_tied_dir, monkeypatc
         assert sampled_gap(engine, model, prompts=long) < 1e-5  # their blocks cached under these weights
         real_post = VLLMServer.post
 
-        def post(server, route, body=None, timeout=None):
+        def post(server, route, body=None, timeout=None, cancel=None):
             if route == "/reset_prefix_cache":
                 return {"success": True}
-            return real_post(server, route, body, timeout)
+            return real_post(server, route, body, timeout, cancel)
 
         monkeypatch.setattr(VLLMServer, "post", post)
         adamw_steps(model, steps=1, lr=1e-3)

@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.generation import vllm_engine
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.prompts import PromptEncoder
@@ -76,14 +77,14 @@ def the_taught_turns(tokenizer) -> tuple[list[int], list[int], list[int]]:
 def recorded_requests(engine, monkeypatch) -> list[tuple[int, int]]:
     """(prompt tokens, of them served from the prefix cache) of each request vLLM is handed from now on."""
     requests = []
-    generate = engine.llm.generate
+    decoded = vllm_engine.decoded
 
     def recording(*args, **kwargs):
-        outputs = generate(*args, **kwargs)
+        outputs = decoded(*args, **kwargs)
         requests.extend((len(out.prompt_token_ids), out.num_cached_tokens) for out in outputs)
         return outputs
 
-    monkeypatch.setattr(engine.llm, "generate", recording)
+    monkeypatch.setattr(vllm_engine, "decoded", recording)
     return requests
 
 

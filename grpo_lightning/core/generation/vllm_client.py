@@ -13,8 +13,11 @@ No Lightning and no vLLM here: the standard library's HTTP client and torch only
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -43,17 +46,31 @@ class VLLMServer:
         self.timeout = timeout
         self.served_name = served_name  # what a request's `model` names on this server (`ServedModel.name`)
         self.in_flight = 0  # requests sent and not answered (the router's load)
+        self._lock = threading.Lock()
+        self._open: dict[
+            http.client.HTTPConnection, threading.Event
+        ] = {}  # calls' connections, each's `cancel`
 
-    def call(self, method: str, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    def call(
+        self,
+        method: str,
+        route: str,
+        body: dict | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> dict:
         """The JSON answer of `method route` with `body`; raises `ServerError` on a refused connection, a
-        timeout or an HTTP error, naming the server and the call."""
+        timeout or an HTTP error, naming the server and the call. `cancel`: set with `hang_up`, the call
+        ends at once (or never starts), its connection closed."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         wait = self.timeout if timeout is None else timeout
+        opened: list[http.client.HTTPConnection] = []
+        opener = urllib.request.build_opener(_Tracked(self, cancel or threading.Event(), opened))
         try:
-            with urllib.request.urlopen(request, timeout=wait) as response:
+            with opener.open(request, timeout=wait) as response:
                 text = response.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
@@ -65,6 +82,10 @@ class VLLMServer:
             if isinstance(reason, TimeoutError) or isinstance(err, TimeoutError):
                 reason = f"no answer within {wait:g} s"
             raise ServerError(f"vLLM server {self.url}: {method} {route} failed: {reason}") from None
+        finally:
+            with self._lock:
+                for connection in opened:
+                    self._open.pop(connection, None)
         try:
             return json.loads(text) if text else {}
         except json.JSONDecodeError:  # a route that answers in plain text (`/v1/load_lora_adapter`)
@@ -73,8 +94,64 @@ class VLLMServer:
     def get(self, route: str, timeout: float | None = None) -> dict:
         return self.call("GET", route, timeout=timeout)
 
-    def post(self, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        return self.call("POST", route, {} if body is None else body, timeout)
+    def connected(self, connection: http.client.HTTPConnection, cancel: threading.Event) -> None:
+        """`connection` is a call's, ended by `hang_up(cancel)`; refused where that came first."""
+        with self._lock:
+            if cancel.is_set():
+                raise ConnectionAbortedError("the request was cancelled")
+            self._open[connection] = cancel
+
+    def hang_up(self, cancel: threading.Event) -> None:
+        """End every call made with `cancel` (which is set here): their connections are shut, so that each
+        call fails at once and the server, seeing its client gone, aborts the request (vLLM's routes stop
+        generating for a client that hung up); a call not yet connected never connects."""
+        with self._lock:
+            cancel.set()
+            hung = [connection for connection, its in self._open.items() if its is cancel]
+        for connection in hung:
+            if connection.sock is not None:
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+
+    def post(
+        self,
+        route: str,
+        body: dict | None = None,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> dict:
+        return self.call("POST", route, {} if body is None else body, timeout, cancel)
+
+
+class _Tracked(urllib.request.HTTPHandler):
+    """urllib's HTTP handler whose connections `server` knows while the call runs (`VLLMServer.hang_up`)."""
+
+    def __init__(self, server: VLLMServer, cancel: threading.Event, opened: list) -> None:
+        super().__init__()
+        self.server, self.cancel, self.opened = server, cancel, opened
+
+    def http_open(self, request: urllib.request.Request):
+        def connection(host: str, **kwargs) -> http.client.HTTPConnection:
+            made = _Connection(host, self.cancel, **kwargs)
+            self.server.connected(made, self.cancel)
+            self.opened.append(made)
+            return made
+
+        return self.do_open(connection, request)
+
+
+class _Connection(http.client.HTTPConnection):
+    """An HTTP connection that `hang_up` may cut: connected after the cut, it closes at once."""
+
+    def __init__(self, host: str, cancel: threading.Event, **kwargs) -> None:
+        super().__init__(host, **kwargs)
+        self.cancel = cancel
+
+    def connect(self) -> None:
+        super().connect()
+        if self.cancel.is_set():  # `hang_up` found no socket to shut: it came between
+            self.sock.close()
+            raise ConnectionAbortedError("the request was cancelled")
 
 
 def wait_until_up(servers: Sequence[VLLMServer], timeout: float, poll: float = 1.0) -> None:
@@ -187,6 +264,7 @@ class ServerRouter:
         self.lock = threading.Lock()
         self.sticky: OrderedDict[tuple[int, ...], VLLMServer] = OrderedDict()
         self.lengths: dict[int, int] = {}  # remembered sequences by length (which prefixes to look up)
+        self.cancel = threading.Event()  # set by `hang_up`: the requests submitted until then
 
     def serve(self, model: str) -> None:
         """Requests from now on ask every server for `model` (a LoRA adapter loaded on all of them)."""
@@ -221,11 +299,13 @@ class ServerRouter:
                 if not self.lengths[len(old)]:
                     del self.lengths[len(old)]
 
-    def _run(self, prompt: list[int], settings: SamplingSettings, n: int, do_sample: bool):
+    def _run(
+        self, prompt: list[int], settings: SamplingSettings, n: int, do_sample: bool, cancel: threading.Event
+    ):
         server = self._pick(prompt)
         try:
             body = completion_body(self.model or server.served_name, prompt, settings, n, do_sample)
-            answer = server.post("/v1/completions", body)
+            answer = server.post("/v1/completions", body, cancel=cancel)
         finally:
             with self.lock:
                 server.in_flight -= 1
@@ -239,7 +319,15 @@ class ServerRouter:
         self, prompt: list[int], settings: SamplingSettings, n: int, do_sample: bool
     ) -> Future[list[tuple[list[int], list[float]]]]:
         """Send one prompt's request; the future holds its completion rows (`completion_rows`)."""
-        return self.pool.submit(self._run, prompt, settings, n, do_sample)
+        return self.pool.submit(self._run, prompt, settings, n, do_sample, self.cancel)
+
+    def hang_up(self) -> None:
+        """End every request submitted so far, within a moment (a stop request: the rollout is abandoned):
+        those queued fail without starting, those running fail as their connections are shut, and the
+        servers abort them (`VLLMServer.hang_up`). Requests submitted later run as before."""
+        cancel, self.cancel = self.cancel, threading.Event()
+        for server in self.servers:
+            server.hang_up(cancel)
 
     def each(self, route: str, body: dict | None = None, timeout: float | None = None) -> list[dict]:
         """POST `route` to every server, one after the other; their answers."""

@@ -68,7 +68,7 @@ from grpo_lightning.core.generation.inference_copy import (
 )
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_process import TrainerProcessGuard, default_group_kept, local_rank
-from grpo_lightning.core.generation.vllm_requests import rollout_of, sampling_params
+from grpo_lightning.core.generation.vllm_requests import decoded, rollout_of, sampling_params
 from grpo_lightning.core.options import Alias, PositiveFloat, PositiveInt, Range, check_fields
 from grpo_lightning.core.stop_requests import settle
 from grpo_lightning.core.types import Rollout
@@ -213,8 +213,10 @@ class VLLMEngine(RolloutEngine):
         (a collective under FSDP2: every rank calls it at the same point)."""
         # On several ranks the engine is part of their process group (`external_launcher`): its start-up and
         # a sharded policy's push are collectives, and what it asks of the other ranks while it samples is
-        # vLLM's. A step's rollout is no longer left by one rank alone from here.
-        settle()
+        # vLLM's. A step's rollout is no longer left by one rank alone from here; a refresh with nothing to
+        # do (the one `generate` makes after the rollout's own) is none, and leaves the rollout as it is.
+        if self.llm is None or self.sleeping or self.stale:
+            settle()
         if self.llm is None:
             self._start(model, torch.device(device))
         if self.sleeping:
@@ -255,11 +257,9 @@ class VLLMEngine(RolloutEngine):
         kept = zip(prompt_ids, prompt_mask.bool(), strict=True)  # [P] each: the prompt without its padding
         prompts = [{"prompt_token_ids": row[keep].tolist()} for row, keep in kept]
         start = time.perf_counter()
-        outputs = self.llm.generate(
-            prompts,
-            sampling_params(s, num_generations, do_sample),
-            use_tqdm=False,
-            lora_request=self.lora_request,
+        # Step by step: a stop request ends a long rollout between two decoding steps.
+        outputs = decoded(
+            self.llm, prompts, sampling_params(s, num_generations, do_sample), self.lora_request
         )
         rollout = rollout_of(outputs, prompt_ids, prompt_mask, num_generations, s, do_sample)
         self.last_speed = rollout_speed(rollout, rollout.completion_ids.size(1), time.perf_counter() - start)

@@ -1,6 +1,7 @@
 """What crosses into and out of vLLM for one rollout: `SamplingParams` of our `SamplingSettings`
-(`sampling_params`, one to one; greedy draws once) and the `Rollout` of vLLM's `RequestOutput`s
-(`rollout_of`, with each drawn token's processed log-prob). vLLM is imported on first use.
+(`sampling_params`, one to one; greedy draws once), the requests decoded one engine step at a time with a
+stop check between steps (`decoded`), and the `Rollout` of vLLM's `RequestOutput`s (`rollout_of`, with
+each drawn token's processed log-prob). vLLM is imported on first use.
 
 No Lightning here.
 """
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.core.generation.sampling import SamplingSettings
+from grpo_lightning.core.stop_requests import check, checked_only
 from grpo_lightning.core.types import Rollout
 
 
@@ -29,6 +31,26 @@ def sampling_params(settings: SamplingSettings, num_generations: int, do_sample:
         detokenize=False,
         **(sampled if do_sample else {"temperature": 0.0}),
     )
+
+
+def decoded(llm, prompts: list[dict], params, lora_request) -> list:
+    """The finished `RequestOutput` of each of `prompts` (in their order), as `llm.generate` returns them,
+    decoded here one engine step at a time: a stop request (SIGTERM) is answered between two steps
+    (`core.stop_requests.check`), never inside one, and every request still running is aborted first, so
+    that the engine is left empty, as after a finished rollout, and its next use starts clean."""
+    engine = llm.llm_engine
+    with checked_only():
+        ids = llm.enqueue(prompts, params, lora_request=lora_request, use_tqdm=False)  # vLLM's own ids
+        finished = []
+        try:
+            while engine.has_unfinished_requests():
+                check()
+                finished += [output for output in engine.step() if output.finished]
+        except BaseException:
+            engine.abort_request(ids, internal=True)  # those finished are gone already
+            raise
+    # As `LLM.generate` orders them: a request's outer id counts the requests made.
+    return sorted(finished, key=lambda output: int(output.request_id))
 
 
 def rollout_of(

@@ -14,7 +14,8 @@ it adds), on other GPUs or another node, each serving the policy's checkpoint.
   `weight_plane` (`vllm_push`: `disk`, `lora`, `nccl`), then every server's prefix cache reset and its weight
   version set to `policy-K` and read back. Under DDP or FSDP2 every rank reads the weights in lock-step (a
   collective under FSDP2), rank 0 alone pushes, and the others wait at a barrier until it has.
-- **Never a hang, never a wrong model.** Every HTTP call times out (`request_timeout`); a server that stops
+- **Never a hang, never a wrong model.** Every HTTP call times out (`request_timeout`), and a stop request
+  (SIGTERM) hangs up the requests in flight (the servers abort them); a server that stops
   answering ends the run with one `ServerError` naming the server and the call. Before any weights load
   (`check_servers`, the registry entry's check, from the policy's config and the LoRA rank it trains),
   servers that do not answer within `timeout`, or serve another architecture or vocabulary, a
@@ -191,7 +192,11 @@ class PendingRollout:
 
     def result(self) -> Rollout:
         G, s = self.num_generations, self.settings
-        rows = [row for f in self.futures for row in f.result()]
+        try:
+            rows = [row for f in self.futures for row in f.result()]
+        except BaseException:  # a stop request (SIGTERM), a failed request: nothing left to decode for
+            self.engine.router.hang_up()
+            raise
         if not self.do_sample:  # one greedy completion per prompt, repeated to the group
             rows = [row for row in rows for _ in range(G)]
         rollout = rollout_of_rows(rows, self.prompt_ids, self.prompt_mask, G, s, self.do_sample)

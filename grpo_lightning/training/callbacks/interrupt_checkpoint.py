@@ -21,6 +21,7 @@ from grpo_lightning.core.rng import capture_rng_states, restore_rng_states
 from grpo_lightning.core.stop_requests import (
     abandon,
     clear,
+    end_rollout,
     enter_interruptible,
     enter_rollout,
     leave_interruptible,
@@ -101,7 +102,8 @@ class InterruptCheckpoint(L.Callback):
     # that the others go on with (they would wait for it in a collective): while fitting, the ranks share
     # their stop requests (`io.shared_stops`) and agree before each step's first collective whether to stop
     # (`core.stop_requests.settle`), so that every rank abandons the same step's rollout, or finishes the
-    # step and stops at the next one's start; validation runs to its end first.
+    # step and stops at the next one's start; a validation batch is left alike, the ranks agreeing after
+    # each batch.
     def _install_sigterm(self, trainer: L.Trainer) -> None:
         if self._shares_stops(trainer):
             self._share_stops(trainer)
@@ -165,14 +167,21 @@ class InterruptCheckpoint(L.Callback):
         self._step_start = None
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
-        if trainer.world_size == 1:  # on several ranks one rank leaving would leave the others waiting
+        if trainer.world_size == 1:
             enter_interruptible()
+        elif self._shared is not None:  # fitting on several ranks: a batch is left by all of them together
+            enter_rollout()
 
     def on_validation_batch_end(
         self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if trainer.world_size == 1:
             leave_interruptible()
+        elif self._shared is not None:
+            # Every rank takes as many batches (`validation_sets.rank_share`) and none has a collective of
+            # its own: after each, the ranks agree whether a stop request ends validation (if a collective
+            # inside the batch, FSDP2's gathers, has not agreed already).
+            end_rollout()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
