@@ -142,7 +142,8 @@ REFUSED = {
         "max_tool_response_length": ints_below(1) | st.just(2.5) | st.just("64"),
         "tool_call_format": st.sampled_from(["json", "Hermes", "", 1, True]),
         "check_tool_arguments": NOT_A_FLAG,
-        "tool_call_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
+        # None: no bound, TRL's
+        "tool_call_timeout": below(0, inclusive=True) | st.sampled_from(["1", True, False, [1]]),
         "environment_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
     },
     ModelOptions: {

@@ -599,3 +599,19 @@ def test_server_recipes_map_the_client_options_and_print_the_server_flags():
     assert colocated.read("model.grpo.engine.vllm_server") is None
     assert colocated.rows["vllm_server_port"].note.startswith("no effect without")
     assert colocated.read("model.grpo.engine.backend") == "vllm"
+
+
+def test_a_recipe_without_data_says_how_an_environment_writes_the_prompts():
+    """TRL's docs' no-data recipe (`GRPOConfig(max_steps=1000)`, `train_dataset=None`, an environment whose
+    `reset` writes each prompt): the need line names the data module to use, and its kept options build it."""
+    keys = {"model_name_or_path": "Qwen/Qwen3-0.6B", "max_steps": 1000}
+    conversion = convert(recipe_of(keys), NEWEST_VERSION)
+    [need] = [n for n in conversion.needs if n.startswith("data.init_args.source")]
+    path, *kept = re.search(r"set data.class_path to (\S+) and keep only its (\w+) and (\w+)", need).groups()
+    module_name, _, class_name = path.rpartition(".")
+    data = getattr(importlib.import_module(module_name), class_name)(
+        **{key: conversion.read("data")["init_args"][key] for key in kept}
+    )
+    data.setup("fit")
+    assert data.train_rows == [{"prompt": [{"role": "user", "content": ""}]}] * data.hparams.batch_size
+    assert conversion.read("trainer.max_steps") == 1000  # which the data module requires

@@ -1,8 +1,10 @@
 """Environments as TRL 1.16 runs them: an `environment_factory` whose `get_reward` is the only reward
 (`reward_funcs` None or `[]`), a data set with only an `environment` column whose `reset` writes each prompt,
+no data set at all (`EnvironmentPromptDataModule`, TRL's `train_dataset=None`),
 and a list result reaching the reward functions as the list itself (`grpo_agent.py`'s `query_reward` tests
 `isinstance(result, list)`), through the module's whole training step on a scripted engine."""
 
+import random
 import re
 
 import pytest
@@ -11,6 +13,7 @@ from datasets import Dataset
 
 from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.data.environment_prompts import EnvironmentPromptDataModule
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.tool_rollouts import EnvironmentReward
 from tests.helpers import quiet_trainer
@@ -86,3 +89,90 @@ def test_a_data_set_of_environment_names_only_has_its_prompts_written_by_reset(t
     assert metrics.logged["train/rewards/query_reward"] == 0.5
     assert metrics.logged["train/rewards/Counter"] == 1.0
     assert torch.isfinite(torch.tensor(metrics.logged["train/loss"]))
+
+
+class IncrementEnv:
+    """TRL's docs' environment that owns its data (`train_dataset=None`), as the docs write it."""
+
+    def reset(self, **kwargs) -> str | None:
+        RESETS.append(dict(kwargs))
+        self.counter = 0
+        self.target = random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+class IncrementingEngine(BuyingEngine):
+    """A scripted model that increments by the target its prompt names, then says it is done."""
+
+    def turn(self, context: str) -> str:
+        if "<tool_response>" in context:
+            return "Done.<|im_end|>"
+        step = re.findall(r"Increment the counter by (\d+)\.", context)[-1]
+        return f'<tool_call>{{"name": "increment", "arguments": {{"step": {step}}}}}</tool_call><|im_end|>'
+
+
+@pytest.mark.parametrize("reward_funcs", [None, []])
+def test_no_data_set_the_environment_writes_every_prompt(tiny_model_dir, reward_funcs):
+    """TRL's `GRPOTrainer(environment_factory=IncrementEnv, args=GRPOConfig(max_steps=...))` with no
+    `train_dataset` and no `reward_funcs`: every step's prompts are empty user turns that `reset` writes, and
+    `get_reward` is the reward."""
+    RESETS.clear()
+    random.seed(0)
+    grpo = GRPOConfig(num_generations=2, max_completion_length=160, preflight=False, log_completions_every=0)
+    module = GRPOModule(
+        tiny_model_dir, reward_funcs=reward_funcs, grpo=grpo, environment_factory=IncrementEnv
+    )
+    engine = IncrementingEngine(module.tokenizer)
+    module.rollouts.build_engine = lambda: engine
+    metrics = Metrics()
+    trainer = quiet_trainer(max_steps=3, callbacks=[metrics])  # no val_sets: no validation
+    trainer.fit(module, EnvironmentPromptDataModule(batch_size=2))
+    assert trainer.global_step == 3
+    assert len(RESETS) == 3 * 2 * 2 and all(kwargs == {} for kwargs in RESETS)  # steps x prompts x G
+    first_turns = [c for c in engine.contexts if "<tool_response>" not in c]
+    user_turns = [re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", c, re.DOTALL) for c in first_turns]
+    assert len(user_turns) == 12
+    written = r"Increment the counter by [1-6]\."
+    assert all(len(turns) == 1 and re.fullmatch(written, turns[0]) for turns in user_turns)
+    assert metrics.logged["train/rewards/IncrementEnv"] == 1.0
+
+
+def trainer_refusal(model_dir: str, factory, **trainer_options) -> str:
+    grpo = GRPOConfig(num_generations=2, max_completion_length=8, preflight=False, log_completions_every=0)
+    funcs = None if factory is not None else [query_reward]
+    module = GRPOModule(model_dir, reward_funcs=funcs, grpo=grpo, environment_factory=factory)
+    trainer = quiet_trainer(limit_val_batches=0, **trainer_options)
+    with pytest.raises(ValueError) as refusal:
+        trainer.fit(module, EnvironmentPromptDataModule(batch_size=2))
+    assert module.policy is None  # refused before any weights load
+    return str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    ("factory", "trainer_options", "named"),
+    [
+        (IncrementEnv, {"max_epochs": 1}, "trainer.max_steps=-1"),
+        ({"a": IncrementEnv, "b": IncrementEnv}, {"max_steps": 1}, "a dict of environments"),
+        (None, {"max_steps": 1}, "set model.environment_factory"),
+    ],
+)
+def test_environment_prompts_refuse_what_trl_refuses(tiny_model_dir, factory, trainer_options, named):
+    """As TRL's `train_dataset=None`: `max_steps` is required, and one environment to write the prompts."""
+    message = trainer_refusal(tiny_model_dir, factory, **trainer_options)
+    assert named in message and "\n" not in message

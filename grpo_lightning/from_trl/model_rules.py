@@ -258,6 +258,7 @@ def vllm_servers(c: Conversion) -> None:
 
 # ---------------------------------------------------------------------------------------------- the data
 DATA_CLASS = "grpo_lightning.training.data.PromptDataModule"
+ENVIRONMENT_DATA_CLASS = "grpo_lightning.training.data.EnvironmentPromptDataModule"  # reset writes prompts
 
 
 @MODEL_RULES(
@@ -282,7 +283,9 @@ def data(c: Conversion) -> None:
     else:
         c.needs.append(
             "data.init_args.source: the recipe names no data set (TRL's scripts load theirs in code): set it "
-            "to a hub id, a folder or a file of prompts"
+            "to a hub id, a folder or a file of prompts; or, where model.environment_factory's reset writes "
+            f"every prompt (TRL's train_dataset=None), set data.class_path to {ENVIRONMENT_DATA_CLASS} and "
+            "keep only its batch_size and seed"
         )
     config_name = c.get("dataset_config")
     c.row("dataset_config", "mapped", c.put("data.init_args.config_name", config_name) if config_name else "")
@@ -441,7 +444,8 @@ def rewards(c: Conversion) -> None:
     if names is None:
         c.needs.append(
             "model.reward_funcs: the recipe names none (TRL's scripts pass them in code): list their import "
-            "paths (trl.rewards.accuracy_reward, ...); without them the GSM8K rewards run"
+            "paths (trl.rewards.accuracy_reward, ...); without them the GSM8K rewards run, or, with "
+            "model.environment_factory, its get_reward alone (as TRL)"
         )
         if weights is not None:
             c.row("reward_weights", "mapped", c.put("model.reward_weights", weights))

@@ -43,7 +43,7 @@ from grpo_lightning.core.generation.prompts import check_chat_template
 from grpo_lightning.io.hparams import unimportable_rewards
 from grpo_lightning.io.models import model_positions, policy_config
 from grpo_lightning.training.callbacks.interrupt_checkpoint import InterruptCheckpoint
-from grpo_lightning.training.data import PromptDataModule
+from grpo_lightning.training.data import EnvironmentPromptDataModule, PromptDataModule
 from grpo_lightning.training.resume import warn_checkpoint_cadence
 
 
@@ -193,10 +193,30 @@ def check_run_length(trainer: L.Trainer, grpo) -> None:
         )
 
 
+def check_environment_prompts(multi_turn: object) -> None:
+    """`EnvironmentPromptDataModule`'s empty prompts need one environment to write them, as TRL's
+    `train_dataset=None` does: no `environment_factory`, or a dict of them (which environment would a row
+    get?), is refused."""
+    factories = getattr(multi_turn, "factories", None)
+    if not factories:
+        raise ValueError(
+            "data: EnvironmentPromptDataModule's prompts are empty user turns that an environment's reset() "
+            "writes: set model.environment_factory, or read a data set of prompts with PromptDataModule"
+        )
+    if multi_turn.multi_environment:
+        raise ValueError(
+            "data: EnvironmentPromptDataModule with a dict of environments (model.environment_factory): each "
+            "row must name its own, so give a data set with an 'environment' column (PromptDataModule), or "
+            "pass a single environment class"
+        )
+
+
 def check_setup(module: L.LightningModule, stage: str) -> None:
     """A `GRPOModule`'s checks at `setup(stage)`: after the data module checked its files, before any weights
     load (see the module docstring)."""
     datamodule, trainer = module.trainer.datamodule, module.trainer
+    if isinstance(datamodule, EnvironmentPromptDataModule):
+        check_environment_prompts(module.rollouts.multi_turn)
     if isinstance(datamodule, PromptDataModule):
         multi_turn = module.rollouts.multi_turn
         if datamodule.conversational:

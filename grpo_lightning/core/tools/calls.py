@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated
@@ -43,12 +44,15 @@ class ToolOptions:
     TRL: `GRPOConfig.max_tool_calling_iterations` (None there too); verl: `max_assistant_turns`.
     Read by `ToolRunner.may_call`."""
 
-    call_timeout: Annotated[float, Alias("tool_call_timeout"), Range("> 0")] = 60.0
+    call_timeout: Annotated[float | None, Alias("tool_call_timeout"), Range("> 0")] = 60.0
     """Seconds a tool call may take, sync or async, its result's conversion to text included: past them its
     result is `{"error": "<tool> did not return within N s"}` and the rollout goes on. A sync tool past it is
     left running in a background thread (Python cannot stop a thread); see the module's description. TRL and
     verl set no bound; 60 s leaves room for a real tool (a web search, a code runner) and keeps a hung one
-    from holding a step for long."""
+    from holding a step for long. None: TRL's way, no bound and each sync tool called in the trainer's own
+    thread, which a tool that sets a signal handler needs (TRL's `grpo_agent.py` bounds its SQL query with
+    `SIGALRM`; Python takes signal handlers from the main thread only); what it raises beyond `Exception`
+    (`SystemExit`, `KeyboardInterrupt`) then ends the run, as in TRL."""
 
     environment_timeout: Annotated[float, Range("> 0")] = 300.0
     """Seconds an environment's `reset(**row)` or `get_reward()` may take (`environment_factory`). A
@@ -206,8 +210,9 @@ class CallFailed(Exception):
         self.text = text if text is not None else message_of(error)  # `str(error)`, as TRL reports it
 
 
-def run_bounded(function: Callable[[], object], seconds: float, name: str) -> object:
-    """`function()`'s value, run in a daemon thread of its own, this thread waiting at most `seconds`.
+def run_bounded(function: Callable[[], object], seconds: float | None, name: str) -> object:
+    """`function()`'s value, run in a daemon thread of its own, this thread waiting at most `seconds` (None:
+    for as long as it takes).
 
     Raises `CallFailed` holding whatever it raised, or `CallTimeout` past `seconds` (the thread is abandoned,
     still running). The wait is interruptible: a signal handler of this thread runs while it waits, and what
@@ -231,6 +236,23 @@ def run_bounded(function: Callable[[], object], seconds: float, name: str) -> ob
     if "error" in outcome:
         raise CallFailed(outcome["error"], outcome["message"], outcome["text"])  # type: ignore[arg-type]
     return outcome["value"]
+
+
+_WARNED_SIGNAL_TOOLS: set[str] = set()
+
+
+def warn_signal_tool(name: str, text: str) -> None:
+    """Once per tool: a call failed because the tool sets a signal handler, which only the main thread may,
+    and `call_timeout` runs it in a thread of its own."""
+    if name in _WARNED_SIGNAL_TOOLS:
+        return
+    _WARNED_SIGNAL_TOOLS.add(name)
+    warnings.warn(
+        f"tool {name} failed with {text!r}: it sets a signal handler, which only the trainer's main thread "
+        "may, and tools.call_timeout runs each call in a thread of its own; set tools.call_timeout: null "
+        "(tool_call_timeout, TRL's way: no bound, the trainer's thread)",
+        stacklevel=2,
+    )
 
 
 def message_of(error: BaseException) -> str:
@@ -318,11 +340,18 @@ class ToolRunner:
 
     def _sync_call(self, name: str, call: Callable[[], object]) -> tuple[str, Content]:
         seconds = self.options.call_timeout
+        if seconds is None:  # TRL's: in this thread, unbounded; an Exception is the call's result
+            try:
+                return name, self._content(name, call())
+            except Exception as error:
+                return self._failed(name, message_of(error))
         try:
             return name, run_bounded(lambda: self._content(name, call()), seconds, name)  # type: ignore[return-value]
         except CallTimeout as error:
             return self._failed(name, str(error))
         except CallFailed as error:  # the model reads why its call failed; training goes on
+            if isinstance(error.error, ValueError) and "main thread" in error.text:
+                warn_signal_tool(name, error.text)
             return self._failed(name, error.text)
 
     def _async_calls(self, pending: list) -> list[tuple[bool, Content]]:
@@ -348,8 +377,9 @@ class ToolRunner:
         async def together() -> list[tuple[bool, Content]]:
             return list(await asyncio.gather(*(one(name, call) for *_, name, call in pending)))
 
+        bound = None if seconds is None else seconds + 1.0
         try:
-            return run_bounded(lambda: asyncio.run(together()), seconds + 1.0, "async tools")  # type: ignore[return-value]
+            return run_bounded(lambda: asyncio.run(together()), bound, "async tools")  # type: ignore[return-value]
         except CallTimeout:  # one of them blocks the loop: none of them can be told apart
             return [(False, f"{name} did not return within {seconds:g} s") for *_, name, _ in pending]
         except CallFailed as error:
