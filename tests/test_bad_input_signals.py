@@ -156,10 +156,10 @@ def rank_outputs(logs: Path) -> str:
 
 
 def stop_rank_one_once_both_sleep(
-    ranks: list[subprocess.Popen], marker: Path, logs: Path, root: Path
+    ranks: list[subprocess.Popen], marker: Path, logs: Path, root: Path, step: int = 1
 ) -> Path:
-    """Once both ranks sleep in `slow_on_every_rank` at step 1, SIGTERM rank 1's process alone; assert that
-    both exit 143 within a minute, with one checkpoint of step 1 written as both name it, and no traceback;
+    """Once both ranks sleep in `slow_on_every_rank` at `step`, SIGTERM rank 1's process alone; assert that
+    both exit 143 within a minute, with one checkpoint of `step` written as both name it, and no traceback;
     that checkpoint."""
     try:
         asleep = [Path(f"{marker}.rank{r}") for r in range(2)]
@@ -177,11 +177,11 @@ def stop_rank_one_once_both_sleep(
     assert statuses == [EXIT_SIGTERM, EXIT_SIGTERM], output
     assert took < 60, f"{took:.0f} s to answer SIGTERM"
     ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
-    assert f"SIGTERM: wrote the checkpoint of step 1 to {ckpt}" in output
+    assert f"SIGTERM: wrote the checkpoint of step {step} to {ckpt}" in output
     assert not re.search("^Traceback", output, re.M), output  # (vLLM logs one of its own, prefixed)
     assert list(ckpt.parent.glob("interrupted*")) == [ckpt], "one checkpoint, named alike on both ranks"
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["global_step"] == 1 and len(saved["grpo_state"]["per_rank"]) == 2
+    assert saved["global_step"] == step and len(saved["grpo_state"]["per_rank"]) == 2
     return ckpt
 
 
@@ -254,19 +254,42 @@ def test_sigterm_to_one_of_two_ranks_mid_validation_stops_both_in_seconds_and_th
     """Both ranks asleep in the validation reward after step 1, only rank 1 signalled: both leave
     validation at once, write one checkpoint of step 1 as a stop in training does, and the run resumes from
     it to its end."""
-    args = [
-        "--model.val_reward=tests.test_bad_input_signals.slow_on_every_rank",
-        "--data.val_size=4",
-        "--data.val_batch_size=1",  # 2 batches a rank
-        "--trainer.limit_val_batches=1.0",
-        "--trainer.val_check_interval=1",
-        "--trainer.num_sanity_val_steps=0",
-    ]
+    args = [*SLOW_VALIDATION, "--trainer.num_sanity_val_steps=0"]
+    stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=1)
+
+
+@pytest.mark.long
+def test_sigterm_to_one_of_two_ranks_mid_sanity_check_stops_both_in_seconds_and_the_run_resumes(
+    tiny_model_dir, tmp_path
+):
+    """Both ranks asleep in the validation reward of the sanity check Lightning runs before training, only
+    rank 1 signalled: both leave it at once (not after the batch, nor waiting for each other in a broadcast
+    from Lightning's own handler), write one checkpoint of step 0 as one process does, and the run resumes
+    from it to its end."""
+    args = [*SLOW_VALIDATION, "--trainer.num_sanity_val_steps=2"]
+    stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=0)
+
+
+SLOW_VALIDATION = (  # validation after every step, its reward slow at the step `GRPO_TEST_SLOW_AT_STEP` names
+    "--model.val_reward=tests.test_bad_input_signals.slow_on_every_rank",
+    "--data.val_size=4",
+    "--data.val_batch_size=1",  # 2 batches a rank
+    "--trainer.limit_val_batches=1.0",
+    "--trainer.val_check_interval=1",
+)
+
+
+def stop_both_asleep_in_validation_and_resume(
+    tiny_model_dir: str, tmp_path: Path, args: list, step: int
+) -> None:
+    """2 ranks fit 2 steps with `args`, their validation reward asleep at `step`: SIGTERM to rank 1 alone
+    stops both within seconds with one checkpoint of `step` (`stop_rank_one_once_both_sleep`), from which the
+    run resumes to its end."""
     root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
     ranks = start_two_ranks(
-        fit_args(tiny_model_dir, str(root), 2, *args), {SLOW_STEP: "1", SLEEPING: str(marker)}, logs
+        fit_args(tiny_model_dir, str(root), 2, *args), {SLOW_STEP: str(step), SLEEPING: str(marker)}, logs
     )
-    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root)
+    ckpt = stop_rank_one_once_both_sleep(ranks, marker, logs, root, step)
 
     logs = tmp_path / "resumed.log"
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs)

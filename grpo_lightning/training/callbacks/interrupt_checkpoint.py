@@ -64,6 +64,7 @@ class InterruptCheckpoint(L.Callback):
         self._previous_sigint = None
         self._step_start: dict | None = None  # the step in progress's starting state (`_open_step`)
         self._shared: SharedStops | None = None  # several ranks: their stop requests shared while fitting
+        self._fit_answers_sigterm = False  # this fit's SIGTERM handler is in (from its sanity check or start)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
@@ -89,7 +90,7 @@ class InterruptCheckpoint(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saved_path, self.stopped_by, self._ctrl_c = None, None, False
-        self._step_start = None
+        self._step_start, self._fit_answers_sigterm = None, False
         clear()
 
     # ------------------------------------------------------------- SIGTERM answered within the step
@@ -99,7 +100,8 @@ class InterruptCheckpoint(L.Callback):
     # once (or at the next decoding step), and the checkpoint is that of the last completed step, with the
     # generators and dynamic sampling's waiting groups as that step left them: a resumed run redoes the
     # abandoned step as the uninterrupted run did it. With several processes a rank cannot leave a step
-    # that the others go on with (they would wait for it in a collective): while fitting, the ranks share
+    # that the others go on with (they would wait for it in a collective): while fitting (from the
+    # sanity check on, whose batches are left as validation's), the ranks share
     # their stop requests (`io.shared_stops`) and agree before each step's first collective whether to stop
     # (`core.stop_requests.settle`), so that every rank abandons the same step's rollout, or finishes the
     # step and stops at the next one's start; a validation batch is left alike, the ranks agreeing after
@@ -208,6 +210,17 @@ class InterruptCheckpoint(L.Callback):
         self._stop_sharing()
         clear()
 
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The sanity check's validation comes before `on_train_start`: a SIGTERM there is answered as in a
+        # validation while fitting (on several ranks, Lightning's own handler would wait in a broadcast for
+        # ranks still in their batch).
+        self._answer_sigterm_while_fitting(trainer)
+
+    def _answer_sigterm_while_fitting(self, trainer: L.Trainer) -> None:
+        if not self._fit_answers_sigterm:  # once: a second handler would wrap the first
+            self._fit_answers_sigterm = True
+            self._install_sigterm(trainer)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Here, not in `on_fit_start`: Lightning notes every signal's handler after `on_fit_start` and puts
         # them back when the run ends, after an error too, once this callback has restored Ctrl-C's; a
@@ -216,7 +229,7 @@ class InterruptCheckpoint(L.Callback):
         # Only outside another program's handler; one left behind by an earlier fit that never reached its
         # end (same process, e.g. a notebook) is replaced, else Ctrl-C would flag that old run.
         stale = isinstance(getattr(current, "__self__", None), InterruptCheckpoint)
-        self._install_sigterm(trainer)
+        self._answer_sigterm_while_fitting(trainer)
         if current is signal.default_int_handler or stale:
             try:
                 signal.signal(signal.SIGINT, self._on_sigint)
