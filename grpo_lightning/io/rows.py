@@ -279,10 +279,39 @@ def check_same_columns(rows: list[Row], wheres: list[str]) -> None:
         raise ValueError(f"{chat}: the prompt is chat messages but at {text} it is text: use one kind")
 
 
-def chat_prompt(question: str, system_prompt: str | None) -> list[dict[str, str]]:
-    """The conversational prompt: an optional system message, then the question as the user's turn."""
+def chat_prompt(question: str, system_prompt: str | None, few_shot: list[dict] | None = None) -> list[dict]:
+    """The conversational prompt: an optional system message, the `few_shot` turns (`check_few_shot`), then
+    the question as the user's turn."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": question}]
+    return messages + [dict(m) for m in few_shot or ()] + [{"role": "user", "content": question}]
+
+
+FEW_SHOT_ROLES = ("user", "assistant", "tool")
+
+
+def check_few_shot(messages: object) -> None:
+    """`data.few_shot`: a conversation that a prompt's question follows, so a list of `{"role", "content"}`
+    messages (a tool turn may add the tool's `name`; an assistant turn writes its calls as text, in the
+    model's tool-call format) whose roles are user, assistant or tool, opening with a user turn and closing
+    with an assistant's; else `ValueError` naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"data.few_shot: a non-empty list of chat messages, got {str(messages)[:80]!r}")
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and message.get("role") in FEW_SHOT_ROLES
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"data.few_shot[{i}]: a message is {{'role': {' | '.join(FEW_SHOT_ROLES)}, 'content': str}}, "
+                f"got {str(message)[:80]!r}"
+            )
+    for i, role, why in ((0, "user", "open"), (-1, "assistant", "close")):
+        if messages[i]["role"] != role:
+            raise ValueError(
+                f"data.few_shot[{i % len(messages)}] has role {messages[i]['role']!r}: the examples must "
+                f"{why} with the {role}'s turn, so that each question follows an answer"
+            )
 
 
 def collate_rows(rows: list[Row], system_prompt: str | None) -> dict[str, list]:

@@ -51,7 +51,12 @@ from grpo_lightning.core.tools.schemas import (
     tool_schema,
     with_tools_in_system_prompt,
 )
-from grpo_lightning.core.tools.turns import rendering_with, training_template, training_template_note
+from grpo_lightning.core.tools.turns import (
+    rendering_with,
+    training_template,
+    training_template_note,
+    with_tool_turns_rendered,
+)
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.hparams import import_object, resolve_callable
 from grpo_lightning.io.rows import ENVIRONMENT_COLUMN, ENVIRONMENT_PROMPT
@@ -416,7 +421,8 @@ class ToolSampling:
         chat_template = self._rendering_template(tokenizer, renders_tools, rollouts.cfg.prompts)
         if not renders_tools:
             row_prompts = [
-                with_tools_in_system_prompt(p, s) for p, s in zip(row_prompts, schemas, strict=True)
+                with_tools_in_system_prompt(with_tool_turns_rendered(p, False), s)
+                for p, s in zip(row_prompts, schemas, strict=True)
             ]
             schemas = None
         # Rows of one group with one prompt and one tool set: the group's prompt encoded (and prefilled) once.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import groupby
 
 from transformers import PreTrainedTokenizerBase
 
@@ -36,6 +37,19 @@ def tool_messages(results: Sequence[tuple[str, str | list]], template_has_tools:
         return [result_message(name, content) for name, content in results]
     blocks = "\n".join(f"<tool_response>\n{text}\n</tool_response>" for _, text in results)
     return [{"role": "user", "content": blocks}]
+
+
+def with_tool_turns_rendered(messages: list[dict], template_has_tools: bool) -> list[dict]:
+    """`messages` with each run of `tool` messages (a prompt's worked example, `data.few_shot`) as
+    `tool_messages` writes results, so that the example reads as the rollout's own tool turns will; as they
+    are where the chat template renders tools."""
+    if template_has_tools:
+        return messages
+    out: list[dict] = []
+    for is_tool, run in groupby(messages, key=lambda message: message.get("role") == "tool"):
+        run = list(run)
+        out += tool_messages([(m.get("name", ""), m["content"]) for m in run], False) if is_tool else run
+    return out
 
 
 def _render(

@@ -30,6 +30,8 @@ class GSM8KDataModule(PromptDataModule):
             `PromptDataModule` reads (a `Dataset` / `DatasetDict`, a `save_to_disk` folder, a folder of
             `train` / `test` files, one file, a hub data set). Default `"openai/gsm8k"`.
         system_prompt: system message asking for the `#### N` form; None for none.
+        few_shot: worked examples as earlier turns of each prompt's conversation, between the system turn
+            and the question (`PromptDataModule`'s `few_shot`). Default None: none.
         batch_size: prompts per training step (each is sampled `num_generations` times). Default 4.
         val_size: rows of the train split held out for validation, >= 0. Default 64.
         val_split: "holdout" (the held-out train rows) or "test" (the test split) for validation.
@@ -51,6 +53,7 @@ class GSM8KDataModule(PromptDataModule):
         self,
         source: "str | Dataset | DatasetDict" = "openai/gsm8k",
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        few_shot: list[dict[str, str]] | None = None,
         batch_size: AtLeastOne = 4,
         val_size: NonNegativeInt = 64,
         val_split: ValSplit = "holdout",
@@ -76,6 +79,7 @@ class GSM8KDataModule(PromptDataModule):
             val_batch_size=val_batch_size,
             train_size=train_size,
             system_prompt=system_prompt,
+            few_shot=few_shot,
             seed=seed,
             num_workers=num_workers,
             val_sets=val_sets,
@@ -97,7 +101,7 @@ class GSM8KDataModule(PromptDataModule):
                 f"{where}: has a column 'prompt', but the GSM8K preset builds the prompt from "
                 f"{hp.question_field!r}: rename the column, or read the rows with PromptDataModule"
             )
-        return {"prompt": chat_prompt(checked["question"], hp.system_prompt), **checked}
+        return {"prompt": chat_prompt(checked["question"], hp.system_prompt, hp.few_shot), **checked}
 
     def _test_split_rows(self) -> list[Row]:
         return self.val_rows if self.source == "arithmetic" else super()._test_split_rows()

@@ -33,6 +33,7 @@ from grpo_lightning.io.rows import (
     Row,
     chat_prompt,
     check_answer,
+    check_few_shot,
     check_prompt,
     check_same_columns,
     collate_rows,
@@ -90,6 +91,13 @@ class PromptDataModule(L.LightningDataModule):
             Default False: a text prompt stays text, tokenized as it is without any chat template (TRL's
             "standard" format), unless `system_prompt` is set, which implies a conversation. Prompts that
             are chat messages in the rows are conversational either way.
+        few_shot: worked examples put before each prompt as earlier turns of its conversation (after the
+            system turn): user, assistant and, to show a tool exchange, tool messages (`{"role": "tool",
+            "name": ..., "content": ...}`; the assistant's calls written as text in the model's tool-call
+            format), opening with a user turn and closing with an assistant's. A tool exchange reads as the
+            rollout's own tool turns will: where the chat template shows no tools, the results become the
+            user turn of `<tool_response>` blocks the rollout writes. The rewards see them in `prompts`,
+            never in a completion. Implies a conversation, as `system_prompt` does. Default None: none.
         answer_field: the column holding the reference answer that validation checks (a number, or
             GSM8K's `#### N` form) when the model has no `val_reward`. Default "answer"; rows need it only
             for that check.
@@ -118,6 +126,7 @@ class PromptDataModule(L.LightningDataModule):
         system_prompt: str | None = None,
         prompt_template: str | None = None,
         chat_prompt: bool = False,
+        few_shot: list[dict[str, str]] | None = None,
         batch_size: AtLeastOne = 4,
         val_size: NonNegativeInt = 64,
         val_split: ValSplit = "holdout",
@@ -156,6 +165,8 @@ class PromptDataModule(L.LightningDataModule):
         names = ["batch_size", "val_batch_size", "val_size", "train_size", "num_workers"]
         check_arguments("data", signature, hp, names)
         check_validation_sets(self.val_sets)
+        if hp.get("few_shot") is not None:
+            check_few_shot(hp.few_shot)
         self._template_columns()
 
     def _template_columns(self) -> list[str]:
@@ -233,24 +244,30 @@ class PromptDataModule(L.LightningDataModule):
             ) from None
 
     def _as_conversation(self, prompt: str | list, where: str, field: str) -> str | list:
-        """The prompt as `system_prompt` and `chat_prompt` make it: a text prompt as the user's turn (after
-        the system turn), a chat prompt with the system turn put first; else as it is."""
-        system_prompt = self.hparams.system_prompt
+        """The prompt as `system_prompt`, `few_shot` and `chat_prompt` make it: a text prompt as the user's
+        turn (after the system turn and the examples), a chat prompt with the system turn put first and the
+        examples after its own system turn; else as it is."""
+        system_prompt, few_shot = self.hparams.system_prompt, self.hparams.get("few_shot")
         if isinstance(prompt, str):
-            return chat_prompt(prompt, system_prompt) if self.makes_conversations else prompt
-        if not system_prompt:
+            return chat_prompt(prompt, system_prompt, few_shot) if self.makes_conversations else prompt
+        if system_prompt:
+            if prompt[0]["role"] == "system":
+                raise ValueError(
+                    f"{where}: field {field!r} starts with a system message of its own, and "
+                    "data.system_prompt would put a second one before it: drop data.system_prompt, or the "
+                    "rows' system messages"
+                )
+            prompt = [{"role": "system", "content": system_prompt}, *prompt]
+        if not few_shot:
             return prompt
-        if prompt[0]["role"] == "system":
-            raise ValueError(
-                f"{where}: field {field!r} starts with a system message of its own, and data.system_prompt "
-                "would put a second one before it: drop data.system_prompt, or the rows' system messages"
-            )
-        return [{"role": "system", "content": system_prompt}, *prompt]
+        at = int(prompt[0]["role"] == "system")  # the examples after the system turn
+        return [*prompt[:at], *(dict(m) for m in few_shot), *prompt[at:]]
 
     @property
     def makes_conversations(self) -> bool:
         """Whether text prompts become chat messages (`chat_prompt`, or a `system_prompt`)."""
-        return bool(self.hparams.get("chat_prompt")) or self.hparams.system_prompt is not None
+        hp = self.hparams
+        return bool(hp.get("chat_prompt")) or hp.system_prompt is not None or hp.get("few_shot") is not None
 
     def _records(self, split: str) -> list[tuple[str, object]]:
         return read_split_records(self.source, self.hparams.config_name, split)
