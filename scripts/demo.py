@@ -52,6 +52,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="N runs, seeds 0..N-1, and their mean gain (default: one run, the config's seed)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument(
+        "--cpu_seconds",
+        type=float,
+        help="train for this many CPU seconds of this process and drop the config's wall-clock limit: the "
+        "same training on a machine shared with other jobs (default: the config's CPUTimeBudget)",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -88,9 +94,9 @@ def cpu_multiplies_bf16() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict]:
-    """One fine-tuning run: its summary, the before-training results (measured if `before` is None), the
-    run's root folder and its curves (`write_curves`)."""
+def run(cli_args: list[str], before: dict | None, cpu_seconds: float | None) -> tuple[dict, dict, str, dict]:
+    """One fine-tuning run (`cpu_seconds`: its budget, else the config's): its summary, the before-training
+    results (measured if `before` is None), the run's root folder and its curves (`write_curves`)."""
     cli = build_cli(cli_args, run=False)
     on_cpu = cli.trainer.strategy.root_device.type == "cpu"
     if on_cpu and str(cli.trainer.precision).startswith("bf16") and not cpu_multiplies_bf16():
@@ -104,6 +110,8 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
     # the static path's bf16 copy): without it the evaluation before would run in float32.
     module.rollouts.place(trainer.strategy.root_device, trainer.precision)
     budget = budget_of(trainer)
+    if cpu_seconds is not None:
+        budget.max_cpu_seconds, budget.max_wall_seconds = cpu_seconds, None
     data.setup("fit")
     check_fit(trainer, module, data)  # what fit checks first, before the evaluation's minutes
     if not data.val_rows:  # every number the demo reports is an accuracy on them
@@ -132,6 +140,8 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
         "lenient_accuracy_after": share(after["lenient"]),
         "format_before": share(before["formatted"]),
         "format_after": share(after["formatted"]),
+        "tool_calls_before": share(before["called"]),  # answers that called a tool (0 without tools)
+        "tool_calls_after": share(after["called"]),
         "completion_length_before": share(before["lengths"]),
         "completion_length_after": share(after["lengths"]),
         "precision": str(trainer.precision),
@@ -147,7 +157,13 @@ def run(cli_args: list[str], before: dict | None) -> tuple[dict, dict, str, dict
         (0, summary["accuracy_before"], summary["accuracy_before_se"]),
         (trainer.global_step, summary["accuracy_after"], summary["accuracy_after_se"]),
     ]
-    curve = {"seed": summary["seed"], "reward": history.reward, "accuracy": accuracy}
+    curve = {
+        "seed": summary["seed"],
+        "reward": history.reward,
+        "accuracy": accuracy,
+        "train_accuracy": history.accuracy,
+        "train_calls": history.calls,
+    }
     return summary, before, trainer.default_root_dir, curve
 
 
@@ -164,7 +180,7 @@ def describe(s: dict) -> str:
 
 def main(argv: list[str]) -> None:
     args, cli_args = parse_args(argv)
-    for flag in ("seeds", "threads"):
+    for flag in ("seeds", "threads", "cpu_seconds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     torch.set_num_threads(args.threads)
@@ -173,7 +189,7 @@ def main(argv: list[str]) -> None:
     runs, curves, before, paths = [], [], None, None
     for seed in seeds:
         seed_args = [] if seed is None else [f"--seed_everything={seed}"]
-        summary, before, root, curve = run(cli_args + seed_args, before)
+        summary, before, root, curve = run(cli_args + seed_args, before, args.cpu_seconds)
         runs.append(summary)
         curves.append(curve)
         print(describe(summary), flush=True)

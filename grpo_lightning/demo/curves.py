@@ -2,7 +2,8 @@
 accuracies measured (before and after training), each a point with its standard error: nothing is measured
 between them, so no line joins them.
 
-`RewardHistory` records `train/reward` after every training step; `write_curves` draws the runs into one
+`RewardHistory` records `train/reward` (and the training accuracy and tool calls per sample) after every
+training step; `write_curves` draws the runs into one
 PNG (matplotlib, the `[plot]` extra: `pip install -e ".[plot]"`) and writes the numbers beside it as JSON,
 so that the picture can be checked and redrawn.
 """
@@ -22,15 +23,28 @@ FIGURE_INCHES, DPI = (8.0, 6.0), 100
 
 
 class RewardHistory(L.Callback):
-    """`(optimizer step, train/reward)` after each training step that updated the weights."""
+    """`(optimizer step, value)` after each training step that updated the weights: `reward` (`train/reward`),
+    `accuracy` (the sampled completions' mean `accuracy_reward`, where it is a reward) and `calls` (tool calls
+    per sample, with tools)."""
+
+    SERIES = {
+        "reward": "train/reward",
+        "accuracy": "train/rewards/accuracy_reward",
+        "calls": "train/tools/call_frequency",
+    }
 
     def __init__(self) -> None:
         self.reward: list[tuple[int, float]] = []
+        self.accuracy: list[tuple[int, float]] = []
+        self.calls: list[tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        reward = trainer.callback_metrics.get("train/reward")
-        if reward is not None and getattr(pl_module, "last_rollout", None) is not None:
-            self.reward.append((trainer.global_step, float(reward)))
+        if getattr(pl_module, "last_rollout", None) is None:
+            return
+        for name, key in self.SERIES.items():
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                getattr(self, name).append((trainer.global_step, float(value)))
 
 
 def write_curves(path: str, runs: list[dict]) -> str | None:

@@ -21,18 +21,22 @@ from grpo_lightning.io.rows import collate_rows
 
 @torch.no_grad()
 def heldout_correct(module, rows: Sequence[dict], batch_size: int, system_prompt: str | None) -> dict:
-    """Greedy completions of `module.rollouts.sample` (a `GRPOModule`) on `rows`; per problem, in row order:
-    `strict` and `lenient` (the extracted answer equals the reference) and `formatted` (a `#### N` answer),
-    lists of bools, and `lengths`, the completions' token counts."""
-    results: dict[str, list] = {"strict": [], "lenient": [], "formatted": [], "lengths": []}
+    """Greedy completions of `module.rollouts.sample_batch` (a `GRPOModule`; with tools, the whole multi-turn
+    rollout, as validation samples it) on `rows`; per problem, in row order: `strict` and `lenient` (the
+    extracted answer equals the reference), `formatted` (a `#### N` answer) and `called` (a tool ran: a tool
+    message in its turns), lists of bools, and `lengths`, the completions' token counts (tool results
+    included)."""
+    results: dict[str, list] = {"strict": [], "lenient": [], "formatted": [], "called": [], "lengths": []}
     for start in range(0, len(rows), batch_size):
         batch = collate_rows(list(rows[start : start + batch_size]), system_prompt)
-        rollout, completions = module.rollouts.sample(batch["prompt"], 1, do_sample=False)
+        rollout, completions, turns = module.rollouts.sample_batch(batch, 1, do_sample=False)
         for completion, answer in zip(completions, batch["answer"], strict=True):
             reference, strict = reference_answer(answer), extract_answer(completion, strict=True)
             results["strict"].append(strict == reference)
             results["lenient"].append(extract_answer(completion) == reference)
             results["formatted"].append(strict is not None)
+        messages = (turns.messages if turns is not None else None) or [[] for _ in completions]
+        results["called"] += [any(m["role"] == "tool" for m in sample) for sample in messages]
         results["lengths"] += rollout.completion_mask.sum(dim=1).tolist()
     return results
 
