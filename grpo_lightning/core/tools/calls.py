@@ -63,8 +63,9 @@ class ToolOptions:
     environment that is not set up). None: TRL's way, no bound and each of them called in the trainer's own
     thread, which an environment that sets a signal handler there needs (one bounding its work with
     `signal.alarm`; Python takes signal handlers from the main thread only, and under a bound such a call
-    fails with one line naming this option). Its methods the policy calls are tools, bounded by
-    `call_timeout`."""
+    fails with one line naming this option; under `max_staleness > 0` the rollout itself runs on a thread of
+    its own, so such an environment needs `max_staleness: 0`). Its methods the policy calls are tools, bounded
+    by `call_timeout`."""
 
     max_response_length: Annotated[int | None, Alias("max_tool_response_length"), Range(">= 1")] = None
     """Characters of each text result the model reads: a longer one keeps its start and end, this many
