@@ -144,7 +144,7 @@ REFUSED = {
         "check_tool_arguments": NOT_A_FLAG,
         # None: no bound, TRL's
         "tool_call_timeout": below(0, inclusive=True) | st.sampled_from(["1", True, False, [1]]),
-        "environment_timeout": below(0, inclusive=True) | NOT_A_NUMBER,
+        "environment_timeout": below(0, inclusive=True) | st.sampled_from(["1", True, False, [1]]),
     },
     ModelOptions: {
         "gguf_file": st.sampled_from([1, True]),

@@ -1,11 +1,14 @@
 """Environments as TRL 1.16 runs them: an `environment_factory` whose `get_reward` is the only reward
 (`reward_funcs` None or `[]`), a data set with only an `environment` column whose `reset` writes each prompt,
-no data set at all (`EnvironmentPromptDataModule`, TRL's `train_dataset=None`),
-and a list result reaching the reward functions as the list itself (`grpo_agent.py`'s `query_reward` tests
-`isinstance(result, list)`), through the module's whole training step on a scripted engine."""
+no data set at all (`EnvironmentPromptDataModule`, TRL's `train_dataset=None`), an environment that sets a
+signal handler (`environment_timeout: null`, TRL's way), and a list result reaching the reward functions as
+the list itself (`grpo_agent.py`'s `query_reward` tests `isinstance(result, list)`), through the module's
+whole training step on a scripted engine."""
 
+import functools
 import random
 import re
+import signal
 
 import pytest
 import torch
@@ -56,8 +59,10 @@ def query_reward(completions, **kwargs):
     return rewards
 
 
-def module_of(model_dir: str, reward_funcs, factory) -> tuple[GRPOModule, list]:
-    grpo = GRPOConfig(num_generations=2, max_completion_length=160, preflight=False, log_completions_every=0)
+def module_of(model_dir: str, reward_funcs, factory, **options) -> tuple[GRPOModule, list]:
+    grpo = GRPOConfig(
+        num_generations=2, max_completion_length=160, preflight=False, log_completions_every=0, **options
+    )
     module = GRPOModule(model_dir, reward_funcs=reward_funcs, grpo=grpo, environment_factory=factory)
     engine = BuyingEngine(module.tokenizer)
     module.rollouts.build_engine = lambda: engine
@@ -176,3 +181,75 @@ def test_environment_prompts_refuse_what_trl_refuses(tiny_model_dir, factory, tr
     """As TRL's `train_dataset=None`: `max_steps` is required, and one environment to write the prompts."""
     message = trainer_refusal(tiny_model_dir, factory, **trainer_options)
     assert named in message and "\n" not in message
+
+
+class Expired(Exception):
+    pass
+
+
+def _expired(signum, frame):
+    raise Expired
+
+
+def alarmed(*methods: str) -> type:
+    """A `Counter` whose `methods` bound their work with `SIGALRM`, as `grpo_agent.py` bounds its tool's
+    query: Python takes signal handlers from the main thread only."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def bounded(self, *args, **kwargs):
+            previous = signal.signal(signal.SIGALRM, _expired)
+            signal.alarm(30)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+
+        return bounded
+
+    return type("AlarmCounter", (Counter,), {name: wrap(getattr(Counter, name)) for name in methods})
+
+
+def test_an_environment_setting_signal_handlers_trains_with_no_environment_timeout(tiny_model_dir):
+    """`environment_timeout: null`: the constructor, `reset` and `get_reward` run in the trainer's thread,
+    as TRL runs them, and `get_reward` is the reward."""
+    RESETS.clear()
+    factory = alarmed("__init__", "reset", "get_reward")
+    module, contexts = module_of(tiny_model_dir, None, factory, environment_timeout=None)
+    rows = [{"prompt": [{"role": "user", "content": "Buy them all."}]}] * 2
+    data = PromptDataModule(source=Dataset.from_list(rows), batch_size=2, val_size=0, seed=0)
+    metrics = Metrics()
+    trainer = quiet_trainer(max_steps=1, callbacks=[metrics], limit_val_batches=0)
+    trainer.fit(module, data)
+    assert len(RESETS) == 2 * 2  # rows x G, each reset under its alarm
+    assert len(contexts) == 2 * 2 * 2 and all("Count to 3 (stock 3)." in c for c in contexts)  # 2 turns each
+    assert metrics.logged["train/rewards/AlarmCounter"] == 1.0  # every get_reward ran
+
+
+@pytest.mark.parametrize(
+    ("method", "what"),
+    [
+        ("__init__", r"environment_factory .*AlarmCounter\(\)"),
+        ("reset", r"AlarmCounter\.reset\(\*\*row\)"),
+        ("get_reward", r"AlarmCounter\.get_reward\(\)"),
+    ],
+)
+def test_under_environment_timeout_a_signal_setting_environment_says_what_to_set(
+    tiny_model_dir, method, what
+):
+    """Under the default bound each call runs in a thread of its own, where Python refuses signal handlers:
+    the run stops with one line naming the call and `tools.environment_timeout: null`."""
+    factory = alarmed(method)
+    rows = [{"prompt": [{"role": "user", "content": "Buy them all."}]}] * 2
+    data = PromptDataModule(source=Dataset.from_list(rows), batch_size=2, val_size=0, seed=0)
+    with pytest.raises(RuntimeError) as failure:
+        module, _ = module_of(tiny_model_dir, None, factory)
+        quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)
+    message = str(failure.value)
+    # get_reward's line comes inside the reward scoring's own ("reward function 'AlarmCounter' raised ...")
+    said = (
+        rf"{what} raised ValueError: signal only works in main thread.*set tools\.environment_timeout: null"
+    )
+    assert re.search(said, message), message
+    assert "\n" not in message

@@ -3,10 +3,10 @@
 Starting 2 processes costs more than most of these runs: each process imports torch, Lightning and
 transformers (about 5 CPU-seconds). So the files whose tests check 2-process runs each name their runs
 (`two_rank_jobs(model, out)` in tests/test_distributed.py, test_distributed_resume.py, test_fsdp_options.py,
-test_validation_sets.py), the session fixture `two_rank_runs` makes them all in one launch of this file
-as a script, one after the other in the same 2 processes (the DDP runs first, then the FSDP2 ones), and
-each test reads what its runs wrote under `<two_rank_runs>/<its file's name>/`. Only the files whose tests
-pytest runs take part: one file's tests launch that file's runs alone.
+test_validation_sets.py, test_environment_prompts_ranks.py), the session fixture `two_rank_runs` makes them
+all in one launch of this file as a script, one after the other in the same 2 processes (the DDP runs first,
+then the FSDP2 ones), and each test reads what its runs wrote under `<two_rank_runs>/<its file's name>/`. Only
+the files whose tests pytest runs take part: one file's tests launch that file's runs alone.
 
 A job is `{"call": "tests.<file>:<function>", "cfg": {...}}`: the function runs with `cfg` on every rank.
 Each starts from the random state of a fresh process, as it would in a launch of its own.
@@ -27,6 +27,7 @@ FILES = (
     "test_validation_sets",
     "test_distributed_resume",
     "test_fsdp_options",
+    "test_environment_prompts_ranks",
 )
 
 

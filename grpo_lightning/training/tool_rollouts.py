@@ -41,8 +41,10 @@ from grpo_lightning.core.tools.calls import (
     CallTimeout,
     RowToolRunner,
     ToolOptions,
+    call_within,
     describe,
-    run_bounded,
+    sets_signal_handler,
+    signal_handler_advice,
 )
 from grpo_lightning.core.tools.schemas import (
     Tool,
@@ -110,10 +112,11 @@ def environment_tools(environment: object) -> list[Tool]:
 class EnvironmentReward:
     """The reward of the environments of class `cls`: each sample's `get_reward()` where its environment is
     of that class exactly, None (no opinion) elsewhere; awaited when `get_reward` is async. A `get_reward`
-    that does not return within `seconds` (`ToolOptions.environment_timeout`) is that sample's None, with a
-    warning naming the class; one that raises stops the run in one line naming it."""
+    that does not return within `seconds` (`ToolOptions.environment_timeout`; None: called in this thread with
+    no bound) is that sample's None, with a warning naming the class; one that raises stops the run in one
+    line naming it."""
 
-    def __init__(self, cls: type, seconds: float = ToolOptions.environment_timeout) -> None:
+    def __init__(self, cls: type, seconds: float | None = ToolOptions.environment_timeout) -> None:
         self.cls, self.__name__, self.seconds = cls, cls.__name__, seconds
 
     def __call__(self, environments: Sequence[object] | None = None, **kwargs: object) -> object:
@@ -130,11 +133,11 @@ class EnvironmentReward:
 
     def _bounded(self, environment: object) -> object:
         try:
-            return run_bounded(environment.get_reward, self.seconds, f"{self.__name__}.get_reward")
+            return call_within(environment.get_reward, self.seconds, f"{self.__name__}.get_reward")
         except CallTimeout as error:
             return self._missing(error)
         except CallFailed as error:
-            raise _user_code_error(f"{self.__name__}.get_reward()", error) from None
+            raise _user_code_error(f"{self.__name__}.get_reward()", error, self.seconds) from None
 
     async def _awaited(self, environment: object) -> object:
         try:
@@ -155,20 +158,23 @@ class EnvironmentReward:
         return None
 
 
-def _user_code_error(what: str, error: CallFailed | CallTimeout) -> RuntimeError:
-    """The one-line error of user code that failed: `what` it was (a class's method, a function) and why."""
+def _user_code_error(what: str, error: CallFailed | CallTimeout, bound: float | None = None) -> RuntimeError:
+    """The one-line error of user code that failed: `what` it was (a class's method, a function) and why;
+    where it ran in a thread of its own under `bound` and set a signal handler there, what to set."""
     if isinstance(error, CallTimeout):
         return RuntimeError(f"{error} (tools.environment_timeout): raise the bound or fix the environment")
+    if bound is not None and sets_signal_handler(error):
+        return RuntimeError(f"{what} raised {error}: {signal_handler_advice('tools.environment_timeout')}")
     return RuntimeError(f"{what} raised {error}")
 
 
-def _user_call(what: str, function: Callable[[], object], seconds: float) -> object:
-    """`function()` (an environment's constructor or `reset`), bounded by `seconds`; what goes wrong is one
-    `RuntimeError` line naming `what`."""
+def _user_call(what: str, function: Callable[[], object], seconds: float | None) -> object:
+    """`function()` (an environment's constructor or `reset`), bounded by `seconds` (None: in this thread,
+    no bound); what goes wrong is one `RuntimeError` line naming `what`."""
     try:
-        return run_bounded(function, seconds, what)
+        return call_within(function, seconds, what)
     except (CallTimeout, CallFailed) as error:
-        raise _user_code_error(what, error) from None
+        raise _user_code_error(what, error, seconds) from None
 
 
 def _uncallable(tool: object) -> str | None:

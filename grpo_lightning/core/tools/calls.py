@@ -10,11 +10,12 @@ raises, as TRL: `multiply() missing 1 required positional argument: 'b'`), a too
 `ToolOptions.call_timeout`, a result that cannot be turned into text. Async tools are awaited, all of one
 batch's together.
 
-Each call runs in a thread of its own (`run_bounded`), the trainer's thread waiting for it at most
-`call_timeout` seconds: a signal to the trainer (SIGTERM, Ctrl-C) is handled while it waits, and a tool that
-never returns costs that many seconds, not the run. A thread cannot be stopped from outside in Python: a sync
-tool past its bound is abandoned, still running in the background (a daemon thread: it does not keep the
-process alive at exit). A tool that must be stopped for good belongs in a process (`sandbox.PythonSandbox`).
+Each call runs in a thread of its own (`run_bounded`; with `call_timeout: null`, `call_within` calls a sync
+tool in the trainer's thread, TRL's way), the trainer's thread waiting for it at most `call_timeout` seconds:
+a signal to the trainer (SIGTERM, Ctrl-C) is handled while it waits, and a tool that never returns costs that
+many seconds, not the run. A thread cannot be stopped from outside in Python: a sync tool past its bound is
+abandoned, still running in the background (a daemon thread: it does not keep the process alive at exit). A
+tool that must be stopped for good belongs in a process (`sandbox.PythonSandbox`).
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ class ToolOptions:
     `SIGALRM`; Python takes signal handlers from the main thread only); what it raises beyond `Exception`
     (`SystemExit`, `KeyboardInterrupt`) then ends the run, as in TRL."""
 
-    environment_timeout: Annotated[float, Range("> 0")] = 300.0
-    """Seconds an environment's `reset(**row)` or `get_reward()` may take (`environment_factory`). A
-    `get_reward` past it is that sample's missing reward (None, as a reward function's no-opinion); a `reset`
-    past it ends the run with one line naming the class, as a `reset` that raises does (TRL's behaviour: it
-    cannot draw a sample from an environment that is not set up). Its methods the policy calls are tools,
-    bounded by `call_timeout`."""
+    environment_timeout: Annotated[float | None, Range("> 0")] = 300.0
+    """Seconds an environment's constructor, `reset(**row)` or `get_reward()` may take
+    (`environment_factory`), each run in a thread of its own. A `get_reward` past it is that sample's missing
+    reward (None, as a reward function's no-opinion); a constructor or `reset` past it ends the run with one
+    line naming the class, as one that raises does (TRL's behaviour: it cannot draw a sample from an
+    environment that is not set up). None: TRL's way, no bound and each of them called in the trainer's own
+    thread, which an environment that sets a signal handler there needs (one bounding its work with
+    `signal.alarm`; Python takes signal handlers from the main thread only, and under a bound such a call
+    fails with one line naming this option; under `max_staleness > 0` the rollout itself runs on a thread of
+    its own, so such an environment needs `max_staleness: 0`). Its methods the policy calls are tools, bounded
+    by `call_timeout`."""
 
     max_response_length: Annotated[int | None, Alias("max_tool_response_length"), Range(">= 1")] = None
     """Characters of each text result the model reads: a longer one keeps its start and end, this many
@@ -238,6 +244,36 @@ def run_bounded(function: Callable[[], object], seconds: float | None, name: str
     return outcome["value"]
 
 
+def call_within(function: Callable[[], object], seconds: float | None, name: str) -> object:
+    """`function()`'s value: under a bound, run in a thread of its own (`run_bounded`); with `seconds` None,
+    TRL's way, called in this thread with no bound, so that it may set signal handlers (what it raises
+    beyond `Exception`, `SystemExit` or `KeyboardInterrupt`, then leaves as itself).
+
+    Raises `CallFailed` holding the exception it raised, or `CallTimeout` past `seconds`.
+    """
+    if seconds is not None:
+        return run_bounded(function, seconds, name)
+    try:
+        return function()
+    except Exception as error:
+        raise CallFailed(error, describe(error)) from None
+
+
+def sets_signal_handler(error: CallFailed) -> bool:
+    """Whether `error` is Python's refusal of a signal handler outside the main thread (`signal only works
+    in main thread ...`), which a call run in a thread of its own meets."""
+    return isinstance(error.error, ValueError) and "main thread" in error.text
+
+
+def signal_handler_advice(option: str, alias: str | None = None) -> str:
+    """What to set where user code failed by setting a signal handler in the thread `option` runs it in."""
+    shown = f"{option}: null ({alias}, " if alias else f"{option}: null ("
+    return (
+        f"it sets a signal handler, which only the trainer's main thread may, and {option} runs it in a "
+        f"thread of its own; set {shown}TRL's way: no bound, the trainer's thread)"
+    )
+
+
 _WARNED_SIGNAL_TOOLS: set[str] = set()
 
 
@@ -247,12 +283,8 @@ def warn_signal_tool(name: str, text: str) -> None:
     if name in _WARNED_SIGNAL_TOOLS:
         return
     _WARNED_SIGNAL_TOOLS.add(name)
-    warnings.warn(
-        f"tool {name} failed with {text!r}: it sets a signal handler, which only the trainer's main thread "
-        "may, and tools.call_timeout runs each call in a thread of its own; set tools.call_timeout: null "
-        "(tool_call_timeout, TRL's way: no bound, the trainer's thread)",
-        stacklevel=2,
-    )
+    advice = signal_handler_advice("tools.call_timeout", "tool_call_timeout")
+    warnings.warn(f"tool {name} failed with {text!r}: {advice}", stacklevel=2)
 
 
 def message_of(error: BaseException) -> str:
@@ -340,17 +372,12 @@ class ToolRunner:
 
     def _sync_call(self, name: str, call: Callable[[], object]) -> tuple[str, Content]:
         seconds = self.options.call_timeout
-        if seconds is None:  # TRL's: in this thread, unbounded; an Exception is the call's result
-            try:
-                return name, self._content(name, call())
-            except Exception as error:
-                return self._failed(name, message_of(error))
         try:
-            return name, run_bounded(lambda: self._content(name, call()), seconds, name)  # type: ignore[return-value]
+            return name, call_within(lambda: self._content(name, call()), seconds, name)  # type: ignore[return-value]
         except CallTimeout as error:
             return self._failed(name, str(error))
         except CallFailed as error:  # the model reads why its call failed; training goes on
-            if isinstance(error.error, ValueError) and "main thread" in error.text:
+            if seconds is not None and sets_signal_handler(error):
                 warn_signal_tool(name, error.text)
             return self._failed(name, error.text)
 
