@@ -163,10 +163,12 @@ def test_demo_trains_in_float32_on_a_cpu_without_bf16_matrix_instructions(tiny_m
         mock.patch.object(demo, "heldout_correct", recorded),
         mock.patch.object(demo, "cpu_multiplies_bf16", lambda: False),
     ):
-        demo.main(["--config", path, "--threads", str(torch.get_num_threads())])
+        demo.main(["--config", path, "--threads", str(torch.get_num_threads()), "--cpu_seconds", "500"])
     assert precisions == ["32-true"] * 2  # before and after, as training
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["precision"] == "32-true" and summary["steps"] == 2
+    # --cpu_seconds: the CPU budget given, and no wall-clock limit
+    assert summary["cpu_budget_seconds"] == 500 and summary["wall_budget_seconds"] is None
     assert "trainer.precision=32-true, not bf16-mixed" in capsys.readouterr().out
 
 
@@ -178,6 +180,9 @@ def check_curves(folder, runs: list[dict]) -> None:
     for curve, run in zip(curves, runs, strict=True):
         ((step, reward),) = curve["reward"]  # one rollout, whose 2 optimizer steps end at step 2
         assert step == 2 and 0.0 <= reward <= 2.0  # accuracy + format rewards
+        ((step, accuracy),) = curve["train_accuracy"]  # the sampled completions' accuracy_reward
+        assert step == 2 and 0.0 <= accuracy <= 1.0 <= reward + 1.0
+        assert curve["train_calls"] == [] and run["tool_calls_before"] == run["tool_calls_after"] == 0.0
         before = [0, run["accuracy_before"], run["accuracy_before_se"]]
         assert curve["accuracy"] == [before, [2, run["accuracy_after"], run["accuracy_after_se"]]]
     image = matplotlib.image.imread(folder / "curves.png")  # [H, W, RGBA] in 0..1

@@ -21,6 +21,7 @@ from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.rewards.verifiable import completion_text
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.types import Rollout
+from grpo_lightning.demo.heldout import heldout_correct
 from grpo_lightning.offline.tool_caller import QUESTION, teach_tool_call
 from grpo_lightning.training.callbacks.results_writer import ValidationResultsWriter
 from grpo_lightning.training.data import PromptDataModule
@@ -402,3 +403,25 @@ def test_the_shipped_calculator_config_trains_and_validates_with_its_tool(tiny_m
         assert [m["role"] for m in line["transcript"]] == ["assistant", "tool", "assistant"]
         assert line["transcript"][1]["content"] == "72"
     assert all(line["extracted"] == "72" and line["correct"] == (line["answer"] == "72") for line in lines)
+
+
+def test_the_demo_evaluation_answers_through_the_tool_loop_and_counts_the_calls(calling_model):
+    """`heldout_correct` (scripts/demo.py's evaluation) samples a module with tools as validation does: the
+    taught model's call runs, its answer after the result is read, and each problem says it called."""
+    model, tokenizer = calling_model
+    rows = [{"prompt": QUESTION, "answer": "#### 42"}, {"prompt": QUESTION, "answer": "#### 41"}]
+    with_tools = GRPOModule(
+        copy.deepcopy(model),
+        tokenizer,
+        reward_funcs=[answered_42],
+        grpo=GRPOConfig(preflight=False),
+        tools=[calculator],
+    )
+    results = heldout_correct(with_tools, rows, 2, None)
+    assert results["called"] == [True, True]
+    assert results["lenient"] == [True, False]  # "The answer is 42." after the result
+    assert results["formatted"] == [False, False] and results["strict"] == [False, False]
+    without = GRPOModule(
+        copy.deepcopy(model), tokenizer, reward_funcs=[answered_42], grpo=GRPOConfig(preflight=False)
+    )
+    assert heldout_correct(without, rows, 2, None)["called"] == [False, False]
