@@ -7,7 +7,7 @@ from datasets import Dataset
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
-from tests.helpers import tiny_module
+from tests.helpers import cli_error, one_error_line, tiny_module
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 SHOTS = [
@@ -107,3 +107,17 @@ def test_an_example_tool_result_is_in_the_prompt_as_the_rollout_appends_one(tiny
     assert contains(prompt, end_of_call + appended)
     assert not contains(prompt, tokenizer("<|im_start|>tool", add_special_tokens=False)["input_ids"])
     assert turns.prompts[0][3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+
+
+def test_a_yaml_text_split_at_its_comma_is_named_with_the_fix(tmp_path, capsys):
+    """An unquoted text holding ', ' in a YAML flow mapping splits there, leaving a key without a value:
+    the one line says an item holds None and to quote the text (not only "expected null")."""
+    config = tmp_path / "shots.yaml"
+    config.write_text("data:\n  few_shot:\n    - {role: user, content: Tom has 3, then 4}\n")
+    message = one_error_line(
+        cli_error(["fit", "--config", "configs/demo_arithmetic.yaml", "--config", str(config)], capsys)
+    )
+    assert message == (
+        "error: data.few_shot: expected a list of dict[str, str] or null; an item inside holds None, not a "
+        "string (in YAML, quote a text holding ', ' or ': ')"
+    )

@@ -86,7 +86,10 @@ _UNION = re.compile(
     r"(?: Given value type: .*? Given value: (?P<value>.*))?$"
 )
 # A type of the Subtypes list: `list[str]`, `<class 'float'>`, or the base of `typing.Annotated[float, > 0]`.
-_TYPE = re.compile(r"list\[[\w.]+\]|<class '[\w.]+'>|(?<=Annotated\[)[\w.]+")
+_TYPE = re.compile(r"list\[(?:[\w.]+|dict\[[\w., ]+\])\]|<class '[\w.]+'>|(?<=Annotated\[)[\w.]+")
+# What an item inside a list or mapping was checked against, and what it held (`None` where a YAML flow
+# mapping split an unquoted text at a comma).
+_INNER = re.compile(r"Expected a <class '(?P<type>[\w.]+)'>\. Got value: (?P<value>.*)")
 # The errors jsonargparse writes of a type it tried; anything else is the class's own message.
 _GENERIC = ("Expected a ", "Not a valid subclass", "Does not validate", "a class path", "a dict with")
 _TYPE_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
@@ -129,7 +132,15 @@ def plain_value_error(message: str) -> str:
     finite = value is not None and _not_finite(value)
     words = " or ".join(dict.fromkeys(_type_word(t, finite) for t in tokens))
     where = match["key"] or "a value"
-    return f"{where}={value}: expected {words}" if value is not None else f"{where}: expected {words}"
+    if value is not None:
+        return f"{where}={value}: expected {words}"
+    inner = next((m for m in map(_INNER.match, errors) if m), None)
+    if inner is None:
+        return f"{where}: expected {words}"
+    return (
+        f"{where}: expected {words}; an item inside holds {inner['value']}, not "
+        f"{_type_word(inner['type'], False)} (in YAML, quote a text holding ', ' or ': ')"
+    )
 
 
 def strategy_class_path(strategy: object) -> str | None:
