@@ -57,7 +57,7 @@ from grpo_lightning.core.tools.turns import (
     rendering_with,
     training_template,
     training_template_note,
-    with_tool_turns_rendered,
+    with_tool_turns_as_user_turns,
 )
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.hparams import import_object, resolve_callable
@@ -427,7 +427,7 @@ class ToolSampling:
         chat_template = self._rendering_template(tokenizer, renders_tools, rollouts.cfg.prompts)
         if not renders_tools:
             row_prompts = [
-                with_tools_in_system_prompt(with_tool_turns_rendered(p, False), s)
+                with_tools_in_system_prompt(with_tool_turns_as_user_turns(p), s)
                 for p, s in zip(row_prompts, schemas, strict=True)
             ]
             schemas = None

@@ -39,12 +39,10 @@ def tool_messages(results: Sequence[tuple[str, str | list]], template_has_tools:
     return [{"role": "user", "content": blocks}]
 
 
-def with_tool_turns_rendered(messages: list[dict], template_has_tools: bool) -> list[dict]:
+def with_tool_turns_as_user_turns(messages: list[dict]) -> list[dict]:
     """`messages` with each run of `tool` messages (a prompt's worked example, `data.few_shot`) as
-    `tool_messages` writes results, so that the example reads as the rollout's own tool turns will; as they
-    are where the chat template renders tools."""
-    if template_has_tools:
-        return messages
+    `tool_messages` writes results for a chat template that shows no tools, so that the example reads as the
+    rollout's own tool turns will."""
     out: list[dict] = []
     for is_tool, run in groupby(messages, key=lambda message: message.get("role") == "tool"):
         run = list(run)
