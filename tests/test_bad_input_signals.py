@@ -255,7 +255,8 @@ def test_sigterm_to_one_of_two_ranks_mid_validation_stops_both_in_seconds_and_th
     validation at once, write one checkpoint of step 1 as a stop in training does, and the run resumes from
     it to its end."""
     args = [*SLOW_VALIDATION, "--trainer.num_sanity_val_steps=0"]
-    stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=1)
+    stopped, resumed = stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=1)
+    assert stopped["global_step"] == 1 and resumed["global_step"] == 2
 
 
 @pytest.mark.long
@@ -267,7 +268,8 @@ def test_sigterm_to_one_of_two_ranks_mid_sanity_check_stops_both_in_seconds_and_
     from Lightning's own handler), write one checkpoint of step 0 as one process does, and the run resumes
     from it to its end."""
     args = [*SLOW_VALIDATION, "--trainer.num_sanity_val_steps=2"]
-    stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=0)
+    stopped, resumed = stop_both_asleep_in_validation_and_resume(tiny_model_dir, tmp_path, args, step=0)
+    assert stopped["global_step"] == 0 and resumed["global_step"] == 2
 
 
 SLOW_VALIDATION = (  # validation after every step, its reward slow at the step `GRPO_TEST_SLOW_AT_STEP` names
@@ -281,10 +283,10 @@ SLOW_VALIDATION = (  # validation after every step, its reward slow at the step 
 
 def stop_both_asleep_in_validation_and_resume(
     tiny_model_dir: str, tmp_path: Path, args: list, step: int
-) -> None:
+) -> tuple[dict, dict]:
     """2 ranks fit 2 steps with `args`, their validation reward asleep at `step`: SIGTERM to rank 1 alone
     stops both within seconds with one checkpoint of `step` (`stop_rank_one_once_both_sleep`), from which the
-    run resumes to its end."""
+    run resumes to its end. The stop's checkpoint and the resumed run's last one, loaded."""
     root, marker, logs = tmp_path / "stopped", tmp_path / "asleep", tmp_path / "stopped.log"
     ranks = start_two_ranks(
         fit_args(tiny_model_dir, str(root), 2, *args), {SLOW_STEP: str(step), SLEEPING: str(marker)}, logs
@@ -294,7 +296,8 @@ def stop_both_asleep_in_validation_and_resume(
     logs = tmp_path / "resumed.log"
     ranks = start_two_ranks(fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs)
     assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
-    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
+    (last,) = root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")
+    return torch.load(ckpt, weights_only=True), torch.load(last, weights_only=True)
 
 
 @pytest.mark.long
@@ -313,7 +316,8 @@ def test_sigterm_to_one_of_two_fsdp2_ranks_mid_rollout_stops_both_in_seconds(tin
         fit_args(tiny_model_dir, str(root), 2, *args, f"--ckpt_path={ckpt}"), {}, logs, FSDP2
     )
     assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
-    assert list(root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")), rank_outputs(logs)
+    (last,) = root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")
+    return torch.load(ckpt, weights_only=True), torch.load(last, weights_only=True)
 
 
 @pytest.mark.long
