@@ -6,6 +6,7 @@ from datasets import Dataset
 
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
+from grpo_lightning.offline.tool_caller import TOOLS_TEMPLATE
 from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
 from tests.helpers import cli_error, one_error_line, tiny_module
 
@@ -121,3 +122,25 @@ def test_a_yaml_text_split_at_its_comma_is_named_with_the_fix(tmp_path, capsys):
         "error: data.few_shot: expected a list of dict[str, str] or null; an item inside holds None, not a "
         "string (in YAML, quote a text holding ', ' or ': ')"
     )
+
+
+def test_an_example_tool_result_stays_the_templates_own_tool_turn_where_it_shows_tools(tiny_model_dir):
+    """Where the chat template shows tools, the rollout appends a result as the template renders a `tool`
+    message: the example's is kept as it is, and reaches the policy as the ids the rollout appends."""
+    module = tiny_module(tiny_model_dir, module_options={"tools": [calculator]}, max_completion_length=4)
+    module.configure_model()
+    tokenizer = module.tokenizer
+    tokenizer.chat_template = TOOLS_TEMPLATE  # the calculator shown in the system turn, tool turns its own
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=None, few_shot=SHOTS, arithmetic_size=20, val_size=2
+    )
+    data.setup("fit")
+    batch = {"prompt": [data.val_rows[0]["prompt"]], "answer": [data.val_rows[0]["answer"]]}
+    rollout, _, turns = module.rollouts.sample_batch(batch, 2)
+    prompt = [
+        t for t, m in zip(rollout.prompt_ids[0].tolist(), rollout.prompt_mask[0].tolist(), strict=True) if m
+    ]
+    appended = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], True))
+    end_of_call = tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert contains(prompt, end_of_call + appended)
+    assert turns.prompts[0][:4] == SHOTS

@@ -265,7 +265,7 @@ class PromptDataModule(L.LightningDataModule):
 
     @property
     def makes_conversations(self) -> bool:
-        """Whether text prompts become chat messages (`chat_prompt`, or a `system_prompt`)."""
+        """Whether text prompts become chat messages (`chat_prompt`, a `system_prompt` or `few_shot`)."""
         hp = self.hparams
         return bool(hp.get("chat_prompt")) or hp.system_prompt is not None or hp.get("few_shot") is not None
 
