@@ -288,7 +288,10 @@ def launch(cfg: dict, timeout: float = 120, script: str = __file__) -> None:
     # A rendezvous of its own: an in-process FSDP2 test earlier in the session leaves MASTER_PORT set (and its
     # store listening), and workers inheriting it would fail with EADDRINUSE.
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path})
+    # A rank that aborts in C++ prints its Python stack (every thread's) before it dies.
+    env.update(
+        {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
+    )
     proc = subprocess.Popen(
         [sys.executable, script, json.dumps(cfg)],
         start_new_session=True,

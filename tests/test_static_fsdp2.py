@@ -74,6 +74,12 @@ def fsdp_rank(rank: int, cfg: dict) -> None:
         json.dump(records, f)
     dist.barrier()
     dist.destroy_process_group()
+    # DTensor's sharding caches still hold the mesh, so the gloo group and its threads outlive
+    # `destroy_process_group` (no `del` or `gc.collect()` frees them); a rank tearing down its interpreter
+    # with them running can abort ("terminate called without an active exception") after the results
+    # above are written. The rank ends here instead, as multiprocessing ends a forked child.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def fsdp_steps(model: torch.nn.Module, rank: int) -> dict:
