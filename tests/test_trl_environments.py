@@ -9,6 +9,7 @@ import functools
 import random
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.data.environment_prompts import EnvironmentPromptDataModule
 from grpo_lightning.training.module import GRPOModule
-from grpo_lightning.training.tool_rollouts import EnvironmentReward
+from grpo_lightning.training.tool_rollouts import EnvironmentReward, _user_call
 from tests.helpers import quiet_trainer
 from tests.test_tool_rollouts import BuyingEngine, Metrics
 
@@ -250,6 +251,23 @@ def test_under_environment_timeout_a_signal_setting_environment_says_what_to_set
     # get_reward's line comes inside the reward scoring's own ("reward function 'AlarmCounter' raised ...")
     said = (
         rf"{what} raised ValueError: signal only works in main thread.*set tools\.environment_timeout: null"
+    )
+    assert re.search(said, message), message
+    assert "\n" not in message
+
+
+def test_on_the_rollout_thread_a_signal_setting_environment_says_to_set_max_staleness_0():
+    """Rollouts sampled ahead (`max_staleness` > 0) build and reset environments on the rollout thread:
+    with `environment_timeout: null` a signal-setting `reset` still fails there, and the line says so."""
+    environment = alarmed("reset")()
+    with ThreadPoolExecutor(1) as rollout_thread:
+        job = rollout_thread.submit(_user_call, "AlarmCounter.reset(**row)", environment.reset, None)
+        with pytest.raises(RuntimeError) as failure:
+            job.result()
+    message = str(failure.value)
+    said = (
+        r"AlarmCounter\.reset\(\*\*row\) raised ValueError: signal only works in main thread.*"
+        r"set async_rollouts\.max_staleness: 0 and tools\.environment_timeout: null"
     )
     assert re.search(said, message), message
     assert "\n" not in message

@@ -8,12 +8,14 @@ import json
 import re
 import signal
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
 from datasets import Dataset
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.tools import calls
 from grpo_lightning.core.tools.calls import ToolCall, ToolOptions, ToolRunner
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.module import GRPOModule
@@ -284,3 +286,15 @@ def test_under_the_default_bound_a_signal_setting_tool_fails_and_says_what_to_se
     assert "main thread" in bounded  # the error the model reads
     [[(_, unbounded)]] = ToolRunner([query_biogrid], ToolOptions(call_timeout=None))([call])
     assert unbounded == [("APEX1", "TP53")]  # the rows themselves, as TRL hands them on
+
+
+def test_on_the_rollout_thread_a_signal_setting_tool_says_to_set_max_staleness_0(biogrid, monkeypatch):
+    """Rollouts sampled ahead (`max_staleness` > 0) run every call on the rollout thread, where no bound
+    helps: with `call_timeout: null` the tool still fails there, and the warning names both settings."""
+    monkeypatch.setattr(calls, "_WARNED_SIGNAL_TOOLS", set())
+    call = [ToolCall("query_biogrid", {"sql_command": "SELECT * FROM interactions"})]
+    runner = ToolRunner([query_biogrid], ToolOptions(call_timeout=None))
+    said = r"tool query_biogrid .* set async_rollouts.max_staleness: 0 and tools.call_timeout: null"
+    with ThreadPoolExecutor(1) as rollout_thread, pytest.warns(UserWarning, match=said):
+        [[(_, content)]] = rollout_thread.submit(runner, [call]).result()
+    assert "main thread" in content  # the error the model reads

@@ -160,10 +160,11 @@ class EnvironmentReward:
 
 def _user_code_error(what: str, error: CallFailed | CallTimeout, bound: float | None = None) -> RuntimeError:
     """The one-line error of user code that failed: `what` it was (a class's method, a function) and why;
-    where it ran in a thread of its own under `bound` and set a signal handler there, what to set."""
+    where it ran in a thread of its own (under `bound`, or on the rollout thread of rollouts sampled ahead)
+    and set a signal handler there, what to set."""
     if isinstance(error, CallTimeout):
         return RuntimeError(f"{error} (tools.environment_timeout): raise the bound or fix the environment")
-    if bound is not None and sets_signal_handler(error):
+    if sets_signal_handler(error, bound):
         return RuntimeError(f"{what} raised {error}: {signal_handler_advice('tools.environment_timeout')}")
     return RuntimeError(f"{what} raised {error}")
 

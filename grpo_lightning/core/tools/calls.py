@@ -52,8 +52,9 @@ class ToolOptions:
     verl set no bound; 60 s leaves room for a real tool (a web search, a code runner) and keeps a hung one
     from holding a step for long. None: TRL's way, no bound and each sync tool called in the trainer's own
     thread, which a tool that sets a signal handler needs (TRL's `grpo_agent.py` bounds its SQL query with
-    `SIGALRM`; Python takes signal handlers from the main thread only); what it raises beyond `Exception`
-    (`SystemExit`, `KeyboardInterrupt`) then ends the run, as in TRL."""
+    `SIGALRM`; Python takes signal handlers from the main thread only; under `max_staleness > 0` the rollout
+    itself runs on a thread of its own, so such a tool also needs `max_staleness: 0`, which its warning says);
+    what it raises beyond `Exception` (`SystemExit`, `KeyboardInterrupt`) then ends the run, as in TRL."""
 
     environment_timeout: Annotated[float | None, Range("> 0")] = 300.0
     """Seconds an environment's constructor, `reset(**row)` or `get_reward()` may take
@@ -64,8 +65,8 @@ class ToolOptions:
     thread, which an environment that sets a signal handler there needs (one bounding its work with
     `signal.alarm`; Python takes signal handlers from the main thread only, and under a bound such a call
     fails with one line naming this option; under `max_staleness > 0` the rollout itself runs on a thread of
-    its own, so such an environment needs `max_staleness: 0`). Its methods the policy calls are tools, bounded
-    by `call_timeout`."""
+    its own, so such an environment needs `max_staleness: 0`, which its line then names). Its methods the
+    policy calls are tools, bounded by `call_timeout`."""
 
     max_response_length: Annotated[int | None, Alias("max_tool_response_length"), Range(">= 1")] = None
     """Characters of each text result the model reads: a longer one keeps its start and end, this many
@@ -259,15 +260,24 @@ def call_within(function: Callable[[], object], seconds: float | None, name: str
         raise CallFailed(error, describe(error)) from None
 
 
-def sets_signal_handler(error: CallFailed) -> bool:
+def sets_signal_handler(error: CallFailed, seconds: float | None) -> bool:
     """Whether `error` is Python's refusal of a signal handler outside the main thread (`signal only works
-    in main thread ...`), which a call run in a thread of its own meets."""
-    return isinstance(error.error, ValueError) and "main thread" in error.text
+    in main thread ...`), met by a call run under a bound (`seconds`, in a thread of its own) or, with no
+    bound, on a rollout sampled ahead (`async_rollouts.max_staleness` > 0, the rollout thread)."""
+    off_main_thread = seconds is not None or threading.current_thread() is not threading.main_thread()
+    return off_main_thread and isinstance(error.error, ValueError) and "main thread" in error.text
 
 
 def signal_handler_advice(option: str, alias: str | None = None) -> str:
-    """What to set where user code failed by setting a signal handler in the thread `option` runs it in."""
+    """What to set where user code failed by setting a signal handler in the thread `option` runs it in,
+    or, called on the rollout thread of rollouts sampled ahead, in that thread."""
     shown = f"{option}: null ({alias}, " if alias else f"{option}: null ("
+    if threading.current_thread() is not threading.main_thread():
+        return (
+            "it sets a signal handler, which only the trainer's main thread may, and under "
+            "async_rollouts.max_staleness > 0 the multi-turn rollout runs on a thread of its own; set "
+            f"async_rollouts.max_staleness: 0 and {shown}TRL's way: no bound, the trainer's thread)"
+        )
     return (
         f"it sets a signal handler, which only the trainer's main thread may, and {option} runs it in a "
         f"thread of its own; set {shown}TRL's way: no bound, the trainer's thread)"
@@ -279,7 +289,7 @@ _WARNED_SIGNAL_TOOLS: set[str] = set()
 
 def warn_signal_tool(name: str, text: str) -> None:
     """Once per tool: a call failed because the tool sets a signal handler, which only the main thread may,
-    and `call_timeout` runs it in a thread of its own."""
+    and `call_timeout` (or the rollout thread of rollouts sampled ahead) runs it in a thread of its own."""
     if name in _WARNED_SIGNAL_TOOLS:
         return
     _WARNED_SIGNAL_TOOLS.add(name)
@@ -377,7 +387,7 @@ class ToolRunner:
         except CallTimeout as error:
             return self._failed(name, str(error))
         except CallFailed as error:  # the model reads why its call failed; training goes on
-            if seconds is not None and sets_signal_handler(error):
+            if sets_signal_handler(error, seconds):
                 warn_signal_tool(name, error.text)
             return self._failed(name, error.text)
 
