@@ -130,7 +130,7 @@ def test_tool_rollouts_sampled_ahead_are_stamped_with_their_weights_and_own_envi
     Ledger.made.clear()
     SCORED.clear()
     grpo = GRPOConfig(
-        num_generations=2,
+        num_generations=4,  # 16 stale samples: each goes on after its tool turn about half the time
         max_completion_length=128,
         temperature=1.0,
         learning_rate=1e-3,
@@ -169,4 +169,4 @@ def test_tool_rollouts_sampled_ahead_are_stamped_with_their_weights_and_own_envi
     for batch in SCORED:  # while a batch is scored, its environments still hold its own rows
         assert all(e.row == row for e, row in batch)
     scored_environments = [id(e) for batch in SCORED for e, _ in batch]
-    assert len(set(scored_environments)) == 12, "no environment serves two batches"
+    assert len(set(scored_environments)) == 3 * 2 * 4, "no environment serves two batches"
