@@ -78,7 +78,8 @@ def step(engine, model, optimizer, prompts, args) -> dict[str, float]:
 
 def run_column(column: str, args: argparse.Namespace, settings: SamplingSettings) -> list[dict[str, float]]:
     from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions
-    from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+    from grpo_lightning.core.generation.vllm_server import VLLMServerEngine
+    from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
 
     cores = sorted(os.sched_getaffinity(0))
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

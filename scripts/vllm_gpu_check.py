@@ -246,7 +246,8 @@ def _served(model, folder: str):
 
 
 def part_server() -> None:
-    from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+    from grpo_lightning.core.generation.vllm_server import VLLMServerEngine
+    from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
     from grpo_lightning.io.vllm_serve import stop
 
     sampling = SamplingSettings(max_new_tokens=16, eos_token_ids=(2,), pad_token_id=0)

@@ -44,12 +44,8 @@ from grpo_lightning.core.generation.vllm_client import (
     completion_rows,
 )
 from grpo_lightning.core.generation.vllm_push import NCCLPlane
-from grpo_lightning.core.generation.vllm_server import (
-    VLLMServerEngine,
-    VLLMServerOptions,
-    check_servers,
-    rollout_of_rows,
-)
+from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, rollout_of_rows
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions, check_servers
 from grpo_lightning.io.models import LoraOptions
 from grpo_lightning.io.vllm_serve import serve_command
 from tests.helpers import arithmetic_data, digit_reward, quiet_trainer, tiny_module

@@ -14,7 +14,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from grpo_lightning.core import stop_requests
-from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+from grpo_lightning.core.generation.vllm_server import VLLMServerEngine
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
 from tests.test_vllm_server_requests import SETTINGS, StandIn, tiny_config
 
 

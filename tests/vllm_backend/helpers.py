@@ -20,7 +20,8 @@ from transformers import PreTrainedModel
 from grpo_lightning.core.generation.logprobs import completion_logprobs
 from grpo_lightning.core.generation.sampling import SamplingSettings
 from grpo_lightning.core.generation.vllm_engine import VLLMEngine, VLLMOptions
-from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+from grpo_lightning.core.generation.vllm_server import VLLMServerEngine
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.vllm_serve import serve_command, stop, wait_ready
 

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo_lightning.core.generation.vllm_client import ServerError, VLLMServer, served_model
-from grpo_lightning.core.generation.vllm_server import VLLMServerOptions, check_servers
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions, check_servers
 from grpo_lightning.io.models import LoraOptions, apply_lora
 from tests.helpers import arithmetic_data, copy_model, digit_reward, quiet_trainer, tiny_module
 from tests.test_min_p_and_repetition_penalty import processed_logprobs

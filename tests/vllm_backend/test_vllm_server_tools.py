@@ -17,7 +17,8 @@ from grpo_lightning.core.config import GRPOConfig
 from grpo_lightning.core.generation.engines import EagerEngine
 from grpo_lightning.core.generation.multi_turn import ToolRollouts
 from grpo_lightning.core.generation.sampling import SamplingSettings
-from grpo_lightning.core.generation.vllm_server import VLLMServerEngine, VLLMServerOptions
+from grpo_lightning.core.generation.vllm_server import VLLMServerEngine
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
 from grpo_lightning.core.tools.calculator import calculator
 from grpo_lightning.core.tools.calls import ToolRunner
 from grpo_lightning.offline.tool_caller import QUESTION

@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 from grpo_lightning.core.generation.engines import EAGER_BACKEND, EngineRequest, PolicyOutline, RolloutEngine
 from grpo_lightning.core.generation.static_engine import STATIC_BACKEND
 from grpo_lightning.core.generation.vllm_engine import VLLM_BACKEND, VLLMOptions
-from grpo_lightning.core.generation.vllm_server import VLLM_SERVER_BACKEND, VLLMServerOptions
+from grpo_lightning.core.generation.vllm_server import VLLM_SERVER_BACKEND
+from grpo_lightning.core.generation.vllm_server_options import VLLMServerOptions
 from grpo_lightning.core.options import Alias, Choices, check_fields, option_error, warn_inert
 
 BACKENDS = Choices(
@@ -68,7 +69,7 @@ class EngineOptions:
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's options (`core.generation.vllm_engine.VLLMOptions`)."""
     vllm_server: VLLMServerOptions = field(default_factory=VLLMServerOptions)
-    """The server engine's options (`core.generation.vllm_server.VLLMServerOptions`)."""
+    """The server engine's options (`core.generation.vllm_server_options.VLLMServerOptions`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
