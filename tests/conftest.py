@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "tests/test_static_fsdp2.py",
     "tests/test_interrupt.py",
     "tests/test_bad_input_options.py",
+    "tests/test_bad_input_lightning_options.py",
 )
 
 

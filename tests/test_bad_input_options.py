@@ -6,43 +6,25 @@ traceback)."""
 import json
 import math
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 
-import lightning as L
 import pytest
-import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
 
 from grpo_lightning.cli import build_cli
 from grpo_lightning.cli import main as cli_main
 from grpo_lightning.cli.config_checks import SECTIONS, check_config_files, strategy_class_path
 from grpo_lightning.core.config import GRPOConfig
-from grpo_lightning.core.rewards.scoring import (
-    FLOAT32_MAX,
-    RewardInputs,
-    check_reward_weights,
-    score_completions,
-)
 from grpo_lightning.demo.cpu_budget import CPUTimeBudget
 from grpo_lightning.training.data import GSM8KDataModule
 from tests.helpers import (
-    arithmetic_data,
     cli_error,
-    length_reward,
     one_error_line,
-    quiet_trainer,
-    tiny_module,
 )
-from tests.test_bad_input_rewards import digit_count_reward, nan_reward
-from tests.test_interrupt import REPO, fit_args
-from tests.test_own_optimizer import LR, OwnOptimizer, StepLearningRates, halving, sgd
+from tests.test_interrupt import fit_args
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -157,207 +139,6 @@ def test_validate_with_no_validation_rows_is_an_error(tiny_model_dir, tmp_path, 
     args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.val_size=0")
     err = cli_error(["validate", *args[1:]], capsys)
     assert "error: nothing to validate: data.val_size=0 gives no validation rows" in err
-
-
-# ------------------------------------------------------------------------------------------ 3. options
-def cli_fit(args: list[str]):
-    """`cli.py fit` in-process; the CLI object, with the trained module."""
-    return build_cli(args)
-
-
-def trained_weights(cli) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in cli.model.policy.state_dict().items()}
-
-
-class TestOptionsTheLightningWay:
-    def test_accumulate_and_clip_map_onto_the_module_options_with_the_same_result(
-        self, tiny_model_dir, tmp_path
-    ):
-        common = ["--seed_everything=0", "--model.grpo.learning_rate=0.01"]
-        lightning_way = cli_fit(
-            fit_args(
-                tiny_model_dir,
-                str(tmp_path / "a"),
-                1,
-                *common,
-                "--trainer.accumulate_grad_batches=2",
-                "--trainer.gradient_clip_val=0.5",
-            )
-        )
-        ours = cli_fit(
-            fit_args(
-                tiny_model_dir,
-                str(tmp_path / "b"),
-                1,
-                *common,
-                "--data.batch_size=4",
-                "--model.grpo.micro_batch_size=4",  # one batch of 2 prompts x 2 samples per backward
-                "--model.grpo.max_grad_norm=0.5",
-            )
-        )
-        trainer, grpo = lightning_way.trainer, lightning_way.model.grpo
-        assert trainer.accumulate_grad_batches == 1 and trainer.gradient_clip_val is None
-        assert (
-            lightning_way.datamodule.hparams.batch_size,
-            grpo.update.micro_batch_size,
-            grpo.optimizer.max_grad_norm,
-        ) == (
-            4,
-            4,
-            0.5,
-        )
-        assert trainer.global_step == ours.trainer.global_step == 1
-        before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-        for name, weight in trained_weights(lightning_way).items():
-            assert torch.equal(weight, trained_weights(ours)[name]), name
-        assert any(not torch.equal(w, before[n]) for n, w in trained_weights(ours).items())  # it trained
-
-    @pytest.mark.parametrize(
-        ("options", "message"),
-        [
-            (
-                ["--trainer.gradient_clip_val=0.5", "--trainer.gradient_clip_algorithm=value"],
-                "trainer.gradient_clip_algorithm='value': GRPOModule clips the gradients by their global "
-                "norm only, with model.grpo.optimizer.max_grad_norm",
-            ),
-            (
-                ["--trainer.gradient_clip_val=0.5", "--model.grpo.max_grad_norm=2.0"],
-                "trainer.gradient_clip_val=0.5 and model.grpo.optimizer.max_grad_norm=2.0 disagree",
-            ),
-            (
-                ["--trainer.max_steps=abc"],
-                "error: trainer.max_steps=abc: expected an integer",
-            ),
-            (
-                ["--model.reward_weights=[.inf]"],
-                "model.reward_weights[0]=inf, the weight of reward function 'digit_reward': must be a finite",
-            ),
-            (
-                ["--model.reward_weights=[.nan]"],
-                "model.reward_weights[0]=nan, the weight of reward function ",
-            ),
-        ],
-        ids=["clip-by-value", "clip-disagrees", "wrong-type", "inf-weight", "nan-weight"],
-    )
-    def test_options_no_counterpart_or_bad_values_are_one_line(
-        self, tiny_model_dir, tmp_path, capsys, no_weights, options, message
-    ):
-        err = cli_error(fit_args(tiny_model_dir, str(tmp_path), 1, *options), capsys)
-        assert message in one_error_line(err)
-
-    @given(
-        st.lists(
-            st.one_of(st.floats(), st.integers(-5, 5), st.booleans(), st.none(), st.text(max_size=2)),
-            min_size=2,
-            max_size=2,
-        )
-    )
-    def test_reward_weights_are_finite_numbers_named_with_their_function(self, weights):
-        funcs = [digit_count_reward, nan_reward]
-        try:
-            check_reward_weights(weights, funcs)
-        except ValueError as err:
-            i = next(
-                i
-                for i, w in enumerate(weights)
-                if isinstance(w, bool) or not isinstance(w, int | float) or not abs(w) <= FLOAT32_MAX
-            )
-            name = ["digit_count_reward", "nan_reward"][i]
-            assert str(err) == (
-                f"model.reward_weights[{i}]={weights[i]!r}, the weight of reward function {name!r}: must be "
-                "a finite number"
-            )
-        else:
-            assert all(
-                not isinstance(w, bool) and isinstance(w, int | float) and math.isfinite(w) for w in weights
-            )
-
-    @given(st.floats(allow_nan=False, allow_infinity=False))
-    def test_rewards_beyond_float32_name_the_function(self, value):
-        def huge_reward(completions, **kwargs):
-            return [0.0, value]
-
-        inputs = RewardInputs(["q"] * 2, ["a", "b"])
-        if abs(value) <= FLOAT32_MAX:
-            scores = score_completions([huge_reward], inputs)
-            assert torch.isfinite(scores.rewards).all()
-            return
-        with pytest.raises(RuntimeError) as error:
-            score_completions([huge_reward], inputs)
-        assert str(error.value).startswith(
-            f"reward function 'huge_reward' returned {value} for completion 1 (beyond float32's range"
-        )
-
-    @pytest.mark.parametrize("subcommand", ["validate", "export", "fit"])
-    def test_a_checkpoint_of_another_model_names_the_first_mismatched_tensor(
-        self, tiny_model_dir, other_model_dir, tmp_path, capsys, subcommand
-    ):
-        state = AutoModelForCausalLM.from_pretrained(other_model_dir).state_dict()
-        path = tmp_path / "other.ckpt"
-        saved = {"state_dict": {"policy." + k: v for k, v in state.items()}, "global_step": 1}
-        resumable = {"optimizer_states": [], "lr_schedulers": []}  # what fit reads besides the weights
-        torch.save(saved | resumable | {"pytorch-lightning_version": L.__version__}, path)
-        extra = [f"--out={tmp_path / 'export'}"] if subcommand == "export" else []
-        args = [subcommand, *fit_args(tiny_model_dir, str(tmp_path), 1)[1:], f"--ckpt_path={path}", *extra]
-        err = cli_error(args, capsys)
-        assert (
-            f"error: checkpoint '{path}' does not fit this model: policy.model.embed_tokens.weight has shape "
-            "[600, 64] in the checkpoint but [400, 64] here; it was trained from another model" in err
-        )
-        one_error_line(err)
-
-
-def wandb_config(tmp_path, model_dir: str) -> str:
-    """A config whose logger is WandbLogger with `dict_kwargs` (wandb.init's own arguments)."""
-    path = tmp_path / "wandb.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "trainer": {
-                    "logger": {
-                        "class_path": "lightning.pytorch.loggers.WandbLogger",
-                        "init_args": {"save_dir": str(tmp_path / "runs"), "project": "grpo"},
-                        "dict_kwargs": {"group": "gsm8k", "tags": ["baseline"]},
-                    }
-                },
-                "model": {"policy": model_dir},
-            }
-        )
-    )
-    return str(path)
-
-
-@pytest.mark.parametrize("logger", ["TensorBoardLogger", "CSVLogger"])
-def test_switching_the_logger_class_drops_the_earlier_classs_dict_kwargs(tiny_model_dir, tmp_path, logger):
-    """jsonargparse keeps WandbLogger's `dict_kwargs` for the class the command line names instead, which
-    refused them (TensorBoardLogger's SummaryWriter with a TypeError traceback): they are dropped."""
-    cli = build_cli(
-        ["--config", wandb_config(tmp_path, tiny_model_dir), "--trainer.logger", logger], run=False
-    )
-    assert type(cli.trainer.logger).__name__ == logger
-    assert cli.trainer.logger.save_dir == str(tmp_path / "runs")  # the options both classes take are kept
-    assert cli.trainer.logger.experiment is not None  # made from its arguments: SummaryWriter's refused them
-
-
-def test_dict_kwargs_for_a_logger_that_takes_none_are_one_line(tiny_model_dir, tmp_path, capsys, no_weights):
-    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--trainer.logger.dict_kwargs.group=gsm8k")
-    assert one_error_line(cli_error(args, capsys)) == (
-        "error: trainer.logger: CSVLogger takes no keyword arguments beyond its own, but its dict_kwargs "
-        "give it group: remove them, or name a logger class that takes them"
-    )
-
-
-def test_the_cli_entry_point_prints_a_wrong_type_as_its_one_line(tiny_model_dir, tmp_path):
-    """The real command, in a process of its own: jsonargparse's usage is not printed, only the error."""
-    args = fit_args(tiny_model_dir, str(tmp_path), 1, "--data.batch_size=two")
-    done = subprocess.run(
-        [sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == ("error: data.batch_size=two: expected an integer"), (
-        done.stderr
-    )
-    assert "usage:" not in done.stderr and "--help" not in done.stderr
 
 
 # ------------------------------------------------------------------------------------------ noisy values
@@ -485,98 +266,6 @@ def test_a_strategy_named_by_its_class_is_that_class(tiny_model_dir):
         run=False,
     )
     assert isinstance(cli.trainer.strategy, ModelParallelStrategy)
-
-
-def plateau(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.ReduceLROnPlateau:
-    # "max" on the learning rate it lowers, no patience: halved at each step after the first it sees.
-    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
-
-
-def plateau_per_step(module):
-    optimizer = sgd(module)
-    config = {"scheduler": plateau(optimizer), "monitor": "train/learning_rate", "interval": "step"}
-    return {"optimizer": optimizer, "lr_scheduler": config}
-
-
-def plateau_per_epoch(module):  # the dict's own `monitor`, Lightning's other place for it
-    optimizer = sgd(module)
-    return {"optimizer": optimizer, "lr_scheduler": plateau(optimizer), "monitor": "train/learning_rate"}
-
-
-@pytest.mark.parametrize(
-    ("form", "rates"),
-    [
-        (plateau_per_step, [LR, LR, LR / 2, LR / 4, LR / 8, LR / 16]),  # after each step, on its metrics
-        (plateau_per_epoch, [LR, LR, LR, LR, LR / 2, LR / 2]),  # 2 steps an epoch
-    ],
-)
-def test_reduce_lr_on_plateau_steps_on_its_monitor_per_step_or_per_epoch(tiny_model_dir, form, rates):
-    module = tiny_module(
-        tiny_model_dir, own_optimizer(form), reward_funcs=[length_reward], max_completion_length=4
-    )
-    recorded = StepLearningRates()
-    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[recorded])
-    trainer.fit(module, arithmetic_data(4))  # crashed: ReduceLROnPlateau.step() missing 'metrics'
-    assert recorded.rates == pytest.approx(rates)
-
-
-def own_optimizer(form) -> type[OwnOptimizer]:
-    return type("Own", (OwnOptimizer,), {"form": staticmethod(form)})
-
-
-def with_scheduler(scheduler=halving, **options):
-    def form(module):
-        optimizer = sgd(module)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler(optimizer), **options}}
-
-    return form
-
-
-def frozen_policy(module):
-    module.policy.requires_grad_(False)  # held, but none trainable
-    return torch.optim.SGD(module.policy.parameters())
-
-
-REFUSED_OPTIMIZERS = [
-    (
-        with_scheduler(interval="step", frequency=0),
-        "returned lr_scheduler StepLR with frequency 0: give a whole",
-    ),
-    (with_scheduler(frequency=1.5), "returned lr_scheduler StepLR with frequency 1.5: give a whole"),
-    (
-        with_scheduler(interval="batch"),
-        "returned lr_scheduler StepLR with interval 'batch', which a GRPOModule",
-    ),
-    (
-        with_scheduler(scheduler=plateau),
-        "returned lr_scheduler ReduceLROnPlateau without the metric it reduces on",
-    ),
-    (lambda module: {"lr_scheduler": None}, "returned a dict without 'optimizer' (its keys: 'lr_scheduler')"),
-    (lambda module: [{"optimizer": sgd(module)}, {}], "returned a dict without 'optimizer' (its keys: none)"),
-    (lambda module: [], "returned an empty list: return the optimizer over the policy's trainable weights"),
-    (lambda module: (), "returned an empty list"),
-    (
-        lambda module: torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))]),
-        "returned SGD holding 1 of its 1 weights outside the policy: the GRPO loss gives them no gradient",
-    ),
-    (
-        lambda module: torch.optim.SGD([*module.policy.parameters(), *module.reference.parameters()]),
-        "returned SGD holding 21 of its 42 weights outside the policy",
-    ),
-    (
-        frozen_policy,
-        "returned SGD over none of the policy's trainable weights: give it [p for p in self.policy",
-    ),
-]
-
-
-@pytest.mark.parametrize(("form", "message"), REFUSED_OPTIMIZERS)
-def test_own_optimizers_that_cannot_train_are_refused_in_one_line(tiny_model_dir, form, message):
-    # beta > 0: a reference model, whose weights the optimizer must not hold
-    module = tiny_module(tiny_model_dir, own_optimizer(form), reward_funcs=[length_reward], beta=0.04)
-    with pytest.raises(ValueError, match=f"^configure_optimizers {re.escape(message)}") as refused:
-        quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, arithmetic_data(4))
-    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
