@@ -16,6 +16,7 @@ import torch
 from datasets import Dataset
 
 from grpo_lightning.core.config import GRPOConfig
+from grpo_lightning.core.tools.calls import ROLLOUT_THREAD
 from grpo_lightning.training.data import PromptDataModule
 from grpo_lightning.training.data.environment_prompts import EnvironmentPromptDataModule
 from grpo_lightning.training.module import GRPOModule
@@ -260,7 +261,7 @@ def test_on_the_rollout_thread_a_signal_setting_environment_says_to_set_max_stal
     """Rollouts sampled ahead (`max_staleness` > 0) build and reset environments on the rollout thread:
     with `environment_timeout: null` a signal-setting `reset` still fails there, and the line says so."""
     environment = alarmed("reset")()
-    with ThreadPoolExecutor(1) as rollout_thread:
+    with ThreadPoolExecutor(1, thread_name_prefix=ROLLOUT_THREAD) as rollout_thread:
         job = rollout_thread.submit(_user_call, "AlarmCounter.reset(**row)", environment.reset, None)
         with pytest.raises(RuntimeError) as failure:
             job.result()

@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import sqlite3
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -295,6 +296,13 @@ def test_on_the_rollout_thread_a_signal_setting_tool_says_to_set_max_staleness_0
     call = [ToolCall("query_biogrid", {"sql_command": "SELECT * FROM interactions"})]
     runner = ToolRunner([query_biogrid], ToolOptions(call_timeout=None))
     said = r"tool query_biogrid .* set async_rollouts.max_staleness: 0 and tools.call_timeout: null"
-    with ThreadPoolExecutor(1) as rollout_thread, pytest.warns(UserWarning, match=said):
-        [[(_, content)]] = rollout_thread.submit(runner, [call]).result()
+    with ThreadPoolExecutor(1, thread_name_prefix=calls.ROLLOUT_THREAD) as rollout_thread:
+        with pytest.warns(UserWarning, match=said):
+            [[(_, content)]] = rollout_thread.submit(runner, [call]).result()
     assert "main thread" in content  # the error the model reads
+    # Another thread of the user's own (a notebook's event loop): no advice about settings that do not help.
+    monkeypatch.setattr(calls, "_WARNED_SIGNAL_TOOLS", set())
+    with ThreadPoolExecutor(1) as own_thread, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        [[(_, content)]] = own_thread.submit(runner, [call]).result()
+    assert "main thread" in content

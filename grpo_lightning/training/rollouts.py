@@ -35,6 +35,7 @@ from grpo_lightning.core.generation.shared_prompt import sharing_unsupported
 from grpo_lightning.core.generation.vllm_server import PendingRollout, PinnedServerEngine
 from grpo_lightning.core.ranks import failures_agreed
 from grpo_lightning.core.stop_requests import reopen
+from grpo_lightning.core.tools.calls import ROLLOUT_THREAD
 from grpo_lightning.core.types import Rollout
 from grpo_lightning.io.distributed import (
     call_in_root_forward,
@@ -308,7 +309,7 @@ class PolicyRollouts:
             start = time.perf_counter()
             pinned = PinnedRollouts(self, PinnedServerEngine(engine), self._rollout_tokenizer())
             if self._rollout_thread is None:
-                self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="grpo-rollout")
+                self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix=ROLLOUT_THREAD)
             job = self._rollout_thread.submit(self.multi_turn.sample, pinned, batch, num_generations)
             engine.hold([job])
             return SubmittedBatch([job], start, job.result, self)

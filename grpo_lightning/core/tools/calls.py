@@ -260,11 +260,21 @@ def call_within(function: Callable[[], object], seconds: float | None, name: str
         raise CallFailed(error, describe(error)) from None
 
 
+ROLLOUT_THREAD = "grpo-rollout"
+"""The name (prefix) of the thread that rolls out the batches sampled ahead (`async_rollouts.max_staleness` >
+0), where every tool call and environment method of a multi-turn rollout runs."""
+
+
+def on_rollout_thread() -> bool:
+    """Whether this is the thread of rollouts sampled ahead (`ROLLOUT_THREAD`)."""
+    return threading.current_thread().name.startswith(ROLLOUT_THREAD)
+
+
 def sets_signal_handler(error: CallFailed, seconds: float | None) -> bool:
     """Whether `error` is Python's refusal of a signal handler outside the main thread (`signal only works
     in main thread ...`), met by a call run under a bound (`seconds`, in a thread of its own) or, with no
-    bound, on a rollout sampled ahead (`async_rollouts.max_staleness` > 0, the rollout thread)."""
-    off_main_thread = seconds is not None or threading.current_thread() is not threading.main_thread()
+    bound, on the rollout thread of rollouts sampled ahead."""
+    off_main_thread = seconds is not None or on_rollout_thread()
     return off_main_thread and isinstance(error.error, ValueError) and "main thread" in error.text
 
 
@@ -272,7 +282,7 @@ def signal_handler_advice(option: str, alias: str | None = None) -> str:
     """What to set where user code failed by setting a signal handler in the thread `option` runs it in,
     or, called on the rollout thread of rollouts sampled ahead, in that thread."""
     shown = f"{option}: null ({alias}, " if alias else f"{option}: null ("
-    if threading.current_thread() is not threading.main_thread():
+    if on_rollout_thread():
         return (
             "it sets a signal handler, which only the trainer's main thread may, and under "
             "async_rollouts.max_staleness > 0 the multi-turn rollout runs on a thread of its own; set "
