@@ -1,10 +1,15 @@
 """`data.few_shot`: worked examples as earlier turns of every prompt's conversation, and a tool exchange among
 them read by the policy as its rollout's own tool turns will be."""
 
+import os
+
 import pytest
+import yaml
 from datasets import Dataset
 
 from grpo_lightning.core.tools.calculator import calculator
+from grpo_lightning.core.tools.formats import TOOL_CALL_FORMATS
+from grpo_lightning.core.tools.schemas import tool_schema
 from grpo_lightning.core.tools.turns import tool_messages, tool_suffix_ids
 from grpo_lightning.offline.tool_caller import TOOLS_TEMPLATE
 from grpo_lightning.training.data import GSM8KDataModule, PromptDataModule
@@ -144,3 +149,32 @@ def test_an_example_tool_result_stays_the_templates_own_tool_turn_where_it_shows
     end_of_call = tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
     assert contains(prompt, end_of_call + appended)
     assert turns.prompts[0][:4] == SHOTS
+
+
+@pytest.mark.parametrize("config", ["demo_arithmetic_calculator.yaml", "gsm8k_calculator_smollm2.yaml"])
+def test_a_shipped_configs_worked_exchanges_are_right_and_read_as_the_models_calls(config):
+    """Each worked exchange of a shipped config: its call, read as the rollout reads the model's (Hermes,
+    SmolLM2's template showing no tools), runs the calculator to the exchange's own result, and its answer is
+    that result. A wrong sum or an unreadable call would teach the policy that."""
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", config)
+    with open(path, encoding="utf-8") as f:
+        few_shot = yaml.safe_load(f)["data"]["few_shot"]
+    exchanges = [few_shot[i : i + 4] for i in range(0, len(few_shot), 4)]
+    assert len(exchanges) == 3
+    for question, call, result, answer in exchanges:
+        assert [m["role"] for m in (question, call, result, answer)] == [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        turn = TOOL_CALL_FORMATS["hermes"].parse(
+            call["content"] + "<|im_end|>",
+            prompt="<|im_start|>assistant\n",
+            schemas=[tool_schema(calculator)],
+            eos_token="<|im_end|>",
+        )
+        [called] = turn.message["tool_calls"]
+        assert called["function"]["name"] == result["name"] == "calculator"
+        assert calculator(**called["function"]["arguments"]) == result["content"], question["content"]
+        assert answer["content"] == f"#### {result['content']}"
