@@ -317,7 +317,8 @@ def test_sigterm_to_one_of_two_fsdp2_ranks_mid_rollout_stops_both_in_seconds(tin
     )
     assert wait_for_ranks(ranks, logs, 300) == [0, 0], rank_outputs(logs)
     (last,) = root.glob("lightning_logs/version_1/checkpoints/epoch=0-step=2.ckpt")
-    return torch.load(ckpt, weights_only=True), torch.load(last, weights_only=True)
+    stopped, resumed = torch.load(ckpt, weights_only=True), torch.load(last, weights_only=True)
+    assert stopped["global_step"] == 1 and resumed["global_step"] == 2
 
 
 @pytest.mark.long
