@@ -92,6 +92,19 @@ def contains(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
+def rolled_out_prompt(module, system_prompt: str | None) -> tuple[list[int], object]:
+    """A held-out row of the arithmetic data with `SHOTS` before its question, rolled out by `module`: the
+    prompt ids the policy read (padding dropped) and the rollout's turns."""
+    data = GSM8KDataModule(
+        source="arithmetic", system_prompt=system_prompt, few_shot=SHOTS, arithmetic_size=20, val_size=2
+    )
+    data.setup("fit")
+    batch = {"prompt": [data.val_rows[0]["prompt"]], "answer": [data.val_rows[0]["answer"]]}
+    rollout, _, turns = module.rollouts.sample_batch(batch, 2)
+    ids, mask = rollout.prompt_ids[0].tolist(), rollout.prompt_mask[0].tolist()  # [P] each
+    return [t for t, m in zip(ids, mask, strict=True) if m], turns
+
+
 def test_an_example_tool_result_is_in_the_prompt_as_the_rollout_appends_one(tiny_model_dir):
     """Where the chat template shows no tools, the rollout appends a result as a user turn of
     `<tool_response>` blocks: the example's `tool` message reaches the policy as exactly those ids, after
@@ -99,15 +112,7 @@ def test_an_example_tool_result_is_in_the_prompt_as_the_rollout_appends_one(tiny
     module = tiny_module(tiny_model_dir, module_options={"tools": [calculator]}, max_completion_length=4)
     module.configure_model()  # the policy loaded
     tokenizer = module.tokenizer
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt="S", few_shot=SHOTS, arithmetic_size=20, val_size=2
-    )
-    data.setup("fit")
-    batch = {"prompt": [data.val_rows[0]["prompt"]], "answer": [data.val_rows[0]["answer"]]}
-    rollout, _, turns = module.rollouts.sample_batch(batch, 2)
-    prompt = [
-        t for t, m in zip(rollout.prompt_ids[0].tolist(), rollout.prompt_mask[0].tolist(), strict=True) if m
-    ]
+    prompt, turns = rolled_out_prompt(module, system_prompt="S")
     appended = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], False))
     end_of_call = tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
     assert contains(prompt, end_of_call + appended)
@@ -136,15 +141,7 @@ def test_an_example_tool_result_stays_the_templates_own_tool_turn_where_it_shows
     module.configure_model()
     tokenizer = module.tokenizer
     tokenizer.chat_template = TOOLS_TEMPLATE  # the calculator shown in the system turn, tool turns its own
-    data = GSM8KDataModule(
-        source="arithmetic", system_prompt=None, few_shot=SHOTS, arithmetic_size=20, val_size=2
-    )
-    data.setup("fit")
-    batch = {"prompt": [data.val_rows[0]["prompt"]], "answer": [data.val_rows[0]["answer"]]}
-    rollout, _, turns = module.rollouts.sample_batch(batch, 2)
-    prompt = [
-        t for t, m in zip(rollout.prompt_ids[0].tolist(), rollout.prompt_mask[0].tolist(), strict=True) if m
-    ]
+    prompt, turns = rolled_out_prompt(module, system_prompt=None)
     appended = tool_suffix_ids(tokenizer, tool_messages([("calculator", "42")], True))
     end_of_call = tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
     assert contains(prompt, end_of_call + appended)
